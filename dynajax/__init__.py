@@ -1,0 +1,33 @@
+"""dynajax: a torch.compile backend that runs PyTorch programs on JAX/XLA.
+
+    import torch
+    compiled = torch.compile(model, backend="dynajax")
+    print(dynajax.explain(model, x))
+"""
+
+from dynajax.backend import Backend, dynajax_backend
+from dynajax.capability import Reason, Supported, Unsupported
+from dynajax.config import Options
+from dynajax.diagnostics import GraphReport, Report
+from dynajax.diagnostics.explain import explain
+from dynajax.errors import DynajaxError, OptionsError, UnsupportedNodesError
+from dynajax.lowering.registry import supported_ops
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "DynajaxError",
+    "GraphReport",
+    "Options",
+    "OptionsError",
+    "Reason",
+    "Report",
+    "Supported",
+    "Unsupported",
+    "UnsupportedNodesError",
+    "__version__",
+    "dynajax_backend",
+    "explain",
+    "supported_ops",
+]

@@ -1,0 +1,130 @@
+"""The TorchDynamo entry point.
+
+    torch.compile(model, backend="dynajax")                      # entry point
+    torch.compile(model, backend="dynajax", options={"strict": True})
+    torch.compile(model, backend=dynajax.Backend(min_block_size=3))
+
+Dynamo's FX graph goes through aot_autograd (functionalization, decomposition to core
+ATen, forward/backward split), then each ATen graph through ``compile_aten_graph``:
+passes -> capability verdicts -> partitions -> JAX lowering and ``jax.jit`` -> the
+stitched GraphModule.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+from torch._decomp import core_aten_decompositions
+from torch._dynamo.backends.common import aot_autograd
+
+from dynajax.capability import CapabilityChecker, Unsupported
+from dynajax.config import Options
+from dynajax.diagnostics import GraphReport, graph_report
+from dynajax.errors import OptionsError, UnsupportedNodesError
+from dynajax.partition import PREFIX, partition
+from dynajax.passes import run_passes
+from dynajax.runtime.compiled import compile_partition
+
+log = logging.getLogger("dynajax.backend")
+capability_log = logging.getLogger("dynajax.capability")
+
+
+@functools.cache
+def decompositions() -> dict[Any, Callable[..., Any]]:
+    """aot_autograd's decomposition table: PyTorch's core ATen decompositions."""
+    return core_aten_decompositions()
+
+
+class Backend:
+    """A configured dynajax backend; pass it as ``torch.compile(..., backend=...)``.
+
+    Args:
+        **options: the fields of ``dynajax.config.Options``; unset ones come from
+            ``DYNAJAX_*`` environment variables, then defaults.
+
+    Attributes:
+        options: the resolved options.
+        graphs: a ``GraphReport`` for every ATen graph compiled so far.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self.options = Options.resolve(options)
+        self.graphs: list[GraphReport] = []
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+        self._logged_reasons: set[tuple[str, str]] = set()
+
+    def __repr__(self) -> str:
+        return f"dynajax.Backend({self.options})"
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+    ) -> Callable[..., Any]:
+        if kwargs:
+            raise OptionsError(
+                f"dynajax.Backend takes its options when constructed; got {sorted(kwargs)} "
+                "at compile time. Use torch.compile(m, backend=dynajax.Backend(**options)) "
+                'or torch.compile(m, backend="dynajax", options={...}).'
+            )
+        compiler = aot_autograd(
+            fw_compiler=functools.partial(self.compile_aten_graph, kind="forward"),
+            bw_compiler=functools.partial(self.compile_aten_graph, kind="backward"),
+            inference_compiler=functools.partial(self.compile_aten_graph, kind="inference"),
+            decompositions=decompositions(),
+        )
+        return compiler(gm, example_inputs)
+
+    def compile_aten_graph(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, kind: str
+    ) -> Callable[..., Any]:
+        """Compiles one ATen graph: JAX partitions for what JAX can run, eager for the rest."""
+        gm = run_passes(gm)
+        checker = CapabilityChecker(self.options.fallback_ops)
+        refused = checker.annotate(gm)
+        if refused and self.options.strict:
+            raise UnsupportedNodesError(refused)
+        annotated = list(gm.graph.nodes)
+        gm = partition(gm, self.options.min_block_size)
+        for name, sub in list(gm.named_children()):
+            if name.startswith(PREFIX):
+                setattr(gm, name, compile_partition(name, sub))
+        gm.recompile()
+        with self._lock:
+            report = graph_report(kind, next(self._counter), annotated, gm)
+            self.graphs.append(report)
+            self._log_fallbacks(report.fallbacks)
+        return make_boxed_func(gm)
+
+    def _log_fallbacks(self, fallbacks: list[Unsupported]) -> None:
+        for f in fallbacks:
+            key = (f.target, f.reason.name)
+            if key not in self._logged_reasons:
+                self._logged_reasons.add(key)
+                capability_log.info("%s; it runs in eager PyTorch", f.describe())
+
+
+def dynajax_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """The function registered as ``backend="dynajax"`` (entry point ``torch_dynamo_backends``).
+
+    ``options`` are those of ``Backend``; ``mode`` is accepted for torch.compile
+    compatibility and must be None or "default".
+    """
+    if mode not in (None, "default"):
+        raise OptionsError(
+            f"dynajax has no compile mode {mode!r}; leave mode unset and pass "
+            "options={...} instead (valid options: " + ", ".join(Options.names()) + ")."
+        )
+    return Backend(**(options or {}))(gm, example_inputs)

@@ -1,0 +1,25 @@
+"""Per-node capability verdicts (data, never exceptions)."""
+
+from dynajax.capability.operator_support import VerdictSupport
+from dynajax.capability.support import CapabilityChecker
+from dynajax.capability.verdict import (
+    META_KEY,
+    Reason,
+    Supported,
+    Unsupported,
+    Verdict,
+    target_name,
+    verdict_of,
+)
+
+__all__ = [
+    "META_KEY",
+    "CapabilityChecker",
+    "Reason",
+    "Supported",
+    "Unsupported",
+    "Verdict",
+    "VerdictSupport",
+    "target_name",
+    "verdict_of",
+]

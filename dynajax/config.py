@@ -1,0 +1,136 @@
+"""Backend options: one dataclass, validated, settable by ``DYNAJAX_*`` variables.
+
+Precedence: explicit options (``Backend(**options)`` or ``torch.compile(...,
+options={...})``) win over environment variables, which win over defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from dynajax.errors import OptionsError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Options of the dynajax backend.
+
+    Attributes:
+        min_block_size: a JAX partition with fewer ATen ops than this stays in PyTorch
+            (reason BLOCK_TOO_SMALL). Env: ``DYNAJAX_MIN_BLOCK_SIZE``.
+        fallback_ops: op names (``"aten.sort"``, ``"aten.sort.default"``) or
+            ``OpOverload``/``OpOverloadPacket`` objects always left to PyTorch
+            (reason USER_FALLBACK). Env: ``DYNAJAX_FALLBACK_OPS`` (comma separated).
+        strict: raise ``UnsupportedNodesError`` listing every node that cannot run in
+            JAX instead of falling back. Env: ``DYNAJAX_STRICT``.
+        cache_dir: directory of the persistent XLA compilation cache; ``""`` turns it
+            off, ``None`` picks the default. Env: ``DYNAJAX_CACHE_DIR``.
+    """
+
+    min_block_size: int = 1
+    fallback_ops: tuple[str, ...] = ()
+    strict: bool = False
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_block_size, bool) or not isinstance(self.min_block_size, int):
+            raise OptionsError(
+                f"min_block_size must be an int >= 1, got {self.min_block_size!r}."
+            )
+        if self.min_block_size < 1:
+            raise OptionsError(f"min_block_size must be >= 1, got {self.min_block_size}.")
+        if not isinstance(self.strict, bool):
+            raise OptionsError(f"strict must be a bool, got {self.strict!r}.")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str | os.PathLike):
+            raise OptionsError(f"cache_dir must be a path or None, got {self.cache_dir!r}.")
+        object.__setattr__(self, "fallback_ops", _normalize_ops(self.fallback_ops))
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def resolve(cls, options: Mapping[str, Any] | None = None) -> Options:
+        """Builds Options from environment variables overridden by ``options``."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(cls.names()))
+        if unknown:
+            raise OptionsError(
+                f"unknown dynajax option(s) {unknown}; valid options are {cls.names()}."
+            )
+        merged = _from_env()
+        merged.update(options)
+        return cls(**merged)
+
+
+def _normalize_ops(ops: Any) -> tuple[str, ...]:
+    if isinstance(ops, str):
+        ops = [o for o in ops.split(",") if o.strip()]
+    if not isinstance(ops, Iterable):
+        raise OptionsError(f"fallback_ops must be a list of op names, got {ops!r}.")
+    names = []
+    for op in ops:
+        if isinstance(op, str):
+            name = op.strip()
+            if name.startswith("torch.ops."):
+                name = name[len("torch.ops.") :]
+            if name.count(".") not in (1, 2):
+                raise OptionsError(
+                    f"fallback_ops entry {op!r} is not an op name; use 'aten.sort' "
+                    "(every overload) or 'aten.sort.default' (one overload)."
+                )
+            names.append(name)
+        elif hasattr(op, "_schema") or hasattr(op, "_qualified_op_name"):
+            names.append(_op_name(op))
+        else:
+            raise OptionsError(
+                f"fallback_ops entry {op!r} is neither an op name nor a torch op; "
+                "use 'aten.sort' or torch.ops.aten.sort."
+            )
+    return tuple(names)
+
+
+def _op_name(op: Any) -> str:
+    """'aten.sort.default' for an OpOverload, 'aten.sort' for a packet."""
+    if hasattr(op, "_overloadname"):
+        return f"{op.namespace}.{op._opname}.{op._overloadname}"
+    return op._qualified_op_name.replace("::", ".")
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise OptionsError(f"{name}={raw!r} is not a boolean; use 1 or 0.")
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise OptionsError(f"{name}={raw!r} is not an integer.") from None
+
+
+_ENV = {
+    "DYNAJAX_MIN_BLOCK_SIZE": ("min_block_size", _parse_int),
+    "DYNAJAX_FALLBACK_OPS": ("fallback_ops", lambda n, r: r),
+    "DYNAJAX_STRICT": ("strict", _parse_bool),
+    "DYNAJAX_CACHE_DIR": ("cache_dir", lambda n, r: r),
+}
+
+
+def _from_env() -> dict[str, Any]:
+    out = {}
+    for var, (field, parse) in _ENV.items():
+        raw = os.environ.get(var)
+        if raw is not None:
+            out[field] = parse(var, raw)
+    return out

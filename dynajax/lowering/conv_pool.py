@@ -1,0 +1,221 @@
+"""Convolution and pooling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from dynajax.lowering.dtypes import is_floating, is_integral
+from dynajax.lowering.registry import lower
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------------
+# Convolution
+# ---------------------------------------------------------------------------------
+
+
+def _conv_check(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if is_integral(x.dtype):
+        return "integer convolution (PyTorch has no CPU kernel for it)"
+    return None
+
+
+def _spec(nd):
+    spatial = "DHW"[-nd:] if nd <= 3 else None
+    return (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
+
+
+@lower(aten.convolution.default, check=_conv_check)
+def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    nd = weight.ndim - 2
+    unbatched = x.ndim == nd + 1
+    if unbatched:
+        x = x[None]
+    stride, padding, dilation = (list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation))
+    if not transposed:
+        out = jax.lax.conv_general_dilated(
+            x,
+            weight,
+            window_strides=stride,
+            padding=[(p, p) for p in padding],
+            rhs_dilation=dilation,
+            dimension_numbers=_spec(nd),
+            feature_group_count=groups,
+            preferred_element_type=x.dtype,
+        )
+    else:
+        out = _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups, nd)
+    if bias is not None:
+        out = out + bias.reshape((1, -1) + (1,) * nd)
+    out = out.astype(x.dtype)
+    return out[0] if unbatched else out
+
+
+def _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups, nd):
+    # A transposed convolution is the gradient of a convolution: dilate the input by
+    # the stride, pad by dilation*(k-1)-padding, and convolve with the flipped kernel
+    # whose in/out channels are swapped (per group).
+    output_padding = list(output_padding) * nd if len(output_padding) == 1 else list(output_padding)
+    k = weight.shape[2:]
+    cin, cout_g = weight.shape[0], weight.shape[1]
+    w = weight.reshape((groups, cin // groups, cout_g) + k)
+    w = jnp.swapaxes(w, 1, 2).reshape((groups * cout_g, cin // groups) + k)
+    w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
+    pads = [
+        (dilation[i] * (k[i] - 1) - padding[i], dilation[i] * (k[i] - 1) - padding[i] + output_padding[i])
+        for i in range(nd)
+    ]
+    return jax.lax.conv_general_dilated(
+        x,
+        w,
+        window_strides=[1] * nd,
+        padding=pads,
+        lhs_dilation=stride,
+        rhs_dilation=dilation,
+        dimension_numbers=_spec(nd),
+        feature_group_count=groups,
+        preferred_element_type=x.dtype,
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Pooling
+# ---------------------------------------------------------------------------------
+
+
+def _pool_params(nd, kernel_size, stride, padding, dilation=None):
+    def expand(v, default):
+        if v is None or len(v) == 0:
+            v = default
+        return list(v) * nd if len(v) == 1 else list(v)
+
+    kernel = expand(kernel_size, None)
+    return kernel, expand(stride, kernel), expand(padding, [0]), expand(dilation, [1])
+
+
+def _pool_out_size(n, k, s, p, d, ceil_mode):
+    eff = d * (k - 1) + 1
+    num = n + 2 * p - eff
+    out = (-(-num // s) if ceil_mode else num // s) + 1
+    if ceil_mode and (out - 1) * s >= n + p:
+        out -= 1
+    return out
+
+
+def _window_pads(x, nd, kernel, stride, padding, dilation, ceil_mode):
+    pads = []
+    for i in range(nd):
+        n = x.shape[x.ndim - nd + i]
+        out = _pool_out_size(n, kernel[i], stride[i], padding[i], dilation[i], ceil_mode)
+        needed = (out - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1
+        pads.append((padding[i], max(needed - n - padding[i], 0)))
+    return pads
+
+
+def _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode, nd):
+    kernel, stride, padding, dilation = _pool_params(nd, kernel_size, stride, padding, dilation)
+    lead = x.ndim - nd
+    pads = _window_pads(x, nd, kernel, stride, padding, dilation, ceil_mode)
+    lowest = -jnp.inf if is_floating(x.dtype) else jnp.iinfo(x.dtype).min
+    spatial = x.shape[lead:]
+    # Flat spatial index of each input element, pooled alongside the values; ties keep
+    # the first index and NaN wins, as in PyTorch.
+    idx = jnp.arange(int(np.prod(spatial)), dtype=np.int64).reshape(spatial)
+    idx = jnp.broadcast_to(idx, x.shape)
+    window = (1,) * lead + tuple(kernel)
+    strides = (1,) * lead + tuple(stride)
+    dil = (1,) * lead + tuple(dilation)
+    full_pads = [(0, 0)] * lead + pads
+
+    def select(a, b):
+        av, ai = a
+        bv, bi = b
+        take_b = (bv > av) | (jnp.isnan(bv) & ~jnp.isnan(av)) | ((bv == av) & (bi < ai))
+        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+
+    vals, inds = jax.lax.reduce_window(
+        (x, idx),
+        (jnp.asarray(lowest, x.dtype), jnp.asarray(-1, np.int64)),
+        select,
+        window,
+        strides,
+        full_pads,
+        window_dilation=dil,
+    )
+    return vals, inds
+
+
+@lower(aten.max_pool2d_with_indices.default)
+def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    return _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode, 2)
+
+
+@lower(aten.max_pool3d_with_indices.default)
+def _max_pool3d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+    return _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode, 3)
+
+
+def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, nd):
+    kernel, stride, padding, _ = _pool_params(nd, kernel_size, stride, padding)
+    lead = x.ndim - nd
+    pads = _window_pads(x, nd, kernel, stride, padding, [1] * nd, ceil_mode)
+    window = (1,) * lead + tuple(kernel)
+    strides = (1,) * lead + tuple(stride)
+    full_pads = [(0, 0)] * lead + pads
+    acc = x.astype(np.float32) if x.dtype in (np.float16, jnp.bfloat16) else x
+    sums = jax.lax.reduce_window(acc, jnp.zeros((), acc.dtype), jax.lax.add, window, strides, full_pads)
+    if divisor_override:
+        return (sums / divisor_override).astype(x.dtype)
+    # Divisor per window: elements inside the input (+ explicit padding when
+    # count_include_pad), never the extra ceil_mode padding.
+    ones = jnp.ones(x.shape[lead:], acc.dtype)
+    if count_include_pad:
+        ones = jnp.pad(ones, [(p, p) for p in padding], constant_values=1)
+        extra = [(0, max(hi - p, 0)) for (lo, hi), p in zip(pads, padding, strict=True)]
+        counts = jax.lax.reduce_window(ones, jnp.zeros((), acc.dtype), jax.lax.add, tuple(kernel), tuple(stride), extra)
+    else:
+        counts = jax.lax.reduce_window(ones, jnp.zeros((), acc.dtype), jax.lax.add, tuple(kernel), tuple(stride), pads)
+    return (sums / counts).astype(x.dtype)
+
+
+@lower(aten.avg_pool2d.default)
+def _avg_pool2d(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
+
+
+@lower(aten.avg_pool3d.default)
+def _avg_pool3d(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
+
+
+def _adaptive_avg_pool(x, output_size, nd):
+    lead = x.ndim - nd
+    out = x
+    for i in range(nd):
+        axis = lead + i
+        n, m = x.shape[axis], output_size[i]
+        if n % m == 0:
+            shape = out.shape[:axis] + (m, n // m) + out.shape[axis + 1 :]
+            out = jnp.mean(out.reshape(shape), axis=axis + 1)
+        else:
+            starts = [(j * n) // m for j in range(m)]
+            ends = [-(-((j + 1) * n) // m) for j in range(m)]
+            parts = [
+                jnp.mean(jax.lax.slice_in_dim(out, s, e, axis=axis), axis=axis, keepdims=True)
+                for s, e in zip(starts, ends, strict=True)
+            ]
+            out = jnp.concatenate(parts, axis=axis)
+    return out.astype(x.dtype)
+
+
+@lower(aten._adaptive_avg_pool2d.default)
+def _adaptive_avg_pool2d(x, output_size):
+    return _adaptive_avg_pool(x, output_size, 2)
+
+
+@lower(aten._adaptive_avg_pool3d.default)
+def _adaptive_avg_pool3d(x, output_size):
+    return _adaptive_avg_pool(x, output_size, 3)

@@ -1,0 +1,134 @@
+"""Tensor creation: full, arange, scalar_tensor, empty (as zeros), *_like."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from dynajax.lowering.dtypes import default_float, is_integral
+from dynajax.lowering.registry import lower
+
+aten = torch.ops.aten
+
+
+def _fill_dtype(value, dtype):
+    if dtype is not None:
+        return dtype
+    if isinstance(value, bool):
+        return np.dtype(np.bool_)
+    if isinstance(value, int):
+        return np.dtype(np.int64)
+    return default_float()
+
+
+@lower(aten.full.default)
+def _full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.full(tuple(size), fill_value, _fill_dtype(fill_value, dtype))
+
+
+@lower(aten.full_like.default)
+def _full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.full(x.shape, fill_value, dtype or x.dtype)
+
+
+@lower(aten.zeros_like.default)
+def _zeros_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.zeros(x.shape, dtype or x.dtype)
+
+
+@lower(aten.ones_like.default)
+def _ones_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.ones(x.shape, dtype or x.dtype)
+
+
+# Uninitialized memory in PyTorch; zeros are one valid content.
+@lower(aten.empty.memory_format)
+def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.zeros(tuple(size), dtype or default_float())
+
+
+@lower(aten.empty_strided.default)
+def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), dtype or default_float())
+
+
+@lower(aten.empty_like.default)
+def _empty_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.zeros(x.shape, dtype or x.dtype)
+
+
+@lower(aten.new_empty.default)
+def _new_empty(x, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), dtype or x.dtype)
+
+
+@lower(aten.new_zeros.default)
+def _new_zeros(x, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), dtype or x.dtype)
+
+
+@lower(aten.new_ones.default)
+def _new_ones(x, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.ones(tuple(size), dtype or x.dtype)
+
+
+@lower(aten.new_full.default)
+def _new_full(x, size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.full(tuple(size), fill_value, dtype or x.dtype)
+
+
+@lower(aten.scalar_tensor.default)
+def _scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(s, dtype or default_float())
+
+
+@lower(aten.fill.Scalar)
+def _fill_scalar(x, value):
+    return jnp.full(x.shape, value, x.dtype)
+
+
+@lower(aten.fill.Tensor)
+def _fill_tensor(x, value):
+    return jnp.broadcast_to(value.astype(x.dtype), x.shape)
+
+
+@lower(aten.lift_fresh_copy.default)
+def _lift_fresh_copy(x):
+    return x
+
+
+@lower(aten.copy.default)
+def _copy(x, src, non_blocking=False):
+    return jnp.broadcast_to(src.astype(x.dtype), x.shape)
+
+
+def _arange_dtype(start, end, step, dtype):
+    if dtype is not None:
+        return dtype
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, step)):
+        return np.dtype(np.int64)
+    return default_float()
+
+
+def _arange_length(start, end, step):
+    return max(int(np.ceil((end - start) / step)), 0)
+
+
+@lower(aten.arange.start_step)
+def _arange(start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
+    dt = _arange_dtype(start, end, step, dtype)
+    n = _arange_length(start, end, step)
+    # start + i * step computed in float64 (or int64), then cast, like PyTorch's kernel.
+    acc = np.int64 if is_integral(dt) and isinstance(step, int) and isinstance(start, int) else np.float64
+    return (jnp.asarray(start, acc) + jnp.arange(n, dtype=acc) * jnp.asarray(step, acc)).astype(dt)
+
+
+@lower(aten.arange.default)
+def _arange_end(end, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _arange(0, end, 1, dtype=dtype)
+
+
+@lower(aten.arange.start)
+def _arange_start(start, end, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _arange(start, end, 1, dtype=dtype)

@@ -1,0 +1,145 @@
+"""dtype helpers shared by every rule: the torch<->JAX dtype map and PyTorch's type
+promotion (dimensioned tensors > 0-dim tensors > Python scalars, by category).
+
+PyTorch's own promotion lattice (``torch.promote_types``) is consulted on dtypes only,
+at trace time, so our promotion can never drift from the installed torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
+    torch.bool: np.dtype(np.bool_),
+    torch.uint8: np.dtype(np.uint8),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(jnp.bfloat16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
+}
+JAX_TO_TORCH: dict[np.dtype, torch.dtype] = {v: k for k, v in TORCH_TO_JAX.items()}
+
+
+def to_jax_dtype(dtype: torch.dtype) -> np.dtype:
+    return TORCH_TO_JAX[dtype]
+
+
+def to_torch_dtype(dtype: Any) -> torch.dtype:
+    return JAX_TO_TORCH[np.dtype(dtype)]
+
+
+def is_floating(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_complex(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def is_integral(dtype: Any, include_bool: bool = True) -> bool:
+    d = np.dtype(dtype)
+    return jnp.issubdtype(d, jnp.integer) or (include_bool and d == np.bool_)
+
+
+DEFAULT_FLOAT = np.dtype(np.float32)
+
+
+def default_float() -> np.dtype:
+    """torch's default dtype (the dtype of float Python scalars and int->float ops)."""
+    return TORCH_TO_JAX[torch.get_default_dtype()]
+
+
+def _category(dtype: np.dtype | None) -> int:
+    if dtype is None:
+        return -1
+    if dtype == np.bool_:
+        return 0
+    if is_integral(dtype):
+        return 1
+    if is_floating(dtype):
+        return 2
+    return 3
+
+
+@functools.lru_cache(maxsize=None)
+def promote_types(a: np.dtype, b: np.dtype) -> np.dtype:
+    """torch.promote_types on numpy dtypes."""
+    return TORCH_TO_JAX[torch.promote_types(JAX_TO_TORCH[a], JAX_TO_TORCH[b])]
+
+
+def _combine(higher: np.dtype | None, lower: np.dtype | None) -> np.dtype | None:
+    # c10's combine_categories: the higher-priority group wins unless the lower one is of
+    # a higher category.
+    if higher is None:
+        return lower
+    if lower is None:
+        return higher
+    if is_complex(higher):
+        return higher
+    if is_complex(lower):
+        if is_floating(higher):
+            return promote_types(higher, np.dtype(np.complex64))
+        return lower
+    if is_floating(higher):
+        return higher
+    if higher == np.bool_ or is_floating(lower):
+        return promote_types(higher, lower)
+    return higher
+
+
+def _scalar_dtype(value: Any) -> np.dtype:
+    if isinstance(value, bool):
+        return np.dtype(np.bool_)
+    if isinstance(value, int):
+        return np.dtype(np.int64)
+    if isinstance(value, complex):
+        return promote_types(default_float(), np.dtype(np.complex64))
+    return default_float()
+
+
+def result_type(*args: Any) -> np.dtype:
+    """torch.result_type over JAX arrays (0-dim ones count as 0-dim tensors) and scalars."""
+    groups: list[np.dtype | None] = [None, None, None]  # dimensioned, 0-dim, scalar
+    for a in args:
+        if a is None:
+            continue
+        if isinstance(a, bool | int | float | complex):
+            idx, dt = 2, _scalar_dtype(a)
+        else:
+            idx, dt = (1 if a.ndim == 0 else 0), np.dtype(a.dtype)
+        groups[idx] = dt if groups[idx] is None else promote_types(groups[idx], dt)
+    out = _combine(groups[0], _combine(groups[1], groups[2]))
+    if out is None:
+        raise TypeError("result_type() needs at least one tensor or scalar")
+    return out
+
+
+def float_result_type(*args: Any) -> np.dtype:
+    """Result dtype of ops that always produce floats (int/bool inputs -> default dtype)."""
+    dt = result_type(*args)
+    return dt if (is_floating(dt) or is_complex(dt)) else default_float()
+
+
+def as_dtype(x: Any, dtype: Any) -> jax.Array:
+    """``x`` (array or scalar) as a JAX array of ``dtype``; no-op when already so."""
+    if isinstance(x, bool | int | float | complex):
+        return jnp.asarray(x, dtype=dtype)
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def promote(*args: Any, dtype: Any = None) -> list[jax.Array]:
+    """Casts every argument to ``dtype`` (default: their torch result type)."""
+    dt = result_type(*args) if dtype is None else dtype
+    return [as_dtype(a, dt) for a in args]

@@ -1,0 +1,458 @@
+"""Elementwise ops: unary math, binary arithmetic, comparisons, logic, where, clamp.
+
+Every rule follows PyTorch's type promotion (``dtypes.result_type``) rather than
+JAX's, and integer semantics (floor division, remainder signs) follow PyTorch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from dynajax.lowering.dtypes import (
+    as_dtype,
+    float_result_type,
+    is_complex,
+    is_floating,
+    is_integral,
+    promote,
+    result_type,
+)
+from dynajax.lowering.registry import lower
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------------
+# Unary ops whose integer inputs produce the default float dtype
+# ---------------------------------------------------------------------------------
+
+_FLOAT_UNARY = {
+    "sin": jnp.sin,
+    "cos": jnp.cos,
+    "tan": jnp.tan,
+    "asin": jnp.arcsin,
+    "acos": jnp.arccos,
+    "atan": jnp.arctan,
+    "sinh": jnp.sinh,
+    "cosh": jnp.cosh,
+    "tanh": jnp.tanh,
+    "asinh": jnp.arcsinh,
+    "acosh": jnp.arccosh,
+    "atanh": jnp.arctanh,
+    "exp": jnp.exp,
+    "exp2": jnp.exp2,
+    "expm1": jnp.expm1,
+    "log": jnp.log,
+    "log2": jnp.log2,
+    "log10": jnp.log10,
+    "log1p": jnp.log1p,
+    "sqrt": jnp.sqrt,
+    "rsqrt": jax.lax.rsqrt,
+    "sigmoid": jax.nn.sigmoid,
+    "erf": jax.scipy.special.erf,
+    "erfc": jax.scipy.special.erfc,
+    "erfinv": jax.scipy.special.erfinv,
+    "reciprocal": jnp.reciprocal,
+    "digamma": jax.scipy.special.digamma,
+    "lgamma": jax.scipy.special.gammaln,
+    "i0": jax.scipy.special.i0,
+}
+
+
+def _float_unary(fn):
+    def rule(x):
+        return fn(as_dtype(x, float_result_type(x)))
+
+    return rule
+
+
+for _name, _fn in _FLOAT_UNARY.items():
+    lower(getattr(aten, _name).default)(_float_unary(_fn))
+
+# ---------------------------------------------------------------------------------
+# Unary ops that keep the input dtype
+# ---------------------------------------------------------------------------------
+
+
+@lower(aten.neg.default)
+def _neg(x):
+    return jnp.negative(x)
+
+
+@lower(aten.abs.default)
+def _abs(x):
+    return jnp.abs(x)
+
+
+@lower(aten.sign.default)
+def _sign(x):
+    return jnp.sign(x)
+
+
+@lower(aten.sgn.default)
+def _sgn(x):
+    if is_complex(x.dtype):
+        mag = jnp.abs(x)
+        return jnp.where(mag == 0, 0, x / jnp.where(mag == 0, 1, mag)).astype(x.dtype)
+    return jnp.sign(x)
+
+
+def _integral_identity(fn):
+    def rule(x):
+        return x if is_integral(x.dtype) else fn(x)
+
+    return rule
+
+
+lower(aten.floor.default)(_integral_identity(jnp.floor))
+lower(aten.ceil.default)(_integral_identity(jnp.ceil))
+lower(aten.trunc.default)(_integral_identity(jnp.trunc))
+lower(aten.frac.default)(lambda x: x - jnp.trunc(x))
+
+
+@lower(aten.round.default)
+def _round(x):
+    # Both round half to even.
+    return x if is_integral(x.dtype) else jnp.round(x)
+
+
+@lower(aten.round.decimals)
+def _round_decimals(x, *, decimals=0):
+    scale = 10.0**decimals
+    return (jnp.round(x * scale) / scale).astype(x.dtype)
+
+
+@lower(aten.bitwise_not.default)
+def _bitwise_not(x):
+    return jnp.logical_not(x) if x.dtype == np.bool_ else jnp.bitwise_not(x)
+
+
+@lower(aten.logical_not.default)
+def _logical_not(x):
+    return jnp.logical_not(x)
+
+
+@lower(aten.isnan.default)
+def _isnan(x):
+    return jnp.isnan(x)
+
+
+@lower(aten.isinf.default)
+def _isinf(x):
+    return jnp.isinf(x)
+
+
+@lower(aten.isfinite.default)
+def _isfinite(x):
+    return jnp.isfinite(x)
+
+
+@lower(aten.relu.default)
+def _relu(x):
+    return jnp.maximum(x, jnp.zeros((), x.dtype)) if x.dtype != np.bool_ else x
+
+
+@lower(aten.clone.default)
+def _clone(x, *, memory_format=None):
+    return x
+
+
+@lower(aten.alias.default)
+def _alias(x):
+    return x
+
+
+@lower(aten.detach.default)
+def _detach(x):
+    return x
+
+
+# ---------------------------------------------------------------------------------
+# Binary arithmetic
+# ---------------------------------------------------------------------------------
+
+
+def _scaled(other, alpha):
+    return other if alpha == 1 else other * alpha
+
+
+@lower(aten.add.Tensor, aten.add.Scalar)
+def _add(x, other, *, alpha=1):
+    dt = result_type(x, other)
+    a, b = promote(x, other, dtype=dt)
+    if dt == np.bool_:
+        return jnp.logical_or(a, b) if alpha else a
+    return a + _scaled(b, as_dtype(alpha, dt)) if alpha != 1 else a + b
+
+
+@lower(aten.sub.Tensor, aten.sub.Scalar)
+def _sub(x, other, *, alpha=1):
+    dt = result_type(x, other)
+    a, b = promote(x, other, dtype=dt)
+    return a - _scaled(b, as_dtype(alpha, dt)) if alpha != 1 else a - b
+
+
+@lower(aten.rsub.Tensor, aten.rsub.Scalar)
+def _rsub(x, other, *, alpha=1):
+    dt = result_type(x, other)
+    a, b = promote(x, other, dtype=dt)
+    return b - _scaled(a, as_dtype(alpha, dt)) if alpha != 1 else b - a
+
+
+@lower(aten.mul.Tensor, aten.mul.Scalar)
+def _mul(x, other):
+    dt = result_type(x, other)
+    a, b = promote(x, other, dtype=dt)
+    return jnp.logical_and(a, b) if dt == np.bool_ else a * b
+
+
+def _true_div(a, b):
+    dt = float_result_type(a, b)
+    a, b = promote(a, b, dtype=dt)
+    return a / b
+
+
+def _floor_div(a, b):
+    dt = result_type(a, b)
+    a, b = promote(a, b, dtype=dt)
+    if is_integral(dt):
+        return jnp.floor_divide(a, b)
+    # PyTorch: floor(a / b) adjusted like Python's divmod for floats.
+    mod = jnp.fmod(a, b)
+    div = (a - mod) / b
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    floordiv = jnp.floor(div)
+    floordiv = jnp.where(div - floordiv > 0.5, floordiv + 1, floordiv)
+    return jnp.where(b == 0, a / b, jnp.where(div == 0, jnp.copysign(0.0, a / b), floordiv)).astype(dt)
+
+
+def _trunc_div(a, b):
+    dt = result_type(a, b)
+    a, b = promote(a, b, dtype=dt)
+    if is_integral(dt):
+        q = jax.lax.div(a, b)  # C-style truncation
+        return q
+    return jnp.trunc(a / b)
+
+
+@lower(aten.div.Tensor, aten.div.Scalar)
+def _div(x, other):
+    return _true_div(x, other)
+
+
+@lower(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def _div_mode(x, other, *, rounding_mode=None):
+    if rounding_mode is None:
+        return _true_div(x, other)
+    if rounding_mode == "floor":
+        return _floor_div(x, other)
+    return _trunc_div(x, other)
+
+
+def _int_zero_division_check(x, other, **_):
+    # PyTorch raises on integer division by zero; XLA returns garbage. Only the
+    # eager kernel can reproduce the error, and only literal zeros are visible here.
+    if isinstance(other, int) and not isinstance(other, bool) and other == 0:
+        if is_integral(x.dtype):
+            return "integer division by a literal zero (PyTorch raises)"
+    return None
+
+
+@lower(aten.remainder.Tensor, aten.remainder.Scalar, check=_int_zero_division_check)
+def _remainder(x, other):
+    a, b = promote(x, other)
+    return jnp.remainder(a, b)
+
+
+@lower(aten.fmod.Tensor, aten.fmod.Scalar, check=_int_zero_division_check)
+def _fmod(x, other):
+    a, b = promote(x, other)
+    return jnp.fmod(a, b)
+
+
+@lower(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar)
+def _pow(x, exponent):
+    dt = result_type(x, exponent)
+    if isinstance(exponent, int) and not is_complex(dt):
+        if exponent == 2:
+            return as_dtype(x, dt) * as_dtype(x, dt)
+        if exponent >= 0 and is_integral(dt):
+            return jax.lax.integer_pow(as_dtype(x, dt), exponent)
+    a, b = promote(x, exponent, dtype=dt)
+    return jnp.power(a, b)
+
+
+@lower(aten.pow.Scalar)
+def _pow_scalar(base, exponent):
+    dt = result_type(base, exponent)
+    a, b = promote(base, exponent, dtype=dt)
+    return jnp.power(a, b)
+
+
+@lower(aten.atan2.default)
+def _atan2(x, other):
+    a, b = promote(x, other, dtype=float_result_type(x, other))
+    return jnp.arctan2(a, b)
+
+
+@lower(aten.hypot.default)
+def _hypot(x, other):
+    a, b = promote(x, other)
+    return jnp.hypot(a, b)
+
+
+@lower(aten.copysign.Tensor, aten.copysign.Scalar)
+def _copysign(x, other):
+    a, b = promote(x, other, dtype=float_result_type(x, other))
+    return jnp.copysign(a, b)
+
+
+@lower(aten.maximum.default)
+def _maximum(x, other):
+    a, b = promote(x, other)
+    return jnp.maximum(a, b)  # propagates NaN, like PyTorch
+
+
+@lower(aten.minimum.default)
+def _minimum(x, other):
+    a, b = promote(x, other)
+    return jnp.minimum(a, b)
+
+
+@lower(aten.fmax.default)
+def _fmax(x, other):
+    a, b = promote(x, other)
+    return jnp.fmax(a, b)
+
+
+@lower(aten.fmin.default)
+def _fmin(x, other):
+    a, b = promote(x, other)
+    return jnp.fmin(a, b)
+
+
+# ---------------------------------------------------------------------------------
+# Bitwise and logical
+# ---------------------------------------------------------------------------------
+
+
+def _bitwise(fn):
+    def rule(x, other):
+        a, b = promote(x, other)
+        return fn(a, b)
+
+    return rule
+
+
+lower(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar)(_bitwise(jnp.bitwise_and))
+lower(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar)(_bitwise(jnp.bitwise_or))
+lower(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar)(_bitwise(jnp.bitwise_xor))
+
+
+def _logical(fn):
+    def rule(x, other):
+        return fn(x.astype(bool), jnp.asarray(other).astype(bool))
+
+    return rule
+
+
+lower(aten.logical_and.default)(_logical(jnp.logical_and))
+lower(aten.logical_or.default)(_logical(jnp.logical_or))
+lower(aten.logical_xor.default)(_logical(jnp.logical_xor))
+
+# ---------------------------------------------------------------------------------
+# Comparisons
+# ---------------------------------------------------------------------------------
+
+
+def _compare(fn):
+    def rule(x, other):
+        a, b = promote(x, other)
+        return fn(a, b)
+
+    return rule
+
+
+for _name, _fn in {
+    "eq": jnp.equal,
+    "ne": jnp.not_equal,
+    "lt": jnp.less,
+    "le": jnp.less_equal,
+    "gt": jnp.greater,
+    "ge": jnp.greater_equal,
+}.items():
+    _packet = getattr(aten, _name)
+    lower(_packet.Tensor, _packet.Scalar)(_compare(_fn))
+
+# ---------------------------------------------------------------------------------
+# Selection and clamping
+# ---------------------------------------------------------------------------------
+
+
+@lower(aten.where.self)
+def _where(condition, x, other):
+    a, b = promote(x, other)
+    return jnp.where(condition, a, b)
+
+
+@lower(aten.where.ScalarSelf)
+def _where_scalar_self(condition, x, other):
+    a, b = promote(x, other)
+    return jnp.where(condition, a, b)
+
+
+@lower(aten.where.ScalarOther)
+def _where_scalar_other(condition, x, other):
+    a, b = promote(x, other)
+    return jnp.where(condition, a, b)
+
+
+@lower(aten.clamp.default, aten.clamp.Tensor)
+def _clamp(x, min=None, max=None):
+    dt = result_type(x, *(v for v in (min, max) if v is not None))
+    out = as_dtype(x, dt)
+    # PyTorch applies min then max (max wins when min > max) and propagates NaN.
+    if min is not None:
+        lo = as_dtype(min, dt)
+        out = jnp.where(jnp.isnan(lo) if is_floating(dt) else False, lo, jnp.maximum(out, lo))
+    if max is not None:
+        hi = as_dtype(max, dt)
+        out = jnp.where(jnp.isnan(hi) if is_floating(dt) else False, hi, jnp.minimum(out, hi))
+    return out
+
+
+@lower(aten.clamp_min.default, aten.clamp_min.Tensor)
+def _clamp_min(x, min):
+    return _clamp(x, min, None)
+
+
+@lower(aten.clamp_max.default, aten.clamp_max.Tensor)
+def _clamp_max(x, max):
+    return _clamp(x, None, max)
+
+
+# ---------------------------------------------------------------------------------
+# Dtype conversion
+# ---------------------------------------------------------------------------------
+
+
+def _to_copy_check(x, *, dtype=None, layout=None, device=None, pin_memory=None,
+                   non_blocking=False, memory_format=None):
+    if device is not None and getattr(device, "type", "cpu") not in ("cpu", "cuda"):
+        return f"copy to device {device}"
+    return None
+
+
+@lower(aten._to_copy.default, check=_to_copy_check)
+def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None,
+             non_blocking=False, memory_format=None):
+    if dtype is None or dtype == x.dtype:
+        return x
+    if is_complex(x.dtype) and not is_complex(dtype):
+        x = jnp.real(x)
+    if is_floating(x.dtype) and is_integral(dtype, include_bool=False):
+        # float -> int truncates toward zero in PyTorch.
+        x = jnp.trunc(x)
+    return x.astype(dtype)

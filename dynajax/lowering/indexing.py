@@ -1,0 +1,108 @@
+"""Indexing, gathering and scattering."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from dynajax.lowering.registry import lower
+from dynajax.lowering.shape import norm_slice
+
+aten = torch.ops.aten
+
+
+def _bool_index_check(x, indices):
+    for i in indices:
+        if i is not None and i.dtype == np.bool_:
+            return "boolean-mask indexing has a data-dependent output shape"
+    return None
+
+
+def _index_tuple(x, indices):
+    idx = tuple(slice(None) if i is None else i for i in indices)
+    return idx
+
+
+@lower(aten.index.Tensor, check=_bool_index_check)
+def _index(x, indices):
+    # Out-of-range indices raise in PyTorch; XLA clamps. Valid programs agree.
+    return x[_index_tuple(x, indices)]
+
+
+@lower(aten.index_put.default, check=lambda x, indices, values, accumulate=False: _bool_index_check(x, indices))
+def _index_put(x, indices, values, accumulate=False):
+    idx = _index_tuple(x, indices)
+    values = values.astype(x.dtype)
+    return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
+
+
+@lower(aten.index_select.default)
+def _index_select(x, dim, index):
+    if x.ndim == 0:
+        return x
+    return jnp.take(x, index, axis=dim % x.ndim)
+
+
+def _along(x, dim, index):
+    """Full index tuple addressing x[..., index, ...] elementwise along dim."""
+    d = dim % max(x.ndim, 1)
+    grids = jnp.meshgrid(*(jnp.arange(n) for n in index.shape), indexing="ij", sparse=True)
+    return tuple(index if i == d else grids[i] for i in range(index.ndim))
+
+
+@lower(aten.gather.default)
+def _gather(x, dim, index, *, sparse_grad=False):
+    if x.ndim == 0:
+        return x.reshape(index.shape)
+    return x[_along(x, dim, index)]
+
+
+@lower(aten.scatter.src)
+def _scatter_src(x, dim, index, src):
+    if x.ndim == 0:
+        return src.reshape(()).astype(x.dtype) if index.size else x
+    src = src[tuple(slice(0, n) for n in index.shape)]
+    return x.at[_along(x, dim, index)].set(src.astype(x.dtype))
+
+
+@lower(aten.scatter.value)
+def _scatter_value(x, dim, index, value):
+    if x.ndim == 0:
+        return jnp.asarray(value, x.dtype) if index.size else x
+    return x.at[_along(x, dim, index)].set(jnp.asarray(value, x.dtype))
+
+
+@lower(aten.scatter_add.default)
+def _scatter_add(x, dim, index, src):
+    if x.ndim == 0:
+        return x + src.reshape(()).astype(x.dtype) if index.size else x
+    src = src[tuple(slice(0, n) for n in index.shape)]
+    return x.at[_along(x, dim, index)].add(src.astype(x.dtype))
+
+
+@lower(aten.select_scatter.default)
+def _select_scatter(x, src, dim, index):
+    d = dim % x.ndim
+    idx = [slice(None)] * x.ndim
+    idx[d] = index % x.shape[d]
+    return x.at[tuple(idx)].set(src.astype(x.dtype))
+
+
+@lower(aten.slice_scatter.default)
+def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    d = dim % x.ndim
+    s, e, st = norm_slice(x.shape[d], start, end, step)
+    idx = [slice(None)] * x.ndim
+    idx[d] = slice(s, e, st)
+    return x.at[tuple(idx)].set(src.astype(x.dtype))
+
+
+@lower(aten.masked_fill.Scalar)
+def _masked_fill_scalar(x, mask, value):
+    return jnp.where(mask, jnp.asarray(value, x.dtype), x)
+
+
+@lower(aten.masked_fill.Tensor)
+def _masked_fill_tensor(x, mask, value):
+    return jnp.where(mask, value.astype(x.dtype), x)

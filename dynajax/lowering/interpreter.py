@@ -1,0 +1,86 @@
+"""Turns an ATen FX graph (one JAX partition) into a pure JAX function.
+
+A ``torch.fx.Interpreter`` that, instead of running torch ops, calls each node's rule
+from the lowering table on JAX values. It runs once per trace under ``jax.jit``; the
+compiled executable never sees it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+import torch.fx
+
+from dynajax.lowering.dtypes import TORCH_TO_JAX
+from dynajax.lowering.registry import get_rule
+
+
+def jax_literal(value: Any) -> Any:
+    """Translates torch literals in a node's arguments to their JAX equivalents."""
+    if isinstance(value, torch.dtype):
+        return TORCH_TO_JAX[value]
+    if isinstance(value, tuple):
+        return tuple(jax_literal(v) for v in value)
+    if isinstance(value, list):  # also FX's immutable_list, which JAX cannot flatten
+        return [jax_literal(v) for v in value]
+    return value
+
+
+class JaxInterpreter(torch.fx.Interpreter):
+    """Runs an ATen graph on JAX values through the lowering table.
+
+    Random rules receive a fresh subkey of ``key`` (split once per random node).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, key: jax.Array | None = None) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self._key = key
+        self._random_index = 0
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is operator.getitem:
+            return args[0][args[1]]
+        rule = get_rule(target)
+        if rule is None:  # the capability pass let no such node in
+            raise AssertionError(f"{target} reached JAX without a rule")
+        args, kwargs = jax_literal(args), {k: jax_literal(v) for k, v in kwargs.items()}
+        if rule.needs_key:
+            kwargs["key"] = jax.random.fold_in(self._key, self._random_index)
+            self._random_index += 1
+        return rule.fn(*args, **kwargs)
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        raise AssertionError("get_attr nodes never enter a JAX partition")
+
+
+def needs_key(gm: torch.fx.GraphModule) -> bool:
+    """Whether any node of the graph draws random numbers."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            rule = get_rule(node.target)
+            if rule is not None and rule.needs_key:
+                return True
+    return False
+
+
+def to_jax_function(gm: torch.fx.GraphModule) -> Callable[..., tuple[jax.Array, ...]]:
+    """A pure function ``fn([seed,] *arrays) -> tuple of arrays`` computing ``gm``.
+
+    Graphs with random ops take a leading integer seed, from which every random node
+    gets its own key.
+    """
+    if needs_key(gm):
+
+        def fn_with_seed(seed: jax.Array, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+            return tuple(JaxInterpreter(gm, jax.random.key(seed)).run(*arrays))
+
+        return fn_with_seed
+
+    def fn(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(JaxInterpreter(gm).run(*arrays))
+
+    return fn

@@ -1,0 +1,223 @@
+"""Reductions: sum, mean, prod, amax/amin, max/min with indices, argmax, var, any/all,
+cumulative ops, softmax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from dynajax.lowering.dtypes import as_dtype, is_floating, is_integral
+from dynajax.lowering.registry import lower
+
+aten = torch.ops.aten
+
+
+def axes(x, dim):
+    """PyTorch's dim argument (None, [] or ints, negative allowed) as a tuple of axes."""
+    if dim is None or (isinstance(dim, list | tuple) and len(dim) == 0):
+        return tuple(range(x.ndim))
+    dims = dim if isinstance(dim, list | tuple) else (dim,)
+    if x.ndim == 0:
+        return ()
+    return tuple(sorted({d % x.ndim for d in dims}))
+
+
+def _sum_dtype(x, dtype):
+    if dtype is not None:
+        return dtype
+    # Integer and bool sums accumulate in int64, as in PyTorch.
+    return np.dtype(np.int64) if is_integral(x.dtype) else x.dtype
+
+
+@lower(aten.sum.default)
+def _sum(x, *, dtype=None):
+    return jnp.sum(x, dtype=_sum_dtype(x, dtype))
+
+
+@lower(aten.sum.dim_IntList)
+def _sum_dim(x, dim, keepdim=False, *, dtype=None):
+    return jnp.sum(x, axis=axes(x, dim), keepdims=keepdim, dtype=_sum_dtype(x, dtype))
+
+
+@lower(aten.prod.default)
+def _prod(x, *, dtype=None):
+    return jnp.prod(x, dtype=_sum_dtype(x, dtype))
+
+
+@lower(aten.prod.dim_int)
+def _prod_dim(x, dim, keepdim=False, *, dtype=None):
+    return jnp.prod(x, axis=axes(x, dim), keepdims=keepdim, dtype=_sum_dtype(x, dtype))
+
+
+def _mean_check(x, *args, dtype=None, **_):
+    if is_integral(x.dtype) and dtype is None:
+        return "mean of an integer tensor (PyTorch raises)"
+    return None
+
+
+@lower(aten.mean.default, check=_mean_check)
+def _mean(x, *, dtype=None):
+    x = as_dtype(x, dtype) if dtype is not None else x
+    return jnp.mean(x)
+
+
+@lower(aten.mean.dim, check=_mean_check)
+def _mean_dim(x, dim, keepdim=False, *, dtype=None):
+    x = as_dtype(x, dtype) if dtype is not None else x
+    return jnp.mean(x, axis=axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.amax.default)
+def _amax(x, dim=(), keepdim=False):
+    return jnp.max(x, axis=axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.amin.default)
+def _amin(x, dim=(), keepdim=False):
+    return jnp.min(x, axis=axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.max.default)
+def _max(x):
+    return jnp.max(x)
+
+
+@lower(aten.min.default)
+def _min(x):
+    return jnp.min(x)
+
+
+def _arg_extreme(x, dim, keepdim, largest):
+    """Index of the first max/min along dim; NaN counts as the extreme, as in PyTorch."""
+    if x.ndim == 0:
+        return jnp.zeros((), np.int64)
+    fn = jnp.argmax if largest else jnp.argmin
+    if is_floating(x.dtype):
+        # jnp.argmax already returns the first NaN.
+        pass
+    out = fn(x, axis=dim, keepdims=keepdim)
+    return out.astype(np.int64)
+
+
+@lower(aten.argmax.default)
+def _argmax(x, dim=None, keepdim=False):
+    if dim is None:
+        out = _arg_extreme(x.reshape(-1), 0, False, True)
+        return out.reshape((1,) * x.ndim) if keepdim else out
+    return _arg_extreme(x, dim % max(x.ndim, 1), keepdim, True)
+
+
+@lower(aten.argmin.default)
+def _argmin(x, dim=None, keepdim=False):
+    if dim is None:
+        out = _arg_extreme(x.reshape(-1), 0, False, False)
+        return out.reshape((1,) * x.ndim) if keepdim else out
+    return _arg_extreme(x, dim % max(x.ndim, 1), keepdim, False)
+
+
+@lower(aten.max.dim)
+def _max_dim(x, dim, keepdim=False):
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    d = dim % x.ndim
+    return jnp.max(x, axis=d, keepdims=keepdim), _arg_extreme(x, d, keepdim, True)
+
+
+@lower(aten.min.dim)
+def _min_dim(x, dim, keepdim=False):
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    d = dim % x.ndim
+    return jnp.min(x, axis=d, keepdims=keepdim), _arg_extreme(x, d, keepdim, False)
+
+
+def _correction(correction, unbiased=True):
+    if correction is None:
+        return 1 if unbiased else 0
+    return correction
+
+
+@lower(aten.var.correction)
+def _var(x, dim=None, *, correction=None, keepdim=False):
+    return jnp.var(x, axis=axes(x, dim), ddof=_correction(correction), keepdims=keepdim)
+
+
+@lower(aten.var.dim)
+def _var_dim(x, dim=None, unbiased=True, keepdim=False):
+    return jnp.var(x, axis=axes(x, dim), ddof=1 if unbiased else 0, keepdims=keepdim)
+
+
+@lower(aten.var_mean.correction)
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    ax = axes(x, dim)
+    return (
+        jnp.var(x, axis=ax, ddof=_correction(correction), keepdims=keepdim),
+        jnp.mean(x, axis=ax, keepdims=keepdim),
+    )
+
+
+@lower(aten.any.default)
+def _any(x):
+    return jnp.any(x)
+
+
+@lower(aten.any.dim)
+def _any_dim(x, dim, keepdim=False):
+    return jnp.any(x, axis=axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.any.dims)
+def _any_dims(x, dim=None, keepdim=False):
+    return jnp.any(x, axis=axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.all.default)
+def _all(x):
+    return jnp.all(x)
+
+
+@lower(aten.all.dim)
+def _all_dim(x, dim, keepdim=False):
+    return jnp.all(x, axis=axes(x, dim), keepdims=keepdim)
+
+
+@lower(aten.cumsum.default)
+def _cumsum(x, dim, *, dtype=None):
+    if x.ndim == 0:
+        return x.astype(_sum_dtype(x, dtype))
+    return jnp.cumsum(x, axis=dim % x.ndim, dtype=_sum_dtype(x, dtype))
+
+
+@lower(aten.cumprod.default)
+def _cumprod(x, dim, *, dtype=None):
+    if x.ndim == 0:
+        return x.astype(_sum_dtype(x, dtype))
+    return jnp.cumprod(x, axis=dim % x.ndim, dtype=_sum_dtype(x, dtype))
+
+
+# ---------------------------------------------------------------------------------
+# Softmax
+# ---------------------------------------------------------------------------------
+
+
+@lower(aten._softmax.default)
+def _softmax(x, dim, half_to_float):
+    out_dtype = np.float32 if half_to_float else x.dtype
+    if x.ndim == 0:
+        return jnp.ones((), out_dtype)
+    return jax.nn.softmax(x.astype(out_dtype), axis=dim % x.ndim)
+
+
+@lower(aten._log_softmax.default)
+def _log_softmax(x, dim, half_to_float):
+    out_dtype = np.float32 if half_to_float else x.dtype
+    if x.ndim == 0:
+        return jnp.zeros((), out_dtype)
+    return jax.nn.log_softmax(x.astype(out_dtype), axis=dim % x.ndim)
+
+
+@lower(aten.logsumexp.default)
+def _logsumexp(x, dim, keepdim=False):
+    return jax.scipy.special.logsumexp(x, axis=axes(x, dim), keepdims=keepdim)

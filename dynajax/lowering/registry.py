@@ -1,0 +1,84 @@
+"""The lowering table: one rule per exact ATen ``OpOverload``.
+
+A rule is a pure function of JAX values and Python literals (torch dtypes in the graph
+arrive already translated to numpy dtypes). A ``check`` sees the same arguments, with
+tensors replaced by ``jax.ShapeDtypeStruct``, and returns None when it accepts the node
+or a short reason string when it refuses it.
+
+    aten = torch.ops.aten
+
+    @lower(aten.sin.default)
+    def _sin(x):
+        return jnp.sin(x)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Check = Callable[..., "str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A JAX implementation of one ATen overload.
+
+    Attributes:
+        op: the exact overload lowered.
+        fn: the JAX implementation; returns a JAX array or a tuple of them.
+        check: optional validator of argument values; None means "accept all".
+        needs_key: the rule takes a ``key=`` keyword with a fresh JAX PRNG key.
+    """
+
+    op: torch._ops.OpOverload
+    fn: Callable[..., Any]
+    check: Check | None = None
+    needs_key: bool = False
+
+
+_TABLE: dict[torch._ops.OpOverload, Rule] = {}
+
+
+def lower(
+    *ops: torch._ops.OpOverload, check: Check | None = None, needs_key: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the decorated function as the JAX rule of each of ``ops``."""
+    for op in ops:
+        if not isinstance(op, torch._ops.OpOverload):
+            raise TypeError(f"lower() takes exact OpOverloads (aten.add.Tensor), got {op!r}")
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for op in ops:
+            if op in _TABLE:
+                raise ValueError(f"{op} already has a JAX rule ({_TABLE[op].fn.__qualname__})")
+            _TABLE[op] = Rule(op, fn, check, needs_key)
+        return fn
+
+    return register
+
+
+def get_rule(op: Any) -> Rule | None:
+    """The rule for ``op``, or None when the table has none."""
+    _ensure_loaded()
+    return _TABLE.get(op)
+
+
+def supported_ops() -> frozenset[torch._ops.OpOverload]:
+    """Every OpOverload that has a JAX rule."""
+    _ensure_loaded()
+    return frozenset(_TABLE)
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if not _loaded:
+        import dynajax.lowering.families  # noqa: F401  (registers every rule)
+
+        _loaded = True

@@ -1,0 +1,25 @@
+"""The pass pipeline run on every ATen graph before capability and partitioning."""
+
+from __future__ import annotations
+
+import torch.fx
+from torch.fx.passes.infra.pass_manager import PassManager
+
+from dynajax.passes.noop import EliminateDeadCode, RemoveNoopOps
+
+
+def _graph_is_valid(gm: torch.fx.GraphModule) -> None:
+    gm.graph.lint()
+
+
+def run_passes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Runs every pass in order, linting the graph after each; returns the new module."""
+    manager = PassManager(
+        passes=[RemoveNoopOps(), EliminateDeadCode()],
+        run_checks_after_each_pass=True,
+    )
+    manager.add_checks(_graph_is_valid)
+    result = manager(gm)
+    if result.modified:
+        result.graph_module.recompile()
+    return result.graph_module
