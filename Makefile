@@ -1,0 +1,35 @@
+# One-command setup on a fresh machine. torch==2.13.0 (a CPU build) is installed first
+# so that no dependency resolves an unpinned torch to a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test test-full opinfo-full bench lint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e ".[test,viz]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+# Every OpInfo sample (long; not run in CI).
+opinfo-full: install
+	$(PY) -m tests.opinfo_full
+
+bench: install
+	$(PY) -m benchmarks.run
+
+lint: install
+	$(PY) -m ruff check dynajax tests benchmarks examples
+	$(PY) -m ruff format --check dynajax tests benchmarks examples
