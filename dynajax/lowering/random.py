@@ -1,8 +1,226 @@
-"""Random ops. Each rule takes an explicit ``key`` (split per node from the seed that
-the runtime draws from PyTorch's generator on every call)."""
+"""Random ops, drawn from JAX's counter-based PRNG with keys seeded by PyTorch's RNG.
+
+Design:
+
+- A JAX partition that contains random ops takes a leading int64 seed. The runtime
+  (``runtime/compiled.py``) draws that seed from PyTorch's default CPU generator on
+  every call (one ``torch.randint``), so ``torch.manual_seed(s)`` makes a compiled
+  program reproducible run after run, and successive calls draw different numbers.
+- Inside the partition every random node gets its own key,
+  ``fold_in(key(seed), node_index)`` (``lowering/interpreter.py``); each rule here is a
+  pure function of that ``key`` and its arguments.
+- The numbers are **not** bitwise those of eager PyTorch: PyTorch's CPU generator is a
+  Mersenne Twister consumed element by element, JAX's is threefry. Distributions are
+  the same (uniform on [from, to), standard normal, Bernoulli(p), dropout keeping each
+  element with probability 1-p and scaling it by 1/(1-p)), the streams are not. A
+  compiled model with dropout therefore matches eager in distribution, not in value;
+  compare such models with p=0 (exact) or statistically (p>0).
+- Each call advances PyTorch's generator by one draw per random partition, not by the
+  number of random elements eager would have consumed, so eager code that runs after a
+  compiled call sees a different (but still seeded, deterministic) stream than it would
+  after the eager call.
+- Training: aot_autograd saves the forward's dropout mask for the backward graph
+  (``native_dropout_backward`` decomposes to ``grad * mask * scale``), so the backward
+  never draws random numbers and always uses the forward's mask.
+- An explicit ``torch.Generator`` argument is refused (the node runs in PyTorch with
+  that generator), since only the default generator seeds our keys.
+"""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 
+from dynajax.lowering.dtypes import default_float, is_floating
+from dynajax.lowering.registry import lower
+
 aten = torch.ops.aten
+
+
+def _generator_check(*args, generator=None, **kwargs):
+    if generator is not None:
+        return "an explicit torch.Generator (dynajax seeds from the default generator only)"
+    return None
+
+
+def _float_dtype(dtype, like=None):
+    if dtype is not None:
+        return dtype
+    return like.dtype if like is not None else default_float()
+
+
+def _uniform(key, shape, dtype, low=0.0, high=1.0):
+    # Sample in at least float32 so half-precision results have full resolution, then
+    # clamp below ``high`` (rounding to half precision could otherwise reach it).
+    wide = np.float64 if dtype == np.float64 else np.float32
+    u = jax.random.uniform(key, tuple(shape), wide, low, high)
+    out = u.astype(dtype)
+    return jnp.where(out >= jnp.asarray(high, dtype), jnp.asarray(low, dtype), out)
+
+
+def _normal(key, shape, dtype):
+    wide = np.float64 if dtype == np.float64 else np.float32
+    return jax.random.normal(key, tuple(shape), wide).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Factories: rand, randn, randint, randperm (and their _like forms)
+# ---------------------------------------------------------------------------------
+
+
+@lower(aten.rand.default, needs_key=True)
+def _rand(size, *, dtype=None, layout=None, device=None, pin_memory=None, key):
+    return _uniform(key, size, _float_dtype(dtype))
+
+
+@lower(aten.randn.default, needs_key=True)
+def _randn(size, *, dtype=None, layout=None, device=None, pin_memory=None, key):
+    return _normal(key, size, _float_dtype(dtype))
+
+
+@lower(aten.rand_like.default, needs_key=True)
+def _rand_like(
+    x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, key
+):
+    return _uniform(key, x.shape, _float_dtype(dtype, x))
+
+
+@lower(aten.randn_like.default, needs_key=True)
+def _randn_like(
+    x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, key
+):
+    return _normal(key, x.shape, _float_dtype(dtype, x))
+
+
+def _randint(key, low, high, shape, dtype):
+    if dtype == np.bool_:
+        return jax.random.randint(key, tuple(shape), low, high, np.int32).astype(np.bool_)
+    if is_floating(dtype):
+        return jax.random.randint(key, tuple(shape), low, high, np.int64).astype(dtype)
+    return jax.random.randint(key, tuple(shape), low, high, dtype)
+
+
+@lower(aten.randint.default, needs_key=True)
+def _randint_high(high, size, *, dtype=np.int64, layout=None, device=None, pin_memory=None, key):
+    return _randint(key, 0, high, size, np.int64 if dtype is None else dtype)
+
+
+@lower(aten.randint.low, needs_key=True)
+def _randint_low(
+    low, high, size, *, dtype=np.int64, layout=None, device=None, pin_memory=None, key
+):
+    return _randint(key, low, high, size, np.int64 if dtype is None else dtype)
+
+
+@lower(aten.randint_like.default, needs_key=True)
+def _randint_like(
+    x, high, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, key
+):
+    return _randint(key, 0, high, x.shape, x.dtype if dtype is None else dtype)
+
+
+@lower(aten.randint_like.low_dtype, needs_key=True)
+def _randint_like_low(
+    x, low, high, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, key
+):
+    return _randint(key, low, high, x.shape, x.dtype if dtype is None else dtype)
+
+
+@lower(aten.randperm.default, needs_key=True)
+def _randperm(n, *, dtype=np.int64, layout=None, device=None, pin_memory=None, key):
+    return jax.random.permutation(key, n).astype(np.int64 if dtype is None else dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Distributions of a given shape: uniform, normal, bernoulli, exponential
+# ---------------------------------------------------------------------------------
+
+
+@lower(aten.uniform.default, check=_generator_check, needs_key=True)
+def _uniform_op(x, low=0.0, high=1.0, *, generator=None, key):
+    return _uniform(key, x.shape, x.dtype, low, high)
+
+
+@lower(aten.normal_functional.default, check=_generator_check, needs_key=True)
+def _normal_functional(x, mean=0.0, std=1.0, *, generator=None, key):
+    return (
+        _normal(key, x.shape, x.dtype) * jnp.asarray(std, x.dtype) + jnp.asarray(mean, x.dtype)
+    ).astype(x.dtype)
+
+
+@lower(aten.normal.Tensor_float, check=_generator_check, needs_key=True)
+def _normal_tensor_float(mean, std=1.0, *, generator=None, key):
+    return (mean + _normal(key, mean.shape, mean.dtype) * jnp.asarray(std, mean.dtype)).astype(
+        mean.dtype
+    )
+
+
+@lower(aten.normal.float_Tensor, check=_generator_check, needs_key=True)
+def _normal_float_tensor(mean, std, *, generator=None, key):
+    return (_normal(key, std.shape, std.dtype) * std + jnp.asarray(mean, std.dtype)).astype(
+        std.dtype
+    )
+
+
+@lower(aten.normal.Tensor_Tensor, check=_generator_check, needs_key=True)
+def _normal_tensor_tensor(mean, std, *, generator=None, key):
+    shape = jnp.broadcast_shapes(mean.shape, std.shape)
+    dtype = jnp.result_type(mean.dtype, std.dtype)
+    return (mean + _normal(key, shape, dtype) * std).astype(dtype)
+
+
+@lower(aten.normal.float_float, check=_generator_check, needs_key=True)
+def _normal_float_float(
+    mean, std, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, key
+):
+    dtype = _float_dtype(dtype)
+    return (_normal(key, size, dtype) * jnp.asarray(std, dtype) + jnp.asarray(mean, dtype)).astype(
+        dtype
+    )
+
+
+@lower(aten.bernoulli.p, check=_generator_check, needs_key=True)
+def _bernoulli_p(x, p=0.5, *, generator=None, key):
+    return (_uniform(key, x.shape, np.float32) < p).astype(x.dtype)
+
+
+@lower(aten.bernoulli.default, check=_generator_check, needs_key=True)
+def _bernoulli(x, *, generator=None, key):
+    wide = np.float64 if x.dtype == np.float64 else np.float32
+    return (_uniform(key, x.shape, wide) < x.astype(wide)).astype(x.dtype)
+
+
+@lower(aten.exponential.default, check=_generator_check, needs_key=True)
+def _exponential(x, lambd=1.0, *, generator=None, key):
+    wide = np.float64 if x.dtype == np.float64 else np.float32
+    u = _uniform(key, x.shape, wide)
+    return (-jnp.log1p(-u) / lambd).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Dropout
+# ---------------------------------------------------------------------------------
+
+
+def _dropout_check(x, p, train):
+    if train and p not in (0, 1) and not is_floating(x.dtype):
+        return "dropout of a non-floating tensor"
+    return None
+
+
+@lower(aten.native_dropout.default, check=_dropout_check, needs_key=True)
+def _native_dropout(x, p, train, *, key):
+    """Keeps each element with probability 1-p, scaled by 1/(1-p); returns the mask too.
+
+    The mask is what the backward graph multiplies the gradient by (aot_autograd saves
+    it), so forward and backward always agree.
+    """
+    if not train or p == 0:
+        return x, jnp.ones(x.shape, np.bool_)
+    if p == 1:
+        return jnp.zeros_like(x), jnp.zeros(x.shape, np.bool_)
+    keep = _uniform(key, x.shape, np.float32) >= p
+    # PyTorch's order (input * mask) * scale, so dropped infinities give NaN as in eager.
+    return (x * keep.astype(x.dtype)) * jnp.asarray(1.0 / (1.0 - p), x.dtype), keep
