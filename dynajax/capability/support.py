@@ -152,7 +152,10 @@ class CapabilityChecker:
                 return self._refuse(
                     node, Reason.CHECK_REFUSED, f"symbolic scalar argument {v!r}"
                 )
-        if out is None or not all(isinstance(t, torch.Tensor) for t in _flatten(out)):
+        # A multi-output op may return None for an output it was asked not to compute
+        # (convolution_backward's output_mask); the rule returns None there too.
+        outs = _flatten(out)
+        if out is None or not all(isinstance(t, torch.Tensor) or t is None for t in outs):
             return self._refuse(node, Reason.CHECK_REFUSED, "output is not a tensor")
         try:
             args = _abstract(node.args)
@@ -218,6 +221,10 @@ def _evaluate(
             f"rule returns {len(got_flat)} value(s), PyTorch returns {len(want_flat)}"
         )
     for g, w in zip(got_flat, want_flat, strict=True):
+        if g is None or w is None:
+            if g is not w:
+                return Reason.CHECK_REFUSED, "rule and PyTorch disagree on which outputs are None"
+            continue
         if tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype:
             return Reason.CHECK_REFUSED, (
                 f"rule gives {_describe_aval(g)} where PyTorch gives {_describe_aval(w)}"
