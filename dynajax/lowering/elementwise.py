@@ -175,7 +175,9 @@ def _detach(x):
 
 
 def _scaled(other, alpha):
-    return other if alpha == 1 else other * alpha
+    # alpha arrives as an array (a tracer under jit: no Python comparisons on it);
+    # callers already skip alpha == 1.
+    return other * alpha
 
 
 @lower(aten.add.Tensor, aten.add.Scalar)
