@@ -1,13 +1,17 @@
 """Imports every op-family module so that their rules register in the table."""
 
 from dynajax.lowering import (  # noqa: F401
+    attention,
     conv_pool,
     creation,
     elementwise,
+    fft,
     indexing,
     linalg,
     nn,
     random,
     reductions,
+    resample,
     shape,
+    sorting,
 )

@@ -1,0 +1,108 @@
+"""Edge cases of graph inputs and outputs behave as eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynajax
+from tests.tolerances import assert_same
+
+
+def _check(fn, *args, **kwargs):
+    backend = dynajax.Backend()
+    compiled = torch.compile(fn, backend=backend)
+    assert_same(compiled(*args, **kwargs), fn(*args, **kwargs))
+    return backend
+
+
+def test_non_tensor_inputs() -> None:
+    def f(x, n: int, s: float, flag: bool, nothing, xs):
+        y = x * n + s
+        if flag:
+            y = y - 1
+        if nothing is None:
+            y = y * 2
+        return y + xs[0] * xs[1]
+
+    x = torch.randn(3)
+    _check(f, x, 3, 0.5, True, None, [torch.randn(3), torch.randn(3)])
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0, 3)], ids=str)
+def test_zero_size_tensors(shape) -> None:
+    def f(x):
+        return torch.sin(x) + 1, x.sum(-1), x * 2
+
+    _check(f, torch.randn(shape))
+
+
+def test_graph_with_no_ops() -> None:
+    def f(x, y):
+        return x, y
+
+    x, y = torch.randn(2), torch.randn(3)
+    compiled = torch.compile(f, backend="dynajax")
+    a, b = compiled(x, y)
+    assert a is x and b is y
+
+
+def test_outputs_that_are_inputs_and_computed() -> None:
+    def f(x, y):
+        return x, torch.cos(y), y
+
+    x, y = torch.randn(2), torch.randn(3)
+    out = torch.compile(f, backend="dynajax")(x, y)
+    assert out[0] is x and out[2] is y
+    assert_same(out[1], torch.cos(y))
+
+
+def test_scalar_tensors() -> None:
+    def f(x, y):
+        return x * y + 1, (x > 0), x.to(torch.int64) + 3
+
+    _check(f, torch.tensor(2.5), torch.tensor(-1.5))
+
+
+def test_zero_dim_tensor_promotion() -> None:
+    def f(x, s):
+        # 0-dim float64 does not widen a float32 tensor; an int tensor + 0-dim float
+        # gives the 0-dim tensor's category at the default dtype.
+        return x + s, torch.arange(3) + s
+
+    _check(f, torch.randn(3), torch.tensor(2.0, dtype=torch.float64))
+
+
+def test_requires_grad_inputs_under_no_grad() -> None:
+    lin = torch.nn.Linear(4, 2)
+    x = torch.randn(3, 4, requires_grad=True)
+    backend = dynajax.Backend()
+    compiled = torch.compile(lin, backend=backend)
+    with torch.no_grad():
+        out = compiled(x)
+        ref = lin(x)
+    assert not out.requires_grad
+    assert_same(out, ref)
+    assert [g.kind for g in backend.graphs] == ["inference"]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.int64, torch.int32, torch.bool, torch.float16, torch.bfloat16,
+              torch.complex64], ids=str,
+)
+def test_dtypes_survive(dtype) -> None:
+    def f(x):
+        return x.clone() * 1 if dtype != torch.bool else x & x
+
+    x = (torch.randn(5) * 10).to(dtype) if dtype != torch.bool else torch.randn(5) > 0
+    backend = _check(f, x)
+    assert not dynajax.Report(backend.graphs).fallbacks
+
+
+def test_non_contiguous_input() -> None:
+    def f(x):
+        return x * 2 + 1
+
+    x = torch.randn(4, 6).t()
+    _check(f, x)
+    _check(f, torch.randn(4, 6)[:, ::2])
