@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dynajax.capability.verdict import (
     META_KEY,
@@ -38,17 +39,12 @@ log = logging.getLogger("dynajax.capability")
 _ABSTRACT_EVAL_ERRORS = (TypeError, ValueError, NotImplementedError, IndexError)
 
 
-class _DataDependent(Exception):
-    pass
-
-
 def _concrete(size: Any) -> int:
-    if isinstance(size, int):
-        return size
-    hint = size.node.hint if isinstance(size, torch.SymInt) else None
-    if hint is None:
-        raise _DataDependent
-    return int(hint)
+    # Backed symbolic sizes (dynamic shapes) evaluate at their hint; unbacked ones
+    # never get here (DATA_DEPENDENT_SHAPE is decided first).
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint)
+    return int(size)
 
 
 def _abstract(value: Any) -> Any:
@@ -62,8 +58,6 @@ def _abstract(value: Any) -> Any:
         return tuple(_abstract(v) for v in value)
     if isinstance(value, list):
         return [_abstract(v) for v in value]
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        raise _DataDependent
     return jax_literal(value)
 
 
@@ -104,67 +98,94 @@ def _describe_aval(a: Any) -> str:
 
 
 class CapabilityChecker:
-    """Decides verdicts; caches abstract evaluations by (op, argument signature)."""
+    """Decides verdicts; caches abstract evaluations by (op, argument signature).
+
+    The questions, in order (the first that refuses gives the reason):
+
+    1. Did the user list the op in ``fallback_ops``?  -> USER_FALLBACK
+    2. Does the node create a size or scalar known only by reading tensor data
+       (``nonzero``, ``unique``, ``.item()``: an unbacked SymInt in its output), or
+       take one (a tensor of size ``u0``, an argument ``u0``)?  -> DATA_DEPENDENT_SHAPE
+    3. Does it produce no tensor at all (``sym_size``, ``_assert_scalar``, ``operator.ge``
+       on sizes)?  -> HOST_SCALAR (bookkeeping, not a fallback)
+    4. Is it an op the table has a rule for?  -> NO_LOWERING
+    5. Does every tensor and dtype argument have a JAX dtype?  -> DTYPE
+    6. Does the rule's ``check`` accept the arguments, and does ``jax.eval_shape`` of the
+       rule on the node's fake-tensor shapes reproduce PyTorch's output shapes and
+       dtypes?  -> CHECK_REFUSED, with the detail
+
+    Data-dependence comes before the table: a rule for ``nonzero`` could not help, so
+    the report must not suggest writing one.
+    """
 
     def __init__(self, fallback_ops: Iterable[str] = ()) -> None:
         self.fallback_ops = frozenset(fallback_ops)
         self._cache: dict[Any, tuple[Reason, str] | None] = {}
 
     def annotate(self, gm: torch.fx.GraphModule) -> list[Unsupported]:
-        """Stores a verdict in ``node.meta`` for every call_function node of ``gm``."""
+        """Stores a verdict in ``node.meta`` for every call_function node of ``gm``.
+
+        Returns the Unsupported verdicts of the nodes that are fallbacks (tensor work
+        kept in PyTorch; HOST_SCALAR bookkeeping is left out).
+        """
         refused = []
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
             verdict = self.decide(node)
             node.meta[META_KEY] = verdict
-            if not verdict.supported:
+            if not verdict.supported and verdict.reason.is_fallback:
                 refused.append(verdict)
         return refused
 
     def decide(self, node: torch.fx.Node) -> Verdict:
+        """The verdict of one call_function node, from its metadata alone."""
         name = target_name(node)
         if node.target is operator.getitem:
-            producer = node.args[0]
-            pv = producer.meta.get(META_KEY) if isinstance(producer, torch.fx.Node) else None
-            if pv is not None and pv.supported:
-                return Supported(name)
-            return self._refuse(node, Reason.NO_LOWERING, "getitem of a value kept in PyTorch")
-        if not isinstance(node.target, torch._ops.OpOverload):
-            return self._refuse(node, Reason.NO_LOWERING, "not an ATen operator")
+            return self._decide_getitem(node, name)
         packet = name.rsplit(".", 1)[0]
         if name in self.fallback_ops or packet in self.fallback_ops:
             return self._refuse(node, Reason.USER_FALLBACK, "")
+        out = node.meta.get("val")
+        inputs = [*_node_values(node.args), *_node_values(node.kwargs.values())]
+        created, taken = _unbacked_symbols(out, inputs)
+        if created:
+            return self._refuse(
+                node,
+                Reason.DATA_DEPENDENT_SHAPE,
+                f"output size or value {created} is only known after running the op",
+            )
+        if not any(True for _ in _tensors(out)) and not _has_none_output(out):
+            return self._refuse(node, Reason.HOST_SCALAR, "")
+        if taken:
+            return self._refuse(
+                node,
+                Reason.DATA_DEPENDENT_SHAPE,
+                f"takes {taken}, a size or scalar only known after running an earlier op",
+            )
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return self._refuse(node, Reason.NO_LOWERING, "not an ATen operator")
         rule = get_rule(node.target)
         if rule is None:
             return self._refuse(node, Reason.NO_LOWERING, "")
-        tags = node.target.tags
-        if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
-            return self._refuse(
-                node, Reason.DATA_DEPENDENT_SHAPE, "the op's output depends on tensor values"
-            )
-        out = node.meta.get("val")
-        for t in (*_tensors(out), *_tensors(list(_node_values(node.args)))):
-            if t.dtype not in TORCH_TO_JAX:
-                return self._refuse(node, Reason.DTYPE, f"{t.dtype} has no JAX equivalent")
-        for v in (*_node_values(node.args), *_node_values(node.kwargs.values())):
-            if v is not None and not isinstance(v, torch.Tensor | list | tuple):
+        bad_dtype = _unsupported_dtype(out, inputs, node)
+        if bad_dtype is not None:
+            return self._refuse(node, Reason.DTYPE, f"{bad_dtype} has no JAX equivalent")
+        for v in inputs:
+            if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
                 return self._refuse(
-                    node, Reason.CHECK_REFUSED, f"symbolic scalar argument {v!r}"
+                    node,
+                    Reason.CHECK_REFUSED,
+                    f"symbolic scalar argument {v} (dynamic shapes); JAX partitions "
+                    "take sizes as Python literals",
                 )
         # A multi-output op may return None for an output it was asked not to compute
         # (convolution_backward's output_mask); the rule returns None there too.
-        outs = _flatten(out)
-        if out is None or not all(isinstance(t, torch.Tensor) or t is None for t in outs):
+        if not all(isinstance(t, torch.Tensor) or t is None for t in _flatten(out)):
             return self._refuse(node, Reason.CHECK_REFUSED, "output is not a tensor")
-        try:
-            args = _abstract(node.args)
-            kwargs = {k: _abstract(v) for k, v in node.kwargs.items()}
-            expected = _abstract(out)
-        except _DataDependent:
-            return self._refuse(
-                node, Reason.DATA_DEPENDENT_SHAPE, "a size depends on tensor values"
-            )
+        args = _abstract(node.args)
+        kwargs = {k: _abstract(v) for k, v in node.kwargs.items()}
+        expected = _abstract(out)
         key = (node.target, _freeze(args), _freeze(kwargs), _freeze(expected))
         if key not in self._cache:
             self._cache[key] = _evaluate(rule, args, kwargs, expected)
@@ -173,8 +194,57 @@ class CapabilityChecker:
             return Supported(name)
         return self._refuse(node, *found)
 
+    def _decide_getitem(self, node: torch.fx.Node, name: str) -> Verdict:
+        # getitem picks an output of a multi-output node: it goes where its producer goes.
+        producer = node.args[0]
+        pv = producer.meta.get(META_KEY) if isinstance(producer, torch.fx.Node) else None
+        if pv is not None and pv.supported:
+            return Supported(name)
+        if pv is not None:
+            return self._refuse(node, pv.reason, f"output of '{producer.name}'")
+        return self._refuse(node, Reason.NO_LOWERING, "getitem of a value kept in PyTorch")
+
     def _refuse(self, node: torch.fx.Node, reason: Reason, detail: str) -> Unsupported:
         return Unsupported(reason, node.name, target_name(node), detail, source_line(node))
+
+
+def _sizes_and_scalars(value: Any) -> list[Any]:
+    """The sizes of every tensor in ``value`` and its symbolic scalars, flattened."""
+    out: list[Any] = []
+    for v in _flatten(value):
+        if isinstance(v, torch.Tensor):
+            out.extend(v.shape)
+        elif isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+            out.append(v)
+    return out
+
+
+def _unbacked_symbols(out: Any, inputs: list[Any]) -> tuple[str, str]:
+    """The unbacked symbols a node creates, and those it takes (comma-joined names).
+
+    Unbacked symbols (``u0``) are the sizes and scalars fake tensors could not know: a
+    node whose output has one its inputs lack created it by reading tensor data; a node
+    whose inputs have one needs an earlier node's data to know its own shapes.
+    """
+    produced = free_unbacked_symbols(_sizes_and_scalars(out))
+    taken = free_unbacked_symbols(_sizes_and_scalars(inputs))
+    created = sorted(str(s) for s in produced - taken)
+    return ", ".join(created), ", ".join(sorted(str(s) for s in taken))
+
+
+def _has_none_output(out: Any) -> bool:
+    return isinstance(out, list | tuple) and any(v is None for v in _flatten(out))
+
+
+def _unsupported_dtype(out: Any, inputs: list[Any], node: torch.fx.Node) -> torch.dtype | None:
+    """A dtype among the node's tensors or literal dtype arguments that JAX lacks."""
+    for t in (*_tensors(out), *_tensors(inputs)):
+        if t.dtype not in TORCH_TO_JAX:
+            return t.dtype
+    for v in _flatten([*node.args, *node.kwargs.values()]):
+        if isinstance(v, torch.dtype) and v not in TORCH_TO_JAX:
+            return v
+    return None
 
 
 def _flatten(value: Any) -> list[Any]:
@@ -213,8 +283,13 @@ def _evaluate(
         with jax.enable_x64(True):
             got = jax.eval_shape(run, *(leaves[i] for i in positions))
     except _ABSTRACT_EVAL_ERRORS as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return Reason.CHECK_REFUSED, f"abstract evaluation failed: {msg[:200]}"
+        # JAX reports shape and dtype errors of abstract evaluation with these types;
+        # anything else (a rule's AttributeError, KeyError) is a bug and propagates.
+        log.debug("abstract evaluation of %s refused", rule.op, exc_info=True)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return Reason.CHECK_REFUSED, (
+            f"abstract evaluation raised {type(e).__name__}: {msg[:200]}".rstrip(": ")
+        )
     got_flat, want_flat = _flatten(got), _flatten(expected)
     if len(got_flat) != len(want_flat):
         return Reason.CHECK_REFUSED, (
