@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch._inductor import inductor_prims
 
 from dynajax.lowering.dtypes import (
     as_dtype,
@@ -201,6 +202,15 @@ def _rsub(x, other, *, alpha=1):
     dt = result_type(x, other)
     a, b = promote(x, other, dtype=dt)
     return b - _scaled(a, as_dtype(alpha, dt)) if alpha != 1 else b - a
+
+
+# Dynamo traces ``addcmul_``/``addcdiv_`` with a ``value`` (every Adam step) to
+# prims.fma (an OpOverload defined, and registered on import, by inductor_prims).
+@lower(inductor_prims.fma)
+def _fma(a, b, c):
+    dt = result_type(a, b, c)
+    a, b, c = promote(a, b, c, dtype=dt)
+    return a * b + c
 
 
 @lower(aten.mul.Tensor, aten.mul.Scalar)
