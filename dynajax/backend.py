@@ -25,16 +25,16 @@ from functorch.compile import make_boxed_func
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 
-from dynajax.capability import CapabilityChecker, Unsupported
+from dynajax.capability import CapabilityChecker
 from dynajax.config import Options
-from dynajax.diagnostics import GraphReport, graph_report
+from dynajax.diagnostics import GraphReport, graph_report, snapshot_graph
+from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
 from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, partition
 from dynajax.passes import run_passes
 from dynajax.runtime.compiled import compile_partition
 
 log = logging.getLogger("dynajax.backend")
-capability_log = logging.getLogger("dynajax.capability")
 
 
 @functools.cache
@@ -60,7 +60,6 @@ class Backend:
         self.graphs: list[GraphReport] = []
         self._counter = itertools.count()
         self._lock = threading.Lock()
-        self._logged_reasons: set[tuple[str, str]] = set()
 
     def __repr__(self) -> str:
         return f"dynajax.Backend({self.options})"
@@ -89,26 +88,31 @@ class Backend:
         gm = run_passes(gm)
         checker = CapabilityChecker(self.options.fallback_ops)
         refused = checker.annotate(gm)
-        if refused and self.options.strict:
-            raise UnsupportedNodesError(refused)
+        if self.options.strict:
+            # fallback_ops are the user's own choice; strict objects to the rest.
+            unwanted = [v for v in refused if not v.reason.is_choice]
+            if unwanted:
+                raise UnsupportedNodesError(unwanted, graph=f"{kind} graph")
         annotated = list(gm.graph.nodes)
+        snapshot = snapshot_graph(gm)
         gm = partition(gm, self.options.min_block_size)
         for name, sub in list(gm.named_children()):
             if name.startswith(PREFIX):
                 setattr(gm, name, compile_partition(name, sub))
         gm.recompile()
         with self._lock:
-            report = graph_report(kind, next(self._counter), annotated, gm)
+            report = graph_report(
+                kind,
+                next(self._counter),
+                annotated,
+                gm,
+                snapshot,
+                self.options.min_block_size,
+            )
             self.graphs.append(report)
-            self._log_fallbacks(report.fallbacks)
+        log_fallbacks_once(report.fallbacks)
+        trace_artifact(report.__str__)
         return make_boxed_func(gm)
-
-    def _log_fallbacks(self, fallbacks: list[Unsupported]) -> None:
-        for f in fallbacks:
-            key = (f.target, f.reason.name)
-            if key not in self._logged_reasons:
-                self._logged_reasons.add(key)
-                capability_log.info("%s; it runs in eager PyTorch", f.describe())
 
 
 def dynajax_backend(

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 
+import torch
 import torch.fx
 
 META_KEY = "dynajax_verdict"
@@ -20,10 +22,25 @@ class Reason(enum.Enum):
 
     NO_LOWERING = "no JAX rule for this op"
     CHECK_REFUSED = "the JAX rule refuses these arguments"
-    DATA_DEPENDENT_SHAPE = "output shape depends on tensor values"
+    DATA_DEPENDENT_SHAPE = "a size or scalar depends on tensor values"
     DTYPE = "dtype not supported by JAX/XLA"
     BLOCK_TOO_SMALL = "its JAX partition is smaller than min_block_size"
     USER_FALLBACK = "listed in fallback_ops"
+    HOST_SCALAR = "computes Python scalars or assertions on the host, not tensors"
+
+    @property
+    def is_fallback(self) -> bool:
+        """Whether a node with this reason is tensor work that PyTorch does instead of JAX.
+
+        HOST_SCALAR nodes (``sym_size``, ``_assert_scalar``, ``operator.ge`` on sizes)
+        are shape bookkeeping that no JAX rule could take; reports count them apart.
+        """
+        return self is not Reason.HOST_SCALAR
+
+    @property
+    def is_choice(self) -> bool:
+        """Whether the user asked for this fallback (strict mode accepts these)."""
+        return self in (Reason.USER_FALLBACK, Reason.BLOCK_TOO_SMALL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +77,7 @@ class Unsupported:
         return False
 
     def describe(self) -> str:
+        """``aten.sort.default (node 'sort'): NO_LOWERING: detail [file:line (code)]``."""
         detail = f": {self.detail}" if self.detail else ""
         where = f" [{self.source_line}]" if self.source_line else ""
         return f"{self.target} (node '{self.node}'): {self.reason.name}{detail}{where}"
@@ -83,14 +101,33 @@ def target_name(node: torch.fx.Node) -> str:
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
+# Frames inside these directories are library internals (F.pad calling torch._C, our
+# own backend), not the line a user would edit.
+_LIBRARY_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
+
+
+def _is_user_frame(path: str) -> bool:
+    return not os.path.abspath(path).startswith(_LIBRARY_DIRS)
+
 
 def source_line(node: torch.fx.Node) -> str:
-    """The innermost user frame of the node's stack trace, as ``file:line (code)``."""
+    """The user's line that produced the node, as ``file:line (code)``.
+
+    ``node.meta["stack_trace"]`` lists the frames Dynamo saw, outermost first; for
+    nodes of aot_autograd graphs (backward ones too) it is the trace of the forward
+    op they came from. The innermost frame outside torch and dynajax is the one a user
+    can act on (``F.pad(...)`` in their model, not ``torch/nn/functional.py``); when
+    every frame is library code, the innermost frame is returned.
+    """
     trace = node.meta.get("stack_trace") or ""
     frames = _FRAME.findall(trace)
     if not frames:
         return ""
-    path, line, _fn, code = frames[-1]
+    user = [f for f in frames if _is_user_frame(f[0])]
+    path, line, _fn, code = (user or frames)[-1]
     return f"{path}:{line} ({code.strip()})"
 
 

@@ -1,14 +1,17 @@
-"""Report: what ran in JAX, what stayed in PyTorch, and why."""
+"""Report: what ran in JAX, what stayed in PyTorch, why, and which rules to add next."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import operator
+import os
 
 import torch.fx
 
-from dynajax.capability import Unsupported, verdict_of
+from dynajax.capability import Reason, Unsupported, verdict_of
+from dynajax.diagnostics.whatif import WhatIf, propose, rank, what_if
 from dynajax.partition import PREFIX, compute_op_count
 
 
@@ -31,7 +34,13 @@ class GraphReport:
         graph_module: the stitched graph (JAX partitions as ``jax_<n>`` submodules).
         partitions: the JAX partitions.
         fallbacks: the verdict of every ATen node kept in PyTorch.
-        aten_ops: ATen ops in the graph before partitioning.
+        aten_ops: ATen ops in the graph before partitioning (host-scalar bookkeeping and
+            getitem not counted).
+        host_scalars: verdicts of the nodes that compute sizes and assertions on the
+            host (``sym_size``, ``_assert_scalar``); they are not fallbacks.
+        snapshot: the graph as it was before partitioning, with its verdicts, for the
+            what-if list and the picture; None when not recorded.
+        min_block_size: the policy the partitions were formed under.
     """
 
     kind: str
@@ -40,10 +49,75 @@ class GraphReport:
     partitions: list[PartitionInfo]
     fallbacks: list[Unsupported]
     aten_ops: int
+    host_scalars: list[Unsupported] = dataclasses.field(default_factory=list)
+    snapshot: torch.fx.Graph | None = dataclasses.field(default=None, repr=False)
+    min_block_size: int = 1
 
     @property
     def jax_ops(self) -> int:
         return sum(p.op_count for p in self.partitions)
+
+    @functools.cached_property
+    def what_if(self) -> list[WhatIf]:
+        """Missing rules, most partitions merged first (empty without a snapshot)."""
+        if self.snapshot is None:
+            return []
+        return what_if(self.snapshot, self.min_block_size)
+
+    @functools.cached_property
+    def node_partition(self) -> dict[str, str]:
+        """Node name (in ``snapshot``) -> ``jax_<n>`` of the partition it ran in."""
+        if self.snapshot is None:
+            return {}
+        parts = propose(self.snapshot, self.min_block_size)
+        return {n.name: f"{PREFIX}{i}" for i, p in enumerate(parts) for n in p}
+
+    def lines(self) -> list[str]:
+        host = f" (+{len(self.host_scalars)} host-scalar node(s))" if self.host_scalars else ""
+        out = [
+            f"graph {self.index} ({self.kind}): {self.aten_ops} ATen ops, "
+            f"{len(self.partitions)} JAX partition(s), {len(self.fallbacks)} op(s) in "
+            f"PyTorch{host}"
+        ]
+        for p in self.partitions:
+            top = ", ".join(
+                f"{k.removeprefix('aten.')} x{n}"
+                for k, n in sorted(p.ops.items(), key=lambda kv: (-kv[1], kv[0]))[:6]
+            )
+            more = ", ..." if len(p.ops) > 6 else ""
+            out.append(f"  {p.name:<8} {p.op_count:>5} ops   {top}{more}")
+        if self.fallbacks:
+            out.append("  kept in PyTorch:")
+            width = max(len(f.target) for f in self.fallbacks)
+            nwidth = max(len(f.node) for f in self.fallbacks)
+            for f in self.fallbacks:
+                detail = f": {f.detail}" if f.detail else ""
+                out.append(f"    {f.target:<{width}}  {f.node:<{nwidth}}  {f.reason.name}{detail}")
+                if f.source_line:
+                    out.append(f"    {'':<{width}}  at {_short(f.source_line)}")
+        if self.what_if:
+            out.append("  what-if (a rule for this op would give):")
+            width = max(len(w.op) for w in self.what_if)
+            for w in self.what_if:
+                out.append(f"    {w.op:<{width}}  {w.describe()}")
+        if self.host_scalars:
+            names = ", ".join(h.node for h in self.host_scalars[:8])
+            more = ", ..." if len(self.host_scalars) > 8 else ""
+            out.append(f"  host-scalar bookkeeping, not fallbacks: {names}{more}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def _short(source_line: str) -> str:
+    """``file:line (code)`` with the file relative to the working directory when inside."""
+    path, sep, rest = source_line.partition(":")
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return source_line
+    return f"{rel}{sep}{rest}" if not rel.startswith("..") else source_line
 
 
 def graph_report(
@@ -51,15 +125,20 @@ def graph_report(
     index: int,
     annotated: list[torch.fx.Node],
     stitched: torch.fx.GraphModule,
+    snapshot: torch.fx.Graph | None = None,
+    min_block_size: int = 1,
 ) -> GraphReport:
     """Builds the report of one graph from its annotated nodes and stitched module."""
-    fallbacks = []
+    fallbacks, host = [], []
     aten_ops = 0
     for node in annotated:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        aten_ops += 1
         v = verdict_of(node)
+        if v is not None and not v.supported and v.reason is Reason.HOST_SCALAR:
+            host.append(v)
+            continue
+        aten_ops += 1
         if v is not None and not v.supported:
             fallbacks.append(v)
     partitions = []
@@ -71,12 +150,18 @@ def graph_report(
             str(n.target) for n in g if n.op == "call_function" and n.target is not operator.getitem
         )
         partitions.append(PartitionInfo(name, compute_op_count(g), dict(hist)))
-    return GraphReport(kind, index, stitched, partitions, fallbacks, aten_ops)
+    return GraphReport(
+        kind, index, stitched, partitions, fallbacks, aten_ops, host, snapshot, min_block_size
+    )
 
 
 @dataclasses.dataclass
 class Report:
-    """Everything dynajax compiled for one function: see ``str(report)``."""
+    """Everything dynajax compiled for one function: see ``str(report)``.
+
+    ``to_dot()`` draws it (nodes coloured by partition, fallbacks marked);
+    ``save_svg(path)`` renders that with Graphviz (``pip install dynajax[viz]``).
+    """
 
     graphs: list[GraphReport]
 
@@ -101,6 +186,34 @@ class Report:
     def partitions(self) -> list[PartitionInfo]:
         return [p for g in self.graphs for p in g.partitions]
 
+    def what_if(self) -> list[WhatIf]:
+        """Missing rules summed over every graph, most partitions merged first."""
+        total: dict[str, WhatIf] = {}
+        for g in self.graphs:
+            for w in g.what_if:
+                total[w.op] = total[w.op] + w if w.op in total else w
+        return rank(list(total.values()))
+
+    def to_dot(self) -> str:
+        """The graphs in Graphviz DOT: JAX nodes filled by partition, fallbacks red
+        with their reason, host-scalar bookkeeping grey. Needs no extra package."""
+        from dynajax.diagnostics.dot import report_to_dot
+
+        return report_to_dot(self)
+
+    def save_svg(self, path: str | os.PathLike[str]) -> None:
+        """Renders ``to_dot()`` to an SVG file (needs ``pip install dynajax[viz]`` and
+        Graphviz's ``dot`` program)."""
+        from dynajax.diagnostics.dot import render
+
+        render(self.to_dot(), path, "svg")
+
+    def save_png(self, path: str | os.PathLike[str]) -> None:
+        """Like ``save_svg``, as PNG."""
+        from dynajax.diagnostics.dot import render
+
+        render(self.to_dot(), path, "png")
+
     def __str__(self) -> str:
         lines = [
             f"dynajax report: {len(self.graphs)} graph(s), {self.jax_ops}/{self.aten_ops} "
@@ -108,24 +221,11 @@ class Report:
         ]
         for g in self.graphs:
             lines.append("")
-            lines.append(
-                f"graph {g.index} ({g.kind}): {g.aten_ops} ATen ops, {len(g.partitions)} JAX "
-                f"partition(s), {len(g.fallbacks)} op(s) in PyTorch"
-            )
-            for p in g.partitions:
-                top = ", ".join(
-                    f"{k.removeprefix('aten.')} x{n}"
-                    for k, n in sorted(p.ops.items(), key=lambda kv: -kv[1])[:6]
-                )
-                lines.append(f"  {p.name:<8} {p.op_count:>5} ops   {top}")
-            if g.fallbacks:
-                lines.append("  kept in PyTorch:")
-                width = max(len(f.target) for f in g.fallbacks)
-                for f in g.fallbacks:
-                    detail = f" ({f.detail})" if f.detail else ""
-                    lines.append(
-                        f"    {f.target:<{width}}  {f.node:<16} {f.reason.name}{detail}"
-                    )
-                    if f.source_line:
-                        lines.append(f"    {'':<{width}}  at {f.source_line}")
+            lines.extend(g.lines())
+        if len(self.graphs) > 1 and self.what_if():
+            lines.append("")
+            lines.append("what-if over all graphs (a rule for this op would give):")
+            width = max(len(w.op) for w in self.what_if())
+            for w in self.what_if():
+                lines.append(f"  {w.op:<{width}}  {w.describe()}")
         return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""Where reports go besides ``str(report)``: the ``dynajax.capability`` logger (each
+distinct fallback once per process) and PyTorch's structured trace (TORCH_TRACE /
+tlparse), as an artifact named ``dynajax_report``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch._logging
+
+from dynajax.capability import Unsupported
+
+log = logging.getLogger("dynajax.capability")
+
+ARTIFACT_NAME = "dynajax_report"
+
+_lock = threading.Lock()
+_logged: set[tuple[str, str, str]] = set()
+
+
+def log_fallbacks_once(fallbacks: list[Unsupported]) -> None:
+    """Logs each distinct (op, reason, detail) at INFO, the first time it is seen."""
+    for f in fallbacks:
+        key = (f.target, f.reason.name, f.detail)
+        with _lock:
+            if key in _logged:
+                continue
+            _logged.add(key)
+        log.info(
+            "%s; it runs in eager PyTorch (%s). Further nodes with this reason are not "
+            "logged; dynajax.explain() lists them all.",
+            f.describe(),
+            f.reason.value,
+        )
+
+
+def forget_logged_fallbacks() -> None:
+    """Makes every fallback loggable again (for tests and long-lived processes)."""
+    with _lock:
+        _logged.clear()
+
+
+def trace_artifact(text_fn: object) -> None:
+    """Emits the report text as a structured-trace artifact (evaluated only when a trace
+    is being recorded, e.g. under ``TORCH_TRACE=/tmp/trace``)."""
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": ARTIFACT_NAME, "encoding": "string"},
+        payload_fn=text_fn,
+    )
