@@ -7,9 +7,12 @@ options={...})``) win over environment variables, which win over defaults.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import torch
 
 from dynajax.errors import OptionsError
 
@@ -41,12 +44,16 @@ class Options:
     def __post_init__(self) -> None:
         if isinstance(self.min_block_size, bool) or not isinstance(self.min_block_size, int):
             raise OptionsError(
-                f"min_block_size must be an int >= 1, got {self.min_block_size!r}."
+                f"min_block_size must be an int >= 1 (1 keeps every JAX partition), "
+                f"got {self.min_block_size!r}."
             )
         if self.min_block_size < 1:
-            raise OptionsError(f"min_block_size must be >= 1, got {self.min_block_size}.")
+            raise OptionsError(
+                f"min_block_size must be >= 1 (1 keeps every JAX partition), "
+                f"got {self.min_block_size}."
+            )
         if not isinstance(self.strict, bool):
-            raise OptionsError(f"strict must be a bool, got {self.strict!r}.")
+            raise OptionsError(f"strict must be True or False, got {self.strict!r}.")
         if self.cache_dir is not None and not isinstance(self.cache_dir, str | os.PathLike):
             raise OptionsError(f"cache_dir must be a path or None, got {self.cache_dir!r}.")
         object.__setattr__(self, "fallback_ops", _normalize_ops(self.fallback_ops))
@@ -73,7 +80,10 @@ def _normalize_ops(ops: Any) -> tuple[str, ...]:
     if isinstance(ops, str):
         ops = [o for o in ops.split(",") if o.strip()]
     if not isinstance(ops, Iterable):
-        raise OptionsError(f"fallback_ops must be a list of op names, got {ops!r}.")
+        raise OptionsError(
+            f"fallback_ops must be a list of op names like ['aten.sort', "
+            f"'aten.nonzero.default'], got {ops!r}."
+        )
     names = []
     for op in ops:
         if isinstance(op, str):
@@ -85,6 +95,7 @@ def _normalize_ops(ops: Any) -> tuple[str, ...]:
                     f"fallback_ops entry {op!r} is not an op name; use 'aten.sort' "
                     "(every overload) or 'aten.sort.default' (one overload)."
                 )
+            _check_exists(name)
             names.append(name)
         elif hasattr(op, "_schema") or hasattr(op, "_qualified_op_name"):
             names.append(_op_name(op))
@@ -94,6 +105,37 @@ def _normalize_ops(ops: Any) -> tuple[str, ...]:
                 "use 'aten.sort' or torch.ops.aten.sort."
             )
     return tuple(names)
+
+
+# Namespaces always loaded with torch, so a misspelt name there is certainly wrong.
+# Ops of other namespaces (custom ops) may be registered after the options are read.
+_CHECKED_NAMESPACES = ("aten", "prims")
+
+
+def _check_exists(name: str) -> None:
+    """Raises OptionsError for an aten/prims op or overload that does not exist."""
+    namespace, _, rest = name.partition(".")
+    if namespace not in _CHECKED_NAMESPACES:
+        return
+    opname, _, overload = rest.partition(".")
+    qualified = f"{namespace}::{opname}"
+    known = set(torch._C._dispatch_get_all_op_names())
+    packets = {n.split(".", 1)[0] for n in known}
+    if qualified not in packets:
+        close = difflib.get_close_matches(qualified, sorted(packets), n=3)
+        hint = ", ".join(repr(c.replace("::", ".")) for c in close)
+        raise OptionsError(
+            f"fallback_ops entry {name!r}: there is no op {namespace}.{opname}"
+            + (f"; did you mean {hint}?" if hint else ".")
+        )
+    if overload:
+        overloads = getattr(getattr(torch.ops, namespace), opname).overloads()
+        if overload not in overloads:
+            valid = ", ".join(f"'{namespace}.{opname}.{o}'" for o in sorted(overloads))
+            raise OptionsError(
+                f"fallback_ops entry {name!r}: {namespace}.{opname} has no overload "
+                f"{overload!r}; valid ones are {valid} (or '{namespace}.{opname}' for all)."
+            )
 
 
 def _op_name(op: Any) -> str:
@@ -109,14 +151,17 @@ def _parse_bool(name: str, raw: str) -> bool:
         return True
     if low in _FALSE:
         return False
-    raise OptionsError(f"{name}={raw!r} is not a boolean; use 1 or 0.")
+    valid = ", ".join(sorted(_TRUE | (_FALSE - {""})))
+    raise OptionsError(f"{name}={raw!r} is not a boolean; valid values are {valid}.")
 
 
 def _parse_int(name: str, raw: str) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise OptionsError(f"{name}={raw!r} is not an integer.") from None
+        raise OptionsError(
+            f"{name}={raw!r} is not an integer; use a whole number >= 1, e.g. {name}=3."
+        ) from None
 
 
 _ENV = {
@@ -131,6 +176,12 @@ def _from_env() -> dict[str, Any]:
     out = {}
     for var, (field, parse) in _ENV.items():
         raw = os.environ.get(var)
-        if raw is not None:
-            out[field] = parse(var, raw)
+        if raw is None:
+            continue
+        value = parse(var, raw)
+        try:
+            Options(**{field: value})  # validate alone, so the error names the variable
+        except OptionsError as e:
+            raise OptionsError(f"{var}={raw!r}: {e}") from None
+        out[field] = value
     return out
