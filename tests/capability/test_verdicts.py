@@ -1,0 +1,294 @@
+"""Verdicts and reasons, one category at a time; every result is compared with eager."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dynajax
+from dynajax import Reason
+from dynajax.capability import META_KEY, Supported
+from dynajax.lowering import registry
+from tests.tolerances import assert_same
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------------
+# Test-only ops: one with no rule, one whose rule has a check, one with a wrong rule
+# ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dynajax_captest::norule", mutates_args=())
+def norule(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@norule.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+norule.register_autograd(lambda ctx, grad: norule(grad))  # d(3x)/dx = 3
+
+
+@torch.library.custom_op("dynajax_captest::reduce_rows", mutates_args=())
+def reduce_rows(x: torch.Tensor, mode: str) -> torch.Tensor:
+    return x.sum(0) if mode == "sum" else x.amax(0)
+
+
+@reduce_rows.register_fake
+def _(x, mode):
+    return x.new_empty(x.shape[1:])
+
+
+CALLS: list[type] = []
+
+
+def _reduce_rows_check(x, mode):
+    return None if mode == "sum" else f"reduction mode {mode!r} not supported (only 'sum')"
+
+
+def _reduce_rows_rule(x, mode):
+    CALLS.append(type(x))
+    return jnp.sum(x, axis=0)
+
+
+def _wrong_dtype_rule(x, mode):
+    return jnp.sum(x, axis=0).astype(jnp.float64)  # PyTorch keeps float32
+
+
+def _shape_error_rule(x, mode):
+    return jnp.sum(x, axis=0) + jnp.ones((7,), x.dtype)  # cannot broadcast
+
+
+def _buggy_rule(x, mode):
+    return x.no_such_attribute
+
+
+@pytest.fixture
+def rule_for_reduce_rows(monkeypatch):
+    """Registers a JAX rule for reduce_rows for one test (the table itself is global)."""
+    registry.supported_ops()  # load the table before patching it
+    op = torch.ops.dynajax_captest.reduce_rows.default
+
+    def install(fn, check=None):
+        monkeypatch.setitem(registry._TABLE, op, registry.Rule(op, fn, check))
+
+    CALLS.clear()
+    return install
+
+
+def _run(fn, *args, **options):
+    backend = dynajax.Backend(**options)
+    out = torch.compile(fn, backend=backend)(*args)
+    assert_same(out, fn(*args))
+    return dynajax.Report(backend.graphs)
+
+
+def _by_target(report, target):
+    return [f for f in report.fallbacks if f.target == target]
+
+
+# ---------------------------------------------------------------------------------
+# Supported and NO_LOWERING
+# ---------------------------------------------------------------------------------
+
+
+def test_supported_nodes_carry_supported_verdicts() -> None:
+    report = _run(lambda x: torch.sin(x) * 2 + 1, torch.randn(8))
+    assert report.fallbacks == []
+    [graph] = report.graphs
+    verdicts = [n.meta[META_KEY] for n in graph.snapshot.nodes if n.op == "call_function"]
+    assert verdicts and all(isinstance(v, Supported) for v in verdicts)
+
+
+def test_no_lowering_for_custom_op() -> None:
+    def f(x):
+        return torch.cos(norule(torch.sin(x)))
+
+    report = _run(f, torch.randn(8))
+    [fb] = report.fallbacks
+    assert (fb.target, fb.reason, fb.node) == (
+        "dynajax_captest.norule.default",
+        Reason.NO_LOWERING,
+        "norule",
+    )
+    assert fb.source_line.startswith(__file__)
+    assert "return torch.cos(norule(torch.sin(x)))" in fb.source_line
+
+
+# ---------------------------------------------------------------------------------
+# CHECK_REFUSED: by the rule's check, and by abstract evaluation
+# ---------------------------------------------------------------------------------
+
+
+def test_check_refuses_argument_value_without_running_the_rule(rule_for_reduce_rows) -> None:
+    rule_for_reduce_rows(_reduce_rows_rule, _reduce_rows_check)
+
+    def f(x):
+        return reduce_rows(x.sin(), "sum") + reduce_rows(x.cos(), "max")
+
+    report = _run(f, torch.randn(4, 6))
+    [fb] = report.fallbacks
+    assert fb.reason is Reason.CHECK_REFUSED
+    assert fb.detail == "reduction mode 'max' not supported (only 'sum')"
+    assert 'reduce_rows(x.cos(), "max")' in fb.source_line
+    # The accepted node's rule ran only on JAX tracers (abstract evaluation, jit), never
+    # on concrete data, and the refused one never ran at all.
+    assert CALLS and all(issubclass(t, jax.core.Tracer) for t in CALLS)
+
+
+@pytest.mark.parametrize(
+    "rule, detail",
+    [
+        (_wrong_dtype_rule, "rule gives float64[6] where PyTorch gives float32[6]"),
+        (_shape_error_rule, "abstract evaluation raised TypeError"),
+    ],
+    ids=["dtype-mismatch", "shape-error"],
+)
+def test_abstract_evaluation_refuses(rule_for_reduce_rows, rule, detail) -> None:
+    rule_for_reduce_rows(rule)
+    report = _run(lambda x: reduce_rows(x, "sum") * 2, torch.randn(4, 6))
+    [fb] = report.fallbacks
+    assert fb.reason is Reason.CHECK_REFUSED
+    assert fb.detail.startswith(detail)
+
+
+def test_a_buggy_rule_is_an_error_not_a_refusal(rule_for_reduce_rows) -> None:
+    rule_for_reduce_rows(_buggy_rule)
+    with pytest.raises(Exception, match="no_such_attribute"):
+        torch.compile(lambda x: reduce_rows(x, "sum"), backend=dynajax.Backend())(torch.randn(2, 3))
+
+
+# ---------------------------------------------------------------------------------
+# DATA_DEPENDENT_SHAPE
+# ---------------------------------------------------------------------------------
+
+DATA_DEPENDENT = {
+    "nonzero": (lambda x: torch.nonzero(x > 0).sum(), "aten.nonzero.default"),
+    "masked_select": (lambda x: torch.masked_select(x, x > 0) * 2, "aten.masked_select.default"),
+    "bool-mask-index": (lambda x: x[x > 0] + 1, "aten.index.Tensor"),
+    "repeat_interleave": (
+        lambda x: torch.repeat_interleave(x, (x > 0).long()) - 1,
+        "aten.repeat_interleave.Tensor",
+    ),
+    "unique": (lambda x: torch.unique(x.round()) * 3, "aten._unique2.default"),
+    "item": (lambda x: x * (x > 0).sum().item(), "aten._local_scalar_dense.default"),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_DEPENDENT), ids=list(DATA_DEPENDENT))
+def test_data_dependent_ops_run_eagerly(case) -> None:
+    fn, target = DATA_DEPENDENT[case]
+    with torch._dynamo.config.patch(
+        capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True
+    ):
+        report = _run(lambda x: fn(torch.sin(x)), torch.randn(16))
+    producers = _by_target(report, target)
+    assert producers, str(report)
+    assert all(p.reason is Reason.DATA_DEPENDENT_SHAPE for p in producers)
+    assert "only known after running the op" in producers[0].detail
+    # The sin before is in JAX; the consumer of the unbacked size stays in PyTorch.
+    assert report.partitions
+    consumers = [f for f in report.fallbacks if "earlier op" in f.detail]
+    assert consumers and all(c.reason is Reason.DATA_DEPENDENT_SHAPE for c in consumers)
+    # Size bookkeeping (sym_size, _assert_scalar) is not reported as a fallback.
+    assert not [f for f in report.fallbacks if "sym_size" in f.target or "assert" in f.target]
+
+
+def test_unbacked_size_flowing_into_a_creation_op() -> None:
+    def f(x):
+        n = torch.nonzero(x > 0).shape[0]
+        return torch.ones(n, 2) * x.sum(), x.cos()
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        report = _run(f, torch.randn(10))
+    reasons = {f.target: f.reason for f in report.fallbacks}
+    assert reasons["aten.nonzero.default"] is Reason.DATA_DEPENDENT_SHAPE
+    taker = [f for f in report.fallbacks if f.target in ("aten.full.default", "aten.ones.default")]
+    assert taker and taker[0].reason is Reason.DATA_DEPENDENT_SHAPE
+    assert report.graphs[0].host_scalars  # sym_size / asserts, counted apart
+
+
+def test_index_with_integer_indices_stays_in_jax() -> None:
+    # aten.index.Tensor carries the dynamic_output_shape tag; with integer indices its
+    # shape is known, so it is not refused.
+    report = _run(lambda x, i: x[i] * 2, torch.randn(6, 3), torch.tensor([0, 2, 5]))
+    assert report.fallbacks == []
+
+
+# ---------------------------------------------------------------------------------
+# DTYPE, USER_FALLBACK, BLOCK_TOO_SMALL
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_dtype_jax_lacks() -> None:
+    from dynajax.lowering.dtypes import TORCH_TO_JAX
+
+    assert torch.complex32 not in TORCH_TO_JAX  # JAX has no complex32
+
+    def f(x):
+        return x.to(torch.complex32).to(torch.complex64).real + x.sin()
+
+    report = _run(f, torch.randn(5))
+    dtype = [fb for fb in report.fallbacks if fb.reason is Reason.DTYPE]
+    assert dtype and all("torch.complex32 has no JAX equivalent" in fb.detail for fb in dtype)
+    assert all(fb.target == "aten._to_copy.default" for fb in dtype)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["aten.cos", "aten.cos.default", aten.cos, aten.cos.default],
+    ids=["packet-name", "overload-name", "packet", "overload"],
+)
+def test_user_fallback(entry) -> None:
+    report = _run(lambda x: torch.cos(torch.sin(x)) + 1, torch.randn(8), fallback_ops=[entry])
+    [fb] = report.fallbacks
+    assert (fb.target, fb.reason) == ("aten.cos.default", Reason.USER_FALLBACK)
+    assert len(report.partitions) == 2
+
+
+def test_block_too_small() -> None:
+    def f(x):
+        a = norule(x.sin())
+        return norule(a.cos() * a.exp() + 1)
+
+    report = _run(f, torch.randn(8), min_block_size=3)
+    small = [fb for fb in report.fallbacks if fb.reason is Reason.BLOCK_TOO_SMALL]
+    assert [fb.target for fb in small] == ["aten.sin.default"]
+    assert "min_block_size=3" in small[0].detail
+    assert [p.op_count for p in report.partitions] == [4]
+
+
+# ---------------------------------------------------------------------------------
+# Source lines point at the user's code, forward and backward
+# ---------------------------------------------------------------------------------
+
+
+def test_source_line_skips_library_frames_forward_and_backward() -> None:
+    def f(x):
+        y = norule(x)
+        return F.softmax(y * 2, dim=-1).sum()
+
+    x = torch.randn(3, 5, requires_grad=True)
+    backend = dynajax.Backend(fallback_ops=["aten._softmax"])
+    torch.compile(f, backend=backend)(x).backward()
+    forward, backward = backend.graphs
+    assert (forward.kind, backward.kind) == ("forward", "backward")
+    lines = {fb.target: fb.source_line for fb in forward.fallbacks}
+    # F.softmax's innermost frame is torch/nn/functional.py; the user's line is reported.
+    assert lines["aten._softmax.default"].startswith(f"{__file__}:")
+    assert "return F.softmax(y * 2, dim=-1).sum()" in lines["aten._softmax.default"]
+    assert "y = norule(x)" in lines["dynajax_captest.norule.default"]
+    # Backward nodes carry the line of the forward op they differentiate.
+    [bw] = [fb for fb in backward.fallbacks if fb.target == "dynajax_captest.norule.default"]
+    assert bw.source_line.startswith(f"{__file__}:")
+    assert "y = norule(x)" in bw.source_line
+    x2 = x.detach().clone().requires_grad_()
+    f(x2).backward()
+    assert_same(x.grad, x2.grad)
