@@ -32,6 +32,7 @@ from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
 from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, partition
 from dynajax.passes import run_passes
+from dynajax.passes.decompositions import training_corrections
 from dynajax.runtime.compiled import compile_partition
 
 log = logging.getLogger("dynajax.backend")
@@ -39,8 +40,9 @@ log = logging.getLogger("dynajax.backend")
 
 @functools.cache
 def decompositions() -> dict[Any, Callable[..., Any]]:
-    """aot_autograd's decomposition table: PyTorch's core ATen decompositions."""
-    return core_aten_decompositions()
+    """aot_autograd's decomposition table: PyTorch's core ATen decompositions, with
+    the corrections of ``passes.decompositions`` (a consistent attention backward)."""
+    return {**core_aten_decompositions(), **training_corrections()}
 
 
 class Backend:

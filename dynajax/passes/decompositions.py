@@ -1,0 +1,84 @@
+"""Corrections to the decomposition table that aot_autograd applies while tracing.
+
+aot_autograd decomposes every op in ``backend.decompositions()`` as it traces the
+joint forward/backward graph, before any FX pass here runs. PyTorch's core ATen table
+is right for inference but has one inconsistency that matters for training:
+
+``_scaled_dot_product_flash_attention_for_cpu`` (what ``F.scaled_dot_product_attention``
+and ``nn.MultiheadAttention`` dispatch to on CPU) is decomposed into the math
+attention, whose second output is the attention-weight matrix, not the logsumexp that
+the op's autograd formula saves for ``_scaled_dot_product_flash_attention_for_cpu_backward``.
+That backward op is not decomposed, so it reads the wrong tensor and returns wrong
+query/key gradients (on ``nn.TransformerEncoderLayer`` the ``in_proj`` gradients come
+out several times their true size; eager and ``aot_eager`` are right). The backward
+here recomputes the attention from query, key and value instead, so it never reads
+the saved output or logsumexp:
+
+    before: ..._for_cpu_backward(grad, q, k, v, out, lse, 0.0, False)   # wrong lse
+    after:  s = q @ k^T * scale (+ mask); p = softmax(s)
+            grad_v = p^T @ grad;  dp = grad @ v^T;  ds = p * (dp - sum(dp * p))
+            grad_q = ds @ k * scale;  grad_k = ds^T @ q * scale
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _flash_attention_for_cpu_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(dropout_p == 0.0, lambda: f"dropout probability must be zero, got {dropout_p}")
+    dtype = query.dtype
+    # Half-precision inputs accumulate in float32, as the math attention does on CPU.
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    q, k, v, g = (t.to(compute) for t in (query, key, value, grad_out))
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    groups = query.size(1) // key.size(1)  # grouped-query attention shares k/v heads
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(s.size(-2), s.size(-1), dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask.to(compute)
+    p = torch.softmax(s, dim=-1)
+    grad_v = torch.matmul(p.transpose(-2, -1), g)
+    dp = torch.matmul(g, v.transpose(-2, -1))
+    ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True))
+    grad_q = torch.matmul(ds, k) * scale
+    grad_k = torch.matmul(ds.transpose(-2, -1), q) * scale
+    if groups > 1:
+        grad_k = grad_k.unflatten(1, (key.size(1), groups)).sum(dim=2)
+        grad_v = grad_v.unflatten(1, (key.size(1), groups)).sum(dim=2)
+    return grad_q.to(dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
+def training_corrections() -> dict[Any, Callable[..., Any]]:
+    """Entries that replace or extend PyTorch's core ATen decompositions."""
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
+            _flash_attention_for_cpu_backward
+        ),
+    }
