@@ -166,7 +166,10 @@ def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, div
     strides = (1,) * lead + tuple(stride)
     full_pads = [(0, 0)] * lead + pads
     acc = x.astype(np.float32) if x.dtype in (np.float16, jnp.bfloat16) else x
-    sums = jax.lax.reduce_window(acc, jnp.zeros((), acc.dtype), jax.lax.add, window, strides, full_pads)
+    # A concrete (NumPy) zero lets JAX pick its differentiable windowed-sum primitive,
+    # which the backward rules below take the VJP of.
+    zero = np.zeros((), acc.dtype)
+    sums = jax.lax.reduce_window(acc, zero, jax.lax.add, window, strides, full_pads)
     if divisor_override:
         return (sums / divisor_override).astype(x.dtype)
     # Divisor per window: elements inside the input (+ explicit padding when
@@ -219,3 +222,95 @@ def _adaptive_avg_pool2d(x, output_size):
 @lower(aten._adaptive_avg_pool3d.default)
 def _adaptive_avg_pool3d(x, output_size):
     return _adaptive_avg_pool(x, output_size, 3)
+
+
+# ---------------------------------------------------------------------------------
+# Gradients (the backward graphs of training)
+# ---------------------------------------------------------------------------------
+
+
+def _conv_backward_check(grad, x, weight, bias_sizes, stride, padding, dilation, transposed,
+                         output_padding, groups, output_mask):
+    return _conv_check(x, weight, None, stride, padding, dilation, transposed, output_padding,
+                       groups)
+
+
+@lower(aten.convolution_backward.default, check=_conv_backward_check)
+def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed,
+                          output_padding, groups, output_mask):
+    # The forward rule is linear in input and weight, so its VJP is the exact gradient.
+    def forward(x_, w_):
+        return _convolution(x_, w_, None, stride, padding, dilation, transposed,
+                            output_padding, groups)
+
+    _, vjp = jax.vjp(forward, x, weight)
+    grad_input, grad_weight = vjp(grad.astype(x.dtype))
+    grad_bias = None
+    if output_mask[2]:
+        channel = grad.ndim - weight.ndim + 1
+        grad_bias = jnp.sum(grad, axis=tuple(i for i in range(grad.ndim) if i != channel))
+    return (
+        grad_input if output_mask[0] else None,
+        grad_weight if output_mask[1] else None,
+        grad_bias,
+    )
+
+
+def _max_pool_backward(grad, x, indices, nd):
+    # Each output cell sends its gradient to the flat spatial position it took its max
+    # from; overlapping windows add up.
+    lead = x.shape[: x.ndim - nd]
+    rows = int(np.prod(lead, dtype=np.int64))
+    spatial = int(np.prod(x.shape[x.ndim - nd :], dtype=np.int64))
+    g = grad.reshape(rows, -1)
+    idx = indices.reshape(rows, -1)
+    out = jnp.zeros((rows, spatial), grad.dtype).at[jnp.arange(rows)[:, None], idx].add(g)
+    return out.reshape(x.shape)
+
+
+@lower(aten.max_pool2d_with_indices_backward.default)
+def _max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation,
+                                      ceil_mode, indices):
+    return _max_pool_backward(grad, x, indices, 2)
+
+
+@lower(aten.max_pool3d_with_indices_backward.default)
+def _max_pool3d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation,
+                                      ceil_mode, indices):
+    return _max_pool_backward(grad, x, indices, 3)
+
+
+def _linear_vjp(forward, x, grad):
+    """Gradient of a function linear in x (average pooling), by its exact VJP."""
+    _, vjp = jax.vjp(forward, x)
+    return vjp(grad.astype(x.dtype))[0]
+
+
+@lower(aten.avg_pool2d_backward.default)
+def _avg_pool2d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                         divisor_override):
+    def forward(x_):
+        return _avg_pool(x_, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                         divisor_override, 2)
+
+    return _linear_vjp(forward, x, grad)
+
+
+@lower(aten.avg_pool3d_backward.default)
+def _avg_pool3d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                         divisor_override):
+    def forward(x_):
+        return _avg_pool(x_, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                         divisor_override, 3)
+
+    return _linear_vjp(forward, x, grad)
+
+
+@lower(aten._adaptive_avg_pool2d_backward.default)
+def _adaptive_avg_pool2d_backward(grad, x):
+    return _linear_vjp(lambda x_: _adaptive_avg_pool(x_, grad.shape[-2:], 2), x, grad)
+
+
+@lower(aten._adaptive_avg_pool3d_backward.default)
+def _adaptive_avg_pool3d_backward(grad, x):
+    return _linear_vjp(lambda x_: _adaptive_avg_pool(x_, grad.shape[-3:], 3), x, grad)

@@ -468,3 +468,44 @@ def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None,
         # float -> int truncates toward zero in PyTorch.
         x = jnp.trunc(x)
     return x.astype(dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Complex numbers
+# ---------------------------------------------------------------------------------
+
+
+@lower(aten.complex.default)
+def _complex(real, imag):
+    re, im = promote(real, imag)
+    return jax.lax.complex(re, im)
+
+
+@lower(aten.polar.default)
+def _polar(abs, angle):
+    a, t = promote(abs, angle)
+    return jax.lax.complex(a * jnp.cos(t), a * jnp.sin(t))
+
+
+@lower(aten.view_as_real.default)
+def _view_as_real(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+@lower(aten.view_as_complex.default)
+def _view_as_complex(x):
+    return jax.lax.complex(x[..., 0], x[..., 1])
+
+
+@lower(aten.conj_physical.default, aten._conj.default)
+def _conj_physical(x):
+    return jnp.conj(x) if is_complex(x.dtype) else x
+
+
+@lower(aten.angle.default)
+def _angle(x):
+    if is_complex(x.dtype):
+        return jnp.angle(x)
+    # Real inputs: pi for negatives, 0 otherwise, NaN kept; integers give floats.
+    x = as_dtype(x, float_result_type(x))
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0).astype(x.dtype))

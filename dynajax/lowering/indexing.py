@@ -106,3 +106,70 @@ def _masked_fill_scalar(x, mask, value):
 @lower(aten.masked_fill.Tensor)
 def _masked_fill_tensor(x, mask, value):
     return jnp.where(mask, value.astype(x.dtype), x)
+
+
+# ---------------------------------------------------------------------------------
+# Reducing scatters and masked scatter
+# ---------------------------------------------------------------------------------
+
+_SCATTER_REDUCES = ("sum", "prod", "mean", "amax", "amin")
+
+
+def _scatter_reduce_check(x, dim, index, src, reduce, *, include_self=True):
+    if reduce not in _SCATTER_REDUCES:
+        return f"scatter_reduce with reduce={reduce!r}"
+    return None
+
+
+def _reduction_identity(dtype, reduce):
+    if reduce in ("sum", "mean"):
+        return jnp.zeros((), dtype)
+    if reduce == "prod":
+        return jnp.ones((), dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.asarray(-jnp.inf if reduce == "amax" else jnp.inf, dtype)
+    if dtype == np.bool_:
+        return jnp.asarray(reduce != "amax", dtype)
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if reduce == "amax" else info.max, dtype)
+
+
+@lower(aten.scatter_reduce.two, check=_scatter_reduce_check)
+def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    if x.ndim == 0:
+        x, index, src = x.reshape(1), index.reshape(-1), src.reshape(-1)
+        return _scatter_reduce(x, 0, index, src, reduce, include_self=include_self).reshape(())
+    src = src[tuple(slice(0, n) for n in index.shape)].astype(x.dtype)
+    idx = _along(x, dim, index)
+    base = x if include_self else x.at[idx].set(_reduction_identity(x.dtype, reduce))
+    at = base.at[idx]
+    if reduce in ("sum", "mean"):
+        out = at.add(src)
+    elif reduce == "prod":
+        out = at.multiply(src)
+    elif reduce == "amax":
+        out = at.max(src)
+    else:
+        out = at.min(src)
+    if reduce != "mean":
+        return out
+    # Each slot is divided by the number of values it received (itself included when
+    # include_self); slots nothing was scattered to keep their value.
+    count = jnp.full(x.shape, 1 if include_self else 0, np.int64).at[idx].add(1)
+    count = jnp.maximum(count, 1)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return out / count.astype(x.dtype)
+    return jnp.floor_divide(out, count.astype(x.dtype))
+
+
+@lower(aten.masked_scatter.default)
+def _masked_scatter(x, mask, source):
+    shape = jnp.broadcast_shapes(x.shape, mask.shape)
+    flat_x = jnp.broadcast_to(x, shape).reshape(-1)
+    flat_m = jnp.broadcast_to(mask, shape).reshape(-1)
+    if source.size == 0 or flat_x.size == 0:
+        return flat_x.reshape(shape)
+    # The k-th True of the mask (in row-major order) takes the k-th element of source.
+    pos = jnp.clip(jnp.cumsum(flat_m, dtype=np.int64) - 1, 0, source.size - 1)
+    taken = source.reshape(-1)[pos].astype(x.dtype)
+    return jnp.where(flat_m, taken, flat_x).reshape(shape)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from dynajax.lowering.dtypes import as_dtype, is_integral, result_type
@@ -43,3 +44,57 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
     if beta == 0:  # PyTorch ignores bias (even NaN) when beta == 0
         return jnp.broadcast_to(prod, prod.shape).astype(result_type(bias, a))
     return (_scale(bias, beta) + prod).astype(result_type(bias, a))
+
+
+# ---------------------------------------------------------------------------------
+# Pairwise distances
+# ---------------------------------------------------------------------------------
+
+
+def _pnorm(diff, p, axis=-1):
+    a = jnp.abs(diff)
+    if p == 0:
+        return jnp.sum(a != 0, axis=axis).astype(diff.dtype)
+    if p == float("inf"):
+        return jnp.max(a, axis=axis, initial=0)  # |d| >= 0, so 0 is the identity
+    if p == 1:
+        return jnp.sum(a, axis=axis)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=axis))
+    return jnp.sum(a**p, axis=axis) ** (1 / p)
+
+
+def _euclidean_mm(x1, x2):
+    # PyTorch's _euclidean_dist: one matmul of norm-augmented operands.
+    n1 = jnp.sum(x1 * x1, axis=-1, keepdims=True)
+    n2 = jnp.sum(x2 * x2, axis=-1, keepdims=True)
+    a = jnp.concatenate([x1 * -2, n1, jnp.ones_like(n1)], axis=-1)
+    b = jnp.concatenate([x2, jnp.ones_like(n2), n2], axis=-1)
+    return jnp.sqrt(jnp.maximum(a @ jnp.swapaxes(b, -1, -2), 0))
+
+
+def _cdist_check(x1, x2, p, compute_mode):
+    if not jnp.issubdtype(x1.dtype, jnp.floating):
+        return f"cdist of {x1.dtype} (PyTorch takes floating point only)"
+    return None
+
+
+@lower(aten._cdist_forward.default, check=_cdist_check)
+def _cdist_forward(x1, x2, p, compute_mode):
+    # compute_mode None/0: the matmul form when either side has more than 25 rows;
+    # 1: always; 2: never. Only p == 2 has a matmul form.
+    rows = max(x1.shape[-2], x2.shape[-2])
+    use_mm = p == 2 and (compute_mode == 1 or (compute_mode in (None, 0) and rows > 25))
+    batch = jnp.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    x1 = jnp.broadcast_to(x1, batch + x1.shape[-2:])
+    x2 = jnp.broadcast_to(x2, batch + x2.shape[-2:])
+    if use_mm:
+        return _euclidean_mm(x1, x2)
+    return _pnorm(x1[..., :, None, :] - x2[..., None, :, :], p)
+
+
+@lower(aten._pdist_forward.default, check=lambda x, p=2.0: _cdist_check(x, x, p, None))
+def _pdist_forward(x, p=2.0):
+    # Distances of rows i < j, in row-major order of (i, j).
+    i, j = np.triu_indices(x.shape[0], 1)
+    return _pnorm(x[i] - x[j], p)
