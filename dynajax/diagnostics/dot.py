@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 import os
 import shutil
+import tempfile
 
 import torch.fx
 
@@ -111,11 +112,22 @@ def graph_to_dot_lines(g: object, cluster: int) -> list[str]:
         for src in n.all_input_nodes:
             style = ' [style="dashed"]' if n.target is operator.getitem else ""
             lines.append(f"    {nid(src)} -> {nid(n)}{style};")
+    # Legend: one swatch per partition with its op count, and the fallback style.
+    counts = {p.name: p.op_count for p in g.partitions}
+    lines.append(f"    subgraph cluster_{cluster}_legend {{")
+    lines.append('      label="legend"; style="dashed"; rank=same;')
     for p in partitions:
+        text = f"{p}: {counts.get(p, '?')} ops in JAX"
         lines.append(
-            f"    g{cluster}_legend_{p} [label={_quote(p)}, shape=box, "
+            f"      g{cluster}_legend_{p} [label={_quote(text)}, shape=box, "
             f'style="filled,rounded", fillcolor={_quote(colors[p])}];'
         )
+    lines.append(
+        f'      g{cluster}_legend_fallback [label="runs in PyTorch\\nREASON", '
+        f'shape=octagon, style="filled,bold", fillcolor="{FALLBACK_FILL}", '
+        f'color="{FALLBACK_BORDER}"];'
+    )
+    lines.append("    }")
     lines.append("  }")
     return lines
 
@@ -149,5 +161,12 @@ def render(dot_text: str, path: str | os.PathLike[str], fmt: str) -> None:
             "install Graphviz (apt-get install graphviz, brew install graphviz or "
             "conda install graphviz), or render Report.to_dot() elsewhere."
         )
-    (graph,) = pydot.graph_from_dot_data(dot_text)
-    graph.write(os.fspath(path), format=fmt)
+    # Hand pydot the text as written (parsing it back would only re-serialize it).
+    out = os.path.abspath(os.fspath(path))
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "report.dot")
+        with open(source, "w", encoding="utf-8") as f:
+            f.write(dot_text)
+        _, stderr, process = pydot.call_graphviz("dot", [f"-T{fmt}", "-o", out, source], tmp)
+    if process.returncode != 0:
+        raise DynajaxError(f"Graphviz's dot failed to render {out}: {stderr.strip()}")

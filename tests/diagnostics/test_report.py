@@ -226,3 +226,23 @@ def test_reasons_are_data() -> None:
         "USER_FALLBACK",
     }
     assert not Reason.HOST_SCALAR.is_fallback
+
+
+def test_picture_partitions_are_the_compiled_partitions() -> None:
+    import collections
+    import operator
+
+    def f(x):
+        y = first(x.sin() * 2)
+        return second(y.cos().exp()), y.tanh()
+
+    report = _compile(f, torch.randn(8), min_block_size=2)
+    [graph] = report.graphs
+    nodes = {n.name: n for n in graph.snapshot.nodes}
+    drawn = collections.Counter(
+        part
+        for name, part in graph.node_partition.items()
+        if nodes[name].target is not operator.getitem
+    )
+    assert drawn == {p.name: p.op_count for p in graph.partitions}
+    assert "legend" in report.to_dot() and "jax_0: 2 ops in JAX" in report.to_dot()
