@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from functorch.compile import make_boxed_func
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 
@@ -33,7 +32,7 @@ from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, partition
 from dynajax.passes import run_passes
 from dynajax.passes.decompositions import training_corrections
-from dynajax.runtime.compiled import compile_partition
+from dynajax.runtime.compiled import boxed_callable, compile_partition
 
 log = logging.getLogger("dynajax.backend")
 
@@ -114,7 +113,7 @@ class Backend:
             self.graphs.append(report)
         log_fallbacks_once(report.fallbacks)
         trace_artifact(report.__str__)
-        return make_boxed_func(gm)
+        return boxed_callable(gm)
 
 
 def dynajax_backend(
