@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 from collections.abc import Iterable
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -37,6 +39,12 @@ log = logging.getLogger("dynajax.capability")
 # Exceptions through which JAX's abstract evaluation reports that a rule cannot take
 # these arguments (shape and dtype errors), and the one a rule raises to refuse.
 _ABSTRACT_EVAL_ERRORS = (TypeError, ValueError, NotImplementedError, IndexError)
+
+# Where JAX's (and NumPy's) own code lives: an error raised there is JAX rejecting the
+# abstract values; one raised elsewhere (the rule's own lines) is more likely a bug.
+_JAX_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, np) if m.__file__
+)
 
 
 def _concrete(size: Any) -> int:
@@ -247,6 +255,38 @@ def _unsupported_dtype(out: Any, inputs: list[Any], node: torch.fx.Node) -> torc
     return None
 
 
+def _raised_in_jax(error: BaseException) -> bool:
+    tb = error.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last is not None and os.path.abspath(last).startswith(_JAX_DIRS)
+
+
+def _refusal_detail(rule: Rule, error: BaseException) -> str:
+    """The CHECK_REFUSED detail of an abstract evaluation that raised ``error``.
+
+    An error raised inside JAX (incompatible shapes, a value needed concretely) or a
+    NotImplementedError is the rule declining these arguments. Any other error is
+    still a refusal, so the user's program runs, but it is logged as a warning: it
+    points at a rule that is probably wrong.
+    """
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    summary = f"{type(error).__name__}: {text[:200]}".rstrip(": ")
+    if isinstance(error, NotImplementedError) or _raised_in_jax(error):
+        log.debug("abstract evaluation of %s refused", rule.op, exc_info=error)
+        return f"abstract evaluation raised {summary}"
+    log.warning(
+        "the JAX rule of %s raised %s outside JAX during abstract evaluation; the node "
+        "runs in eager PyTorch, but the rule is probably wrong",
+        rule.op,
+        summary,
+        exc_info=error,
+    )
+    return f"the rule itself raised {summary} (likely a bug in the rule)"
+
+
 def _flatten(value: Any) -> list[Any]:
     if isinstance(value, list | tuple):
         return [x for v in value for x in _flatten(v)]
@@ -285,11 +325,7 @@ def _evaluate(
     except _ABSTRACT_EVAL_ERRORS as e:
         # JAX reports shape and dtype errors of abstract evaluation with these types;
         # anything else (a rule's AttributeError, KeyError) is a bug and propagates.
-        log.debug("abstract evaluation of %s refused", rule.op, exc_info=True)
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return Reason.CHECK_REFUSED, (
-            f"abstract evaluation raised {type(e).__name__}: {msg[:200]}".rstrip(": ")
-        )
+        return Reason.CHECK_REFUSED, _refusal_detail(rule, e)
     got_flat, want_flat = _flatten(got), _flatten(expected)
     if len(got_flat) != len(want_flat):
         return Reason.CHECK_REFUSED, (

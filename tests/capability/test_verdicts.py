@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -67,6 +69,10 @@ def _shape_error_rule(x, mode):
 
 def _buggy_rule(x, mode):
     return x.no_such_attribute
+
+
+def _own_type_error_rule(x, mode):
+    return x + mode  # str + array: a TypeError raised by the rule, not by JAX
 
 
 @pytest.fixture
@@ -156,6 +162,18 @@ def test_abstract_evaluation_refuses(rule_for_reduce_rows, rule, detail) -> None
     [fb] = report.fallbacks
     assert fb.reason is Reason.CHECK_REFUSED
     assert fb.detail.startswith(detail)
+
+
+def test_a_rule_raising_outside_jax_is_refused_with_a_warning(rule_for_reduce_rows, caplog) -> None:
+    rule_for_reduce_rows(_own_type_error_rule)
+    with caplog.at_level(logging.WARNING, logger="dynajax.capability"):
+        report = _run(lambda x: reduce_rows(x, "sum") * 2, torch.randn(4, 6))
+    [fb] = report.fallbacks
+    assert fb.reason is Reason.CHECK_REFUSED
+    assert fb.detail.startswith("the rule itself raised TypeError")
+    assert fb.detail.endswith("(likely a bug in the rule)")
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "dynajax_captest.reduce_rows.default" in warning.getMessage()
 
 
 def test_a_buggy_rule_is_an_error_not_a_refusal(rule_for_reduce_rows) -> None:
