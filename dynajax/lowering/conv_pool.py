@@ -314,3 +314,74 @@ def _adaptive_avg_pool2d_backward(grad, x):
 @lower(aten._adaptive_avg_pool3d_backward.default)
 def _adaptive_avg_pool3d_backward(grad, x):
     return _linear_vjp(lambda x_: _adaptive_avg_pool(x_, grad.shape[-3:], 3), x, grad)
+
+
+# ---------------------------------------------------------------------------------
+# Adaptive max pooling
+# ---------------------------------------------------------------------------------
+
+
+def _adaptive_windows(spatial, output_size):
+    """Flat input indices of every adaptive window, (*output_size, K), and their mask.
+
+    Window i of an axis spans [floor(i*n/m), ceil((i+1)*n/m)); windows of one axis differ
+    in length, so each is padded to the longest and the padding masked out.
+    """
+    per_axis = []
+    for n, m in zip(spatial, output_size, strict=True):
+        starts = np.array([(i * n) // m for i in range(m)], dtype=np.int64)
+        ends = np.array([-(-((i + 1) * n) // m) for i in range(m)], dtype=np.int64)
+        idx = starts[:, None] + np.arange(int((ends - starts).max(initial=1)))[None, :]
+        per_axis.append((np.minimum(idx, n - 1), idx < ends[:, None]))
+    nd = len(spatial)
+    flat = np.arange(int(np.prod(spatial)), dtype=np.int64).reshape(spatial)
+    valid = np.ones([d for idx, _ in per_axis for d in idx.shape], bool)
+    for a, (idx, ok) in enumerate(per_axis):
+        flat = np.take(flat, idx, axis=2 * a)  # axis a -> (m_a, k_a)
+        shape = [1] * (2 * nd)
+        shape[2 * a : 2 * a + 2] = ok.shape
+        valid &= ok.reshape(shape)
+    order = [2 * a for a in range(nd)] + [2 * a + 1 for a in range(nd)]
+    flat = flat.transpose(order).reshape(*output_size, -1)
+    return flat, valid.transpose(order).reshape(*output_size, -1)
+
+
+def _adaptive_max_pool(x, output_size, nd):
+    lead = x.shape[: x.ndim - nd]
+    spatial = x.shape[x.ndim - nd :]
+    win, ok = _adaptive_windows(spatial, list(output_size))
+    vals = jnp.take(x.reshape(*lead, -1), jnp.asarray(win.reshape(-1)), axis=-1)
+    vals = vals.reshape(*lead, *win.shape)
+    ok = jnp.asarray(ok)
+    lowest = -jnp.inf if is_floating(x.dtype) else jnp.iinfo(x.dtype).min
+    peak = jnp.max(jnp.where(ok, vals, jnp.asarray(lowest, x.dtype)), axis=-1, keepdims=True)
+    pos = jnp.argmax(ok & (vals == peak), axis=-1)  # the first maximum, as in PyTorch
+    if is_floating(x.dtype):
+        # The CPU kernel takes every NaN it meets ("val > max || isnan(val)"): the last.
+        nan = ok & jnp.isnan(vals)
+        last_nan = nan.shape[-1] - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
+        pos = jnp.where(jnp.any(nan, axis=-1), last_nan, pos)
+    values = jnp.take_along_axis(vals, pos[..., None], axis=-1)[..., 0]
+    win = jnp.broadcast_to(jnp.asarray(win), vals.shape)
+    indices = jnp.take_along_axis(win, pos[..., None], axis=-1)
+    return values, indices[..., 0]
+
+
+@lower(aten.adaptive_max_pool2d.default)
+def _adaptive_max_pool2d(x, output_size):
+    return _adaptive_max_pool(x, output_size, 2)
+
+
+@lower(aten.adaptive_max_pool3d.default)
+def _adaptive_max_pool3d(x, output_size):
+    return _adaptive_max_pool(x, output_size, 3)
+
+
+@lower(aten.adaptive_max_pool2d_backward.default)
+def _adaptive_max_pool2d_backward(grad, x, indices):
+    return _max_pool_backward(grad, x, indices, 2)
+
+
+@lower(aten.adaptive_max_pool3d_backward.default)
+def _adaptive_max_pool3d_backward(grad, x, indices):
+    return _max_pool_backward(grad, x, indices, 3)

@@ -161,3 +161,150 @@ def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
 @lower(aten.embedding.default)
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0)
+
+
+_MODE_SUM, _MODE_MEAN, _MODE_MAX = 0, 1, 2
+
+
+def _embedding_bag_check(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
+                         sparse=False, per_sample_weights=None, include_last_offset=False,
+                         padding_idx=-1):
+    if indices.ndim != 1 or offsets.ndim != 1:
+        return "embedding_bag with indices or offsets that are not 1-D"
+    return None
+
+
+def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_last_offset,
+                   padding_idx, bag_size_len):
+    """(output, offset2bag, bag_size, max_indices) with the values of PyTorch's CPU kernel.
+
+    With include_last_offset, entries past the final offset (malformed input) belong to
+    the last bag, except in the output of the fast sum/mean kernel (float32/16 without
+    padding_idx), as in PyTorch. Padding entries count in no bag. Only the backward reads the
+    three bookkeeping outputs: the sum kernel leaves bag_size and max_indices zero, and
+    mean reports bag_size as max_indices.
+    """
+    n = indices.shape[0]
+    num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    itype = offsets.dtype
+    bag = jnp.searchsorted(offsets[:num_bags], jnp.arange(n, dtype=offsets.dtype), side="right")
+    bag = jnp.clip(bag - 1, 0, max(num_bags - 1, 0))
+    valid = indices != padding_idx if padding_idx >= 0 else jnp.ones((n,), bool)
+    rows = jnp.take(weight, indices, axis=0)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    counts = jax.ops.segment_sum(valid.astype(itype), bag, num_segments=num_bags)
+    zeros = jnp.zeros((num_bags,), itype)
+
+    def pad(v):  # bag_size of _embedding_bag_forward_only has one entry per offset
+        return jnp.concatenate([v, jnp.zeros((bag_size_len - num_bags,), itype)])
+
+    if mode == _MODE_MAX:
+        lowest = jnp.asarray(-jnp.inf, rows.dtype)
+        masked = jnp.where(valid[:, None], rows, lowest)
+        out = jax.ops.segment_max(masked, bag, num_segments=num_bags)
+        out = jnp.where(counts[:, None] > 0, out, 0).astype(weight.dtype)
+        # The first entry of each bag holding the maximum (the kernel updates on ">").
+        hit = valid[:, None] & (rows == out[bag])
+        pos = jnp.where(hit, jnp.arange(n)[:, None], n)
+        first = jax.ops.segment_min(pos, bag, num_segments=num_bags)
+        max_indices = jnp.where(counts[:, None] > 0, indices[jnp.minimum(first, n - 1)], 0)
+        return out, bag.astype(itype), pad(counts), max_indices.astype(itype)
+    fast_path = weight.dtype in (np.float32, np.float16) and padding_idx < 0
+    summed_entries = valid
+    if fast_path and include_last_offset:
+        # The fast sum/mean kernel does stop the last bag at the final offset.
+        summed_entries = valid & (jnp.arange(n) < offsets[-1])
+    summed = jax.ops.segment_sum(
+        jnp.where(summed_entries[:, None], rows, 0), bag, num_segments=num_bags
+    )
+    if mode == _MODE_MEAN:
+        out = summed / jnp.maximum(counts, 1)[:, None].astype(summed.dtype)
+        return out.astype(weight.dtype), bag.astype(itype), pad(counts), counts
+    offset2bag = jnp.zeros((0,), itype) if fast_path else bag.astype(itype)
+    return summed.astype(weight.dtype), offset2bag, pad(zeros), zeros
+
+
+@lower(aten._embedding_bag.default, check=_embedding_bag_check)
+def _embedding_bag_rule(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                        per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    return _embedding_bag(weight, indices, offsets, mode, per_sample_weights,
+                          include_last_offset, padding_idx, num_bags)
+
+
+@lower(aten._embedding_bag_forward_only.default, check=_embedding_bag_check)
+def _embedding_bag_forward_only(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
+                                sparse=False, per_sample_weights=None, include_last_offset=False,
+                                padding_idx=-1):
+    return _embedding_bag(weight, indices, offsets, mode, per_sample_weights,
+                          include_last_offset, padding_idx, offsets.shape[0])
+
+
+def _embedding_bag_backward_check(grad, indices, *args, **kwargs):
+    sparse = args[7] if len(args) > 7 else kwargs.get("sparse", False)
+    if sparse is True:
+        return "sparse embedding_bag gradient (a sparse tensor)"
+    return None
+
+
+def _embedding_bag_grad(grad, indices, bag, bag_size, maximum_indices, num_weights,
+                        scale_grad_by_freq, mode, per_sample_weights, padding_idx):
+    n = indices.shape[0]
+    dim = grad.shape[-1]
+    out = jnp.zeros((num_weights, dim), grad.dtype)
+    if mode == _MODE_MAX:
+        # Each (bag, column) sends its gradient to the row that held the maximum;
+        # empty bags send nothing.
+        nonempty = (bag_size > 0)[:, None]
+        cols = jnp.broadcast_to(jnp.arange(dim), maximum_indices.shape)
+        return out.at[maximum_indices, cols].add(jnp.where(nonempty, grad, 0))
+    rows = grad[bag]
+    if mode == _MODE_MEAN:
+        rows = rows / jnp.maximum(bag_size[bag], 1)[:, None].astype(grad.dtype)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(grad.dtype)
+    keep = indices != padding_idx if padding_idx >= 0 else jnp.ones((n,), bool)
+    if scale_grad_by_freq:
+        freq = jnp.zeros((num_weights,), grad.dtype).at[indices].add(1)
+        rows = rows / freq[indices][:, None]
+    return out.at[indices].add(jnp.where(keep[:, None], rows, 0))
+
+
+@lower(aten._embedding_bag_backward.default, check=_embedding_bag_backward_check)
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                            num_weights, scale_grad_by_freq, mode, sparse,
+                            per_sample_weights, padding_idx=-1):
+    if offset2bag.shape[0] == indices.shape[0]:
+        bag = offset2bag
+    else:  # the fast sum kernel returns no offset2bag: rebuild it from the offsets
+        positions = jnp.arange(indices.shape[0], dtype=offsets.dtype)
+        bag = jnp.searchsorted(offsets, positions, side="right") - 1
+        bag = jnp.clip(bag, 0, max(grad.shape[0] - 1, 0))
+    return _embedding_bag_grad(grad, indices, bag, bag_size, maximum_indices, num_weights,
+                               scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@lower(aten._embedding_bag_dense_backward.default)
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                  num_weights, scale_grad_by_freq, mode, per_sample_weights,
+                                  padding_idx=-1):
+    return _embedding_bag_grad(grad, indices, offset2bag, bag_size, maximum_indices,
+                               num_weights, scale_grad_by_freq, mode, per_sample_weights,
+                               padding_idx)
+
+
+@lower(aten._embedding_bag_per_sample_weights_backward.default)
+def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode,
+                                               padding_idx=-1):
+    # d out[bag(i)] / d psw[i] = weight[indices[i]]; padding entries get zero.
+    if offset2bag.shape[0] == indices.shape[0]:
+        bag = offset2bag
+    else:
+        positions = jnp.arange(indices.shape[0], dtype=offsets.dtype)
+        bag = jnp.clip(jnp.searchsorted(offsets, positions, side="right") - 1, 0,
+                       max(grad.shape[0] - 1, 0))
+    out = jnp.sum(grad[bag] * jnp.take(weight, indices, axis=0).astype(grad.dtype), axis=-1)
+    if padding_idx >= 0:
+        out = jnp.where(indices != padding_idx, out, 0)
+    return out

@@ -204,3 +204,30 @@ def _tril(x, diagonal=0):
 @lower(aten.triu.default)
 def _triu(x, diagonal=0):
     return jnp.triu(x, diagonal)
+
+
+# ---------------------------------------------------------------------------------
+# Gradients of padding (the forward pads are decomposed; their backwards are not)
+# ---------------------------------------------------------------------------------
+
+
+def _replication_pad(x, pad):
+    # pad lists (before, after) pairs from the last dim; each output reads the nearest
+    # input element, which also covers negative (cropping) pads.
+    for i in range(len(pad) // 2):
+        axis = x.ndim - 1 - i
+        n = x.shape[axis]
+        idx = np.clip(np.arange(-pad[2 * i], n + pad[2 * i + 1]), 0, n - 1)
+        x = jnp.take(x, jnp.asarray(idx), axis=axis)
+    return x
+
+
+@lower(
+    aten.replication_pad1d_backward.default,
+    aten.replication_pad2d_backward.default,
+    aten.replication_pad3d_backward.default,
+)
+def _replication_pad_backward(grad, x, padding):
+    # Padding is linear in its input: the exact gradient is the VJP of the forward.
+    _, vjp = jax.vjp(lambda x_: _replication_pad(x_, list(padding)), x)
+    return vjp(grad.astype(x.dtype))[0]

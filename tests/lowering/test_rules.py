@@ -348,6 +348,99 @@ BACKWARD = [
 ]
 
 # ---------------------------------------------------------------------------------
+# Embedding bags, adaptive max pooling, padding gradients, complex numbers
+# ---------------------------------------------------------------------------------
+
+_BAG_INDICES = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 0])
+_BAG_OFFSETS = torch.tensor([0, 2, 2, 5])
+
+
+def _bag_case(mode, grad, padding_idx=None, per_sample=False, last=False, dtype=torch.float32):
+    def fn(w, psw=None):
+        return F.embedding_bag(
+            _BAG_INDICES,
+            w,
+            _BAG_OFFSETS if not last else torch.cat([_BAG_OFFSETS, torch.tensor([9])]),
+            mode=mode,
+            per_sample_weights=psw,
+            padding_idx=padding_idx,
+            include_last_offset=last,
+        )
+
+    def inputs():
+        w = randn(10, 3, dtype=dtype)
+        return (w, torch.rand(9, dtype=dtype)) if per_sample else (w,)
+
+    parts = [mode, "pad" if padding_idx is not None else "", "psw" if per_sample else ""]
+    parts += ["last" if last else "", "grad" if grad else "", str(dtype).removeprefix("torch.")]
+    op = "aten._embedding_bag.default" if grad else "aten._embedding_bag_forward_only.default"
+    return Case("embedding_bag-" + "-".join(p for p in parts if p), fn, inputs, (op,), grad=grad)
+
+
+EXTRA = [
+    _bag_case("sum", False),
+    _bag_case("mean", False, padding_idx=4),
+    _bag_case("max", False, last=True),
+    _bag_case("sum", False, per_sample=True, dtype=torch.float64),
+    _bag_case("sum", True, padding_idx=2),
+    _bag_case("mean", True),
+    _bag_case("max", True, dtype=torch.float64),
+    _bag_case("sum", True, per_sample=True, last=True),
+    Case(
+        "adaptive_max_pool2d-uneven-nan-float32",
+        lambda x: F.adaptive_max_pool2d(x, (3, 2), return_indices=True),
+        lambda: (with_nan(distinct(2, 2, 7, 5), (0, 1, 2, 2), (1, 0, 6, 4)),),
+        ("aten.adaptive_max_pool2d.default",),
+    ),
+    Case(
+        "adaptive_max_pool2d-grad-float32",
+        lambda x: F.adaptive_max_pool2d(x, (2, 3)),
+        lambda: (distinct(1, 3, 5, 7),),
+        ("aten.adaptive_max_pool2d.default", "aten.adaptive_max_pool2d_backward.default"),
+        grad=True,
+    ),
+    Case(
+        "adaptive_max_pool3d-grad-float64",
+        lambda x: F.adaptive_max_pool3d(x, (2, 1, 3)),
+        lambda: (distinct(1, 2, 3, 4, 5, dtype=torch.float64),),
+        ("aten.adaptive_max_pool3d.default", "aten.adaptive_max_pool3d_backward.default"),
+        grad=True,
+    ),
+    Case(
+        "replication_pad1d_backward-float32",
+        lambda x: F.pad(x, (2, 3), mode="replicate"),
+        lambda: (randn(2, 3, 4),),
+        ("aten.replication_pad1d_backward.default",),
+        grad=True,
+    ),
+    Case(
+        "replication_pad2d_backward-float64",
+        lambda x: F.pad(x, (1, 0, 2, 3), mode="replicate"),
+        lambda: (randn(1, 2, 3, 4, dtype=torch.float64),),
+        ("aten.replication_pad2d_backward.default",),
+        grad=True,
+    ),
+    Case(
+        "complex-view_as_real-float32",
+        lambda a, b: torch.view_as_real(torch.complex(a, b) * (1 + 2j)),
+        lambda: (randn(3, 4), randn(3, 4)),
+        ("aten.complex.default", "aten.view_as_real.default"),
+    ),
+    Case(
+        "polar-angle-float64",
+        lambda r, t: torch.polar(r, t).angle(),
+        lambda: (torch.rand(5, dtype=torch.float64) + 0.1, randn(5, dtype=torch.float64)),
+        ("aten.polar.default", "aten.angle.default"),
+    ),
+    Case(
+        "angle-real-nan-int-float32",
+        lambda x, i: (torch.angle(x), torch.angle(i)),
+        lambda: (with_nan(torch.tensor([-2.0, 0.0, 3.0, -0.0, 1.0]), 4), torch.tensor([-1, 0, 4])),
+        ("aten.angle.default",),
+    ),
+]
+
+# ---------------------------------------------------------------------------------
 # Semantics of existing core rules that are easy to get subtly wrong
 # ---------------------------------------------------------------------------------
 
@@ -360,7 +453,7 @@ SEMANTICS = [
     ),
 ]
 
-CASES = SORTING + FFT + SCATTER + RESAMPLE + GRID + DISTANCES + BACKWARD + SEMANTICS
+CASES = SORTING + FFT + SCATTER + RESAMPLE + GRID + DISTANCES + BACKWARD + EXTRA + SEMANTICS
 
 
 def _partition_ops(backend: dynajax.Backend) -> set[str]:
