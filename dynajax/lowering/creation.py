@@ -53,6 +53,13 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
     return jnp.zeros(tuple(size), dtype or default_float())
 
 
+@lower(aten.empty_permuted.default)  # what empty_like of a dense tensor becomes
+def _empty_permuted(
+    size, physical_layout, *, dtype=None, layout=None, device=None, pin_memory=None
+):
+    return jnp.zeros(tuple(size), dtype or default_float())
+
+
 @lower(aten.empty_like.default)
 def _empty_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return jnp.zeros(x.shape, dtype or x.dtype)
