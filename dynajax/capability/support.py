@@ -1,10 +1,11 @@
 """Per-node verdicts, decided before any real data runs.
 
-A node is supported when the table has a rule for its exact overload, every tensor it
-touches has a dtype JAX has, its output shape is known before running, the rule's
-``check`` accepts the arguments, and abstract evaluation of the rule
+A node is supported when no size it makes or takes depends on tensor values, every
+tensor and dtype it touches exists in JAX, the table has a rule for its exact overload,
+the rule's ``check`` accepts the arguments, and abstract evaluation of the rule
 (``jax.eval_shape`` on the node's fake-tensor shapes and dtypes) produces exactly the
-shapes and dtypes PyTorch's meta kernels recorded in ``node.meta["val"]``.
+shapes and dtypes PyTorch's meta kernels recorded in ``node.meta["val"]``. Nothing here
+runs an op on real tensors, and no exception at call time decides support.
 """
 
 from __future__ import annotations
@@ -112,18 +113,20 @@ class CapabilityChecker:
 
     1. Did the user list the op in ``fallback_ops``?  -> USER_FALLBACK
     2. Does the node create a size or scalar known only by reading tensor data
-       (``nonzero``, ``unique``, ``.item()``: an unbacked SymInt in its output), or
-       take one (a tensor of size ``u0``, an argument ``u0``)?  -> DATA_DEPENDENT_SHAPE
-    3. Does it produce no tensor at all (``sym_size``, ``_assert_scalar``, ``operator.ge``
-       on sizes)?  -> HOST_SCALAR (bookkeeping, not a fallback)
-    4. Is it an op the table has a rule for?  -> NO_LOWERING
-    5. Does every tensor and dtype argument have a JAX dtype?  -> DTYPE
-    6. Does the rule's ``check`` accept the arguments, and does ``jax.eval_shape`` of the
+       (``nonzero``, ``unique``, ``.item()``: an unbacked SymInt in its output)?
+       -> DATA_DEPENDENT_SHAPE
+    3. Does it compute only Python scalars or nothing (``sym_size``, ``_assert_scalar``,
+       ``operator.ge`` on sizes)?  -> HOST_SCALAR (bookkeeping, not a fallback)
+    4. Does it take such a size (a tensor of size ``u0``, an argument ``u0``)?
+       -> DATA_DEPENDENT_SHAPE
+    5. Does every tensor and dtype it touches exist in JAX?  -> DTYPE
+    6. Does the table have a rule for its exact overload?  -> NO_LOWERING
+    7. Does the rule's ``check`` accept the arguments, and does ``jax.eval_shape`` of the
        rule on the node's fake-tensor shapes reproduce PyTorch's output shapes and
        dtypes?  -> CHECK_REFUSED, with the detail
 
-    Data-dependence comes before the table: a rule for ``nonzero`` could not help, so
-    the report must not suggest writing one.
+    Data-dependence and dtypes come before the table: a rule for ``nonzero`` or for an
+    op on complex32 tensors could not help, so the what-if list must not suggest one.
     """
 
     def __init__(self, fallback_ops: Iterable[str] = ()) -> None:
@@ -163,22 +166,27 @@ class CapabilityChecker:
                 Reason.DATA_DEPENDENT_SHAPE,
                 f"output size or value {created} is only known after running the op",
             )
-        if not any(True for _ in _tensors(out)) and not _has_none_output(out):
+        if _is_host_scalar(node, out):
             return self._refuse(node, Reason.HOST_SCALAR, "")
+        if "val" not in node.meta:
+            return self._refuse(
+                node, Reason.CHECK_REFUSED, "no fake-tensor metadata (node.meta['val'])"
+            )
         if taken:
             return self._refuse(
                 node,
                 Reason.DATA_DEPENDENT_SHAPE,
                 f"takes {taken}, a size or scalar only known after running an earlier op",
             )
+        # Before the table: a rule could not help a dtype JAX lacks.
+        bad_dtype = _unsupported_dtype(out, inputs, node)
+        if bad_dtype is not None:
+            return self._refuse(node, Reason.DTYPE, f"{bad_dtype} has no JAX equivalent")
         if not isinstance(node.target, torch._ops.OpOverload):
             return self._refuse(node, Reason.NO_LOWERING, "not an ATen operator")
         rule = get_rule(node.target)
         if rule is None:
             return self._refuse(node, Reason.NO_LOWERING, "")
-        bad_dtype = _unsupported_dtype(out, inputs, node)
-        if bad_dtype is not None:
-            return self._refuse(node, Reason.DTYPE, f"{bad_dtype} has no JAX equivalent")
         for v in inputs:
             if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
                 return self._refuse(
@@ -240,8 +248,19 @@ def _unbacked_symbols(out: Any, inputs: list[Any]) -> tuple[str, str]:
     return ", ".join(created), ", ".join(sorted(str(s) for s in taken))
 
 
-def _has_none_output(out: Any) -> bool:
-    return isinstance(out, list | tuple) and any(v is None for v in _flatten(out))
+_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def _is_host_scalar(node: torch.fx.Node, out: Any) -> bool:
+    """Whether the node computes Python scalars or nothing (sizes, assertions)."""
+    if "val" not in node.meta and node.op == "call_function":
+        # No metadata: only ops whose schema returns nothing (_assert_scalar) qualify.
+        schema = getattr(node.target, "_schema", None)
+        return schema is not None and len(schema.returns) == 0
+    values = _flatten(out)
+    return all(v is None or isinstance(v, _SCALARS) for v in values) and not (
+        isinstance(out, list | tuple) and any(v is None for v in values)
+    )
 
 
 def _unsupported_dtype(out: Any, inputs: list[Any], node: torch.fx.Node) -> torch.dtype | None:

@@ -259,6 +259,19 @@ def test_dtype_jax_lacks() -> None:
     assert all(fb.target == "aten._to_copy.default" for fb in dtype)
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_dtype_is_decided_before_the_table() -> None:
+    # norule has no JAX rule, but on complex32 a rule could not help either: the report
+    # says DTYPE, and the what-if list does not suggest writing a rule.
+    def f(x):
+        return norule(x.to(torch.complex32)).to(torch.complex64).real
+
+    report = _run(f, torch.randn(5))
+    reasons = {fb.target: fb.reason for fb in report.fallbacks}
+    assert reasons["dynajax_captest.norule.default"] is Reason.DTYPE
+    assert report.what_if() == []
+
+
 @pytest.mark.parametrize(
     "entry",
     ["aten.cos", "aten.cos.default", aten.cos, aten.cos.default],
