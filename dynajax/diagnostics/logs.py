@@ -10,7 +10,7 @@ import threading
 
 import torch._logging
 
-from dynajax.capability import Unsupported
+from dynajax.capability import Reason, Unsupported
 
 log = logging.getLogger("dynajax.capability")
 
@@ -21,9 +21,15 @@ _logged: set[tuple[str, str, str]] = set()
 
 
 def log_fallbacks_once(fallbacks: list[Unsupported]) -> None:
-    """Logs each distinct (op, reason, detail) at INFO, the first time it is seen."""
+    """Logs each distinct (op, reason) at INFO, the first time it is seen.
+
+    For CHECK_REFUSED and DTYPE the detail is part of what is distinct (a rule may
+    refuse an op for several reasons); elsewhere it names per-graph things (``u0``,
+    partition sizes) that would defeat the once-only rule.
+    """
     for f in fallbacks:
-        key = (f.target, f.reason.name, f.detail)
+        detail = f.detail if f.reason in (Reason.CHECK_REFUSED, Reason.DTYPE) else ""
+        key = (f.target, f.reason.name, detail)
         with _lock:
             if key in _logged:
                 continue
