@@ -8,7 +8,7 @@
 from dynajax.backend import Backend, dynajax_backend
 from dynajax.capability import Reason, Supported, Unsupported
 from dynajax.config import Options
-from dynajax.diagnostics import GraphReport, Report
+from dynajax.diagnostics import GraphReport, Report, WhatIf
 from dynajax.diagnostics.explain import explain
 from dynajax.errors import DynajaxError, OptionsError, UnsupportedNodesError
 from dynajax.lowering.registry import supported_ops
@@ -26,6 +26,7 @@ __all__ = [
     "Supported",
     "Unsupported",
     "UnsupportedNodesError",
+    "WhatIf",
     "__version__",
     "dynajax_backend",
     "explain",

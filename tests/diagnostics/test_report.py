@@ -246,3 +246,11 @@ def test_picture_partitions_are_the_compiled_partitions() -> None:
     )
     assert drawn == {p.name: p.op_count for p in graph.partitions}
     assert "legend" in report.to_dot() and "jax_0: 2 ops in JAX" in report.to_dot()
+
+
+def test_explain_returns_the_report_of_every_graph() -> None:
+    report = dynajax.explain(chain, torch.randn(8))
+    assert isinstance(report, dynajax.Report)
+    assert [w.op for w in report.what_if()][0] == "dynajax_diagtest.second.default"
+    assert isinstance(report.what_if()[0], dynajax.WhatIf)
+    assert "graph 0 (inference)" in str(report)
