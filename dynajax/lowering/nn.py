@@ -308,3 +308,30 @@ def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, o
     if padding_idx >= 0:
         out = jnp.where(indices != padding_idx, out, 0)
     return out
+
+
+# ---------------------------------------------------------------------------------
+# Randomized leaky ReLU (deterministic parts)
+# ---------------------------------------------------------------------------------
+
+
+def _rrelu_check(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    if training:
+        return "rrelu in training mode draws random slopes (runs in PyTorch)"
+    return None
+
+
+@lower(aten.rrelu_with_noise_functional.default, check=_rrelu_check)
+def _rrelu_with_noise_functional(x, noise, lower=0.125, upper=1.0 / 3.0, training=False,
+                                 generator=None):
+    # Evaluation mode: a leaky ReLU with the mean slope; noise is untouched.
+    slope = as_dtype((lower + upper) / 2, x.dtype)
+    return jnp.where(x > 0, x, x * slope), noise
+
+
+@lower(aten.rrelu_with_noise_backward.default)
+def _rrelu_with_noise_backward(grad, x, noise, lower, upper, training, self_is_result):
+    if training and upper - lower > 1e-6:
+        return grad * noise.astype(grad.dtype)  # noise holds each element's slope
+    slope = as_dtype((lower + upper) / 2, grad.dtype)
+    return jnp.where(x > 0, grad, grad * slope)

@@ -221,3 +221,39 @@ def _log_softmax(x, dim, half_to_float):
 @lower(aten.logsumexp.default)
 def _logsumexp(x, dim, keepdim=False):
     return jax.scipy.special.logsumexp(x, axis=axes(x, dim), keepdims=keepdim)
+
+
+# ---------------------------------------------------------------------------------
+# Norms
+# ---------------------------------------------------------------------------------
+
+
+def _vector_norm_check(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if is_integral(x.dtype) and (dtype is None or is_integral(dtype)):
+        return "vector_norm of an integer tensor (PyTorch raises)"
+    return None
+
+
+@lower(aten.linalg_vector_norm.default, check=_vector_norm_check)
+def _linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if dtype is not None:
+        x = x.astype(dtype)
+    out_dtype = jnp.real(jnp.zeros((), x.dtype)).dtype
+    a = jnp.abs(x)
+    # Half precision accumulates in float32, as PyTorch's CPU reduction does.
+    if a.dtype in (np.float16, jnp.bfloat16):
+        a = a.astype(np.float32)
+    ax = axes(x, dim)
+    if ord == float("inf"):
+        out = jnp.max(a, axis=ax, keepdims=keepdim)
+    elif ord == float("-inf"):
+        out = jnp.min(a, axis=ax, keepdims=keepdim)
+    elif ord == 0:
+        out = jnp.sum(a != 0, axis=ax, keepdims=keepdim).astype(a.dtype)
+    elif ord == 1:
+        out = jnp.sum(a, axis=ax, keepdims=keepdim)
+    elif ord == 2:
+        out = jnp.sqrt(jnp.sum(a * a, axis=ax, keepdims=keepdim))
+    else:
+        out = jnp.sum(a**ord, axis=ax, keepdims=keepdim) ** (1.0 / ord)
+    return out.astype(out_dtype)

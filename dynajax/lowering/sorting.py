@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.dtypes import is_floating
+from dynajax.lowering.dtypes import is_floating, result_type
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -79,3 +79,106 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
         jax.lax.slice_in_dim(values, 0, k, axis=d),
         jax.lax.slice_in_dim(indices, 0, k, axis=d),
     )
+
+
+# ---------------------------------------------------------------------------------
+# Order statistics: median, nanmedian, kthvalue
+# ---------------------------------------------------------------------------------
+
+
+def _order_stat(x, dim, keepdim, pick):
+    """Values and indices at position ``pick(sorted, nan_count, n)`` of the ascending
+    stable sort along ``dim`` (NaN sorts last)."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    d = dim % x.ndim
+    values, indices = sort_along(x, d, False)
+    n = x.shape[d]
+    nans = jnp.sum(jnp.isnan(x), axis=d, keepdims=True) if is_floating(x.dtype) else None
+    pos = pick(nans, n)
+    pos = jnp.broadcast_to(
+        jnp.asarray(pos, np.int64), values.shape[:d] + (1,) + values.shape[d + 1 :]
+    )
+    v = jnp.take_along_axis(values, pos, axis=d)
+    i = jnp.take_along_axis(indices, pos, axis=d)
+    if not keepdim:
+        v, i = jnp.squeeze(v, d), jnp.squeeze(i, d)
+    return v, i
+
+
+def _median_pos(nans, n):
+    # The lower median; any NaN makes the result NaN (the first NaN in sorted order).
+    k = (n - 1) // 2
+    return k if nans is None else jnp.where(nans > 0, n - nans, k)
+
+
+def _nanmedian_pos(nans, n):
+    # The lower median of the non-NaN values; all-NaN gives NaN.
+    if nans is None:
+        return (n - 1) // 2
+    return jnp.maximum((n - nans - 1) // 2, 0)
+
+
+@lower(aten.median.default, check=_sort_check)
+def _median(x):
+    return _order_stat(x.reshape(-1), 0, False, _median_pos)[0]
+
+
+@lower(aten.median.dim, check=_sort_check)
+def _median_dim(x, dim, keepdim=False):
+    return _order_stat(x, dim, keepdim, _median_pos)
+
+
+@lower(aten.nanmedian.default, check=_sort_check)
+def _nanmedian(x):
+    return _order_stat(x.reshape(-1), 0, False, _nanmedian_pos)[0]
+
+
+@lower(aten.nanmedian.dim, check=_sort_check)
+def _nanmedian_dim(x, dim, keepdim=False):
+    return _order_stat(x, dim, keepdim, _nanmedian_pos)
+
+
+@lower(aten.kthvalue.default, check=_sort_check)
+def _kthvalue(x, k, dim=-1, keepdim=False):
+    return _order_stat(x, dim, keepdim, lambda nans, n: k - 1)
+
+
+# ---------------------------------------------------------------------------------
+# Binary search: searchsorted, bucketize
+# ---------------------------------------------------------------------------------
+
+
+def _search(sorted_seq, values, right, out_int32):
+    dt = result_type(sorted_seq, values)
+    seq, vals = sorted_seq.astype(dt), jnp.asarray(values).astype(dt)
+    side = "right" if right else "left"
+    if seq.ndim <= 1:
+        out = jnp.searchsorted(seq, vals, side=side)
+    else:  # one sorted row per leading index, matched with values' leading dims
+        lead = seq.shape[:-1]
+        flat = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(
+            seq.reshape(-1, seq.shape[-1]), vals.reshape(-1, vals.shape[-1])
+        )
+        out = flat.reshape(*lead, vals.shape[-1])
+    return out.astype(np.int32 if out_int32 else np.int64)
+
+
+def _searchsorted_check(sorted_seq, x, *, out_int32=False, right=False, side=None, sorter=None):
+    if side is not None and side not in ("left", "right"):
+        return f"searchsorted with side={side!r}"
+    return None
+
+
+def _searchsorted(sorted_seq, x, *, out_int32=False, right=False, side=None, sorter=None):
+    if sorter is not None:
+        sorted_seq = jnp.take_along_axis(sorted_seq, sorter, axis=-1)
+    return _search(sorted_seq, x, right or side == "right", out_int32)
+
+
+lower(aten.searchsorted.Tensor, aten.searchsorted.Scalar, check=_searchsorted_check)(_searchsorted)
+
+
+@lower(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def _bucketize(x, boundaries, *, out_int32=False, right=False):
+    return _search(boundaries, x, right, out_int32)

@@ -441,6 +441,98 @@ EXTRA = [
 ]
 
 # ---------------------------------------------------------------------------------
+# Non-core ops that real programs reach: norms, order statistics, binary search, rrelu
+# ---------------------------------------------------------------------------------
+
+NONCORE = [
+    Case(
+        "linalg_vector_norm-2-dim-keepdim-float32",
+        lambda x: torch.linalg.vector_norm(x, dim=(0, 2), keepdim=True),
+        lambda: (randn(3, 4, 5),),
+        ("aten.linalg_vector_norm.default",),
+    ),
+    Case(
+        "linalg_vector_norm-inf-0-3-float64",
+        lambda x: (
+            torch.linalg.vector_norm(x, float("inf"), dim=-1),
+            torch.linalg.vector_norm(x.round(), 0),
+            torch.linalg.vector_norm(x, 3.0, dim=0),
+        ),
+        lambda: (randn(4, 6, dtype=torch.float64),),
+        ("aten.linalg_vector_norm.default",),
+    ),
+    Case(
+        "linalg_vector_norm-complex64",
+        lambda a, b: torch.linalg.vector_norm(torch.complex(a, b), dim=1),
+        lambda: (randn(3, 4), randn(3, 4)),
+        ("aten.linalg_vector_norm.default",),
+    ),
+    Case(
+        "linalg_vector_norm-dtype-arg-float16",
+        lambda x: torch.linalg.vector_norm(x, dtype=torch.float32),
+        lambda: (randn(8, 8, dtype=torch.float16),),
+        ("aten.linalg_vector_norm.default",),
+    ),
+    Case(
+        "linalg_vector_norm-grad-float32",
+        lambda x: F.normalize(x, dim=-1),
+        lambda: (randn(3, 5),),
+        ("aten.linalg_vector_norm.default",),
+        grad=True,
+    ),
+    Case(
+        "median-nan-float32",
+        lambda x, y: (torch.median(x), torch.median(y)),
+        lambda: (distinct(3, 5), with_nan(distinct(7), 3)),
+        ("aten.median.default",),
+    ),
+    Case(
+        "median-dim-even-length-float32",
+        lambda x: torch.median(x, dim=1),
+        lambda: (with_nan(distinct(3, 6), (2, 4)),),
+        ("aten.median.dim",),
+    ),
+    Case(
+        "nanmedian-dim-keepdim-float64",
+        lambda x: torch.nanmedian(x, dim=0, keepdim=True),
+        lambda: (with_nan(distinct(5, 3, dtype=torch.float64), (0, 0), (3, 0), (1, 2)),),
+        ("aten.nanmedian.dim",),
+    ),
+    Case(
+        "kthvalue-int64",
+        lambda x: torch.kthvalue(x, 3, dim=0),
+        lambda: (distinct(6, 2, dtype=torch.int64),),
+        ("aten.kthvalue.default",),
+    ),
+    Case(
+        "bucketize-right-int32-out",
+        lambda x, b: (torch.bucketize(x, b, right=True), torch.bucketize(x, b, out_int32=True)),
+        lambda: (torch.tensor([[-1.0, 0.0, 0.5], [1.0, 2.0, 9.0]]), torch.tensor([0.0, 1.0, 2.0])),
+        ("aten.bucketize.Tensor",),
+    ),
+    Case(
+        "searchsorted-batched-sorter-int64",
+        lambda s, v, order: (
+            torch.searchsorted(s, v, side="right"),
+            torch.searchsorted(s[:, order], v, sorter=order.argsort().expand(2, 5).contiguous()),
+        ),
+        lambda: (
+            torch.tensor([[1, 3, 3, 7, 9], [0, 2, 4, 6, 8]]),
+            torch.tensor([[3, 0, 10], [5, 8, -1]]),
+            torch.tensor([4, 0, 3, 1, 2]),
+        ),
+        ("aten.searchsorted.Tensor",),
+    ),
+    Case(
+        "rrelu-eval-grad-float32",
+        lambda x: F.rrelu(x, training=False),
+        lambda: (randn(4, 5),),
+        ("aten.rrelu_with_noise_functional.default", "aten.rrelu_with_noise_backward.default"),
+        grad=True,
+    ),
+]
+
+# ---------------------------------------------------------------------------------
 # Semantics of existing core rules that are easy to get subtly wrong
 # ---------------------------------------------------------------------------------
 
@@ -453,7 +545,9 @@ SEMANTICS = [
     ),
 ]
 
-CASES = SORTING + FFT + SCATTER + RESAMPLE + GRID + DISTANCES + BACKWARD + EXTRA + SEMANTICS
+CASES = (
+    SORTING + FFT + SCATTER + RESAMPLE + GRID + DISTANCES + BACKWARD + EXTRA + NONCORE + SEMANTICS
+)
 
 
 def _partition_ops(backend: dynajax.Backend) -> set[str]:
