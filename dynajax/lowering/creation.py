@@ -126,8 +126,14 @@ def _arange_length(start, end, step):
 def _arange(start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
     dt = _arange_dtype(start, end, step, dtype)
     n = _arange_length(start, end, step)
-    # start + i * step computed in float64 (or int64), then cast, like PyTorch's kernel.
-    acc = np.int64 if is_integral(dt) and isinstance(step, int) and isinstance(start, int) else np.float64
+    # start + i * step in PyTorch's accumulate type, then cast: float64 for floating
+    # outputs; int64 for integer ones, whose kernel first truncates a float start and
+    # step (arange(-0.9, 2.1, 2.0, dtype=int32) is [0, 2]); the length comes from the
+    # untruncated values.
+    if is_integral(dt):
+        start_, step_ = jnp.asarray(int(start), np.int64), jnp.asarray(int(step), np.int64)
+        return (start_ + jnp.arange(n, dtype=np.int64) * step_).astype(dt)
+    acc = np.float64
     return (jnp.asarray(start, acc) + jnp.arange(n, dtype=acc) * jnp.asarray(step, acc)).astype(dt)
 
 

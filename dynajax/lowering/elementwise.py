@@ -293,14 +293,23 @@ def _pow(x, exponent):
         if exponent >= 0 and is_integral(dt):
             return jax.lax.integer_pow(as_dtype(x, dt), exponent)
     a, b = promote(x, exponent, dtype=dt)
-    return jnp.power(a, b)
+    return _int_pow(a, b) if is_integral(dt, include_bool=False) else jnp.power(a, b)
+
+
+def _int_pow(a, b):
+    # PyTorch's integer pow with a negative exponent is 1 / a**-b truncated: 1 for a == 1,
+    # +-1 for a == -1, else 0. XLA's integer power leaves it undefined.
+    pos = jnp.power(a, jnp.maximum(b, 0))
+    minus_one = jnp.where(b % 2 == 0, 1, -1).astype(a.dtype)
+    neg = jnp.where(a == 1, 1, jnp.where(a == -1, minus_one, 0)).astype(a.dtype)
+    return jnp.where(b < 0, neg, pos)
 
 
 @lower(aten.pow.Scalar)
 def _pow_scalar(base, exponent):
     dt = result_type(base, exponent)
     a, b = promote(base, exponent, dtype=dt)
-    return jnp.power(a, b)
+    return _int_pow(a, b) if is_integral(dt, include_bool=False) else jnp.power(a, b)
 
 
 @lower(aten.atan2.default)

@@ -24,9 +24,14 @@ def _mm(a, b):
     return _matmul(a, b)
 
 
-@lower(aten.dot.default, aten.vdot.default)
+@lower(aten.dot.default)
 def _dot(a, b):
     return jnp.dot(a, b)
+
+
+@lower(aten.vdot.default)
+def _vdot(a, b):
+    return jnp.vdot(a, b)  # conjugates ``a``, as torch.vdot does
 
 
 @lower(aten.mv.default)
