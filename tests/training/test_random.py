@@ -8,6 +8,7 @@ distributions, or make eager reuse the mask the compiled model drew."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,33 +22,95 @@ from tests.training.harness import assert_all_in_jax
 
 N = 200_000  # samples per statistics check: standard errors well under the tolerances
 
-# name -> (function of a float32 input x of N elements, ATen op expected in JAX)
+
+def _moments(t: torch.Tensor) -> tuple[float, float]:
+    t = t.double()
+    return t.mean().item(), t.std().item()
+
+
+def _mean_std(mean: float, std: float, tol: float) -> Callable[[torch.Tensor], None]:
+    def check(t: torch.Tensor) -> None:
+        m, s = _moments(t)
+        assert abs(m - mean) < tol and abs(s - std) < tol, f"mean {m}, std {s}"
+
+    return check
+
+
+def _check_rand(u: torch.Tensor) -> None:
+    assert u.dtype == torch.float32 and 0 <= u.min() and u.max() < 1
+    _mean_std(0.5, (1 / 12) ** 0.5, 0.005)(u)
+
+
+def _check_uniform(v: torch.Tensor) -> None:
+    assert -2 <= v.min() and v.max() < 3
+    _mean_std(0.5, 5 / 12**0.5, 0.02)(v)
+
+
+def _check_bernoulli(b: torch.Tensor) -> None:
+    assert set(b.unique().tolist()) <= {0.0, 1.0}
+    assert abs(b.mean().item() - 0.3) < 0.005
+
+
+def _check_randint(r: torch.Tensor) -> None:
+    assert r.dtype == torch.int64 and r.min() == 0 and r.max() == 9
+    freq = torch.bincount(r, minlength=10).double() / N
+    assert (freq - 0.1).abs().max() < 0.005
+
+
+def _check_exponential(e: torch.Tensor) -> None:
+    assert e.min() >= 0
+    _mean_std(0.5, 0.5, 0.005)(e)
+
+
+def _check_dropout(d: torch.Tensor) -> None:  # input all ones, p = 0.3
+    kept = d != 0
+    assert abs(kept.double().mean().item() - 0.7) < 0.005
+    torch.testing.assert_close(d[kept], torch.full_like(d[kept], 1 / 0.7))
+
+
+def _check_randperm(r: torch.Tensor) -> None:
+    assert torch.equal(r.sort().values, torch.arange(1000))
+
+
+# name -> (function of x = zeros(N), ATen op expected in JAX or None, statistics check)
 SAMPLERS = {
-    "rand": (lambda x: torch.rand(N), "aten.rand.default"),
-    "randn": (lambda x: torch.randn(N), "aten.randn.default"),
-    "rand_like": (lambda x: torch.rand_like(x), "aten.rand_like.default"),
-    "randn_like": (lambda x: torch.randn_like(x), "aten.randn_like.default"),
-    "randint": (lambda x: torch.randint(0, 10, (N,)), "aten.randint.low"),
-    "bernoulli": (lambda x: torch.bernoulli(torch.full_like(x, 0.3)), None),
-    "bernoulli_p": (lambda x: x.clone().bernoulli_(0.3), "aten.bernoulli.p"),
-    "normal_": (lambda x: torch.empty_like(x).normal_(2.0, 3.0), "aten.normal_functional.default"),
-    "uniform_": (lambda x: torch.empty_like(x).uniform_(-2.0, 3.0), "aten.uniform.default"),
-    "normal_tensor": (lambda x: torch.normal(x, 2.0), "aten.normal.Tensor_float"),
-    "exponential_": (lambda x: torch.empty_like(x).exponential_(2.0), None),
-    "dropout": (lambda x: F.dropout(x + 1.0, 0.3, training=True), "aten.native_dropout.default"),
-    "randperm": (lambda x: torch.randperm(1000), "aten.randperm.default"),
+    "rand": (lambda x: torch.rand(N), "aten.rand.default", _check_rand),
+    "randn": (lambda x: torch.randn(N), "aten.randn.default", _mean_std(0, 1, 0.01)),
+    "rand_like": (lambda x: torch.rand_like(x), "aten.rand_like.default", _check_rand),
+    "randn_like": (lambda x: torch.randn_like(x), "aten.randn_like.default", _mean_std(0, 1, 0.01)),
+    "randint": (lambda x: torch.randint(0, 10, (N,)), "aten.randint.low", _check_randint),
+    "bernoulli": (lambda x: torch.bernoulli(torch.full_like(x, 0.3)), None, _check_bernoulli),
+    "bernoulli_p": (lambda x: x.clone().bernoulli_(0.3), "aten.bernoulli.p", _check_bernoulli),
+    "normal_": (
+        lambda x: torch.empty_like(x).normal_(2.0, 3.0),
+        "aten.normal_functional.default",
+        _mean_std(2, 3, 0.03),
+    ),
+    "uniform_": (
+        lambda x: torch.empty_like(x).uniform_(-2.0, 3.0),
+        "aten.uniform.default",
+        _check_uniform,
+    ),
+    "normal_tensor": (
+        lambda x: torch.normal(x, 2.0),
+        "aten.normal.Tensor_float",
+        _mean_std(0, 2, 0.02),
+    ),
+    "exponential_": (lambda x: torch.empty_like(x).exponential_(2.0), None, _check_exponential),
+    "dropout": (
+        lambda x: F.dropout(x + 1.0, 0.3, training=True),
+        "aten.native_dropout.default",
+        _check_dropout,
+    ),
+    "randperm": (lambda x: torch.randperm(1000), "aten.randperm.default", _check_randperm),
 }
 
 
-def _compiled(name: str):
-    fn, op = SAMPLERS[name]
-    backend = dynajax.Backend()
-    return torch.compile(fn, backend=backend), backend, op
-
-
 @pytest.mark.parametrize("name", list(SAMPLERS))
-def test_seeded_reproducible_and_fresh(name: str) -> None:
-    compiled, backend, op = _compiled(name)
+def test_seeded_reproducible_fresh_and_distributed(name: str) -> None:
+    fn, op, check = SAMPLERS[name]
+    backend = dynajax.Backend()
+    compiled = torch.compile(fn, backend=backend)
     x = torch.zeros(N)
     torch.manual_seed(1)
     first, second = compiled(x), compiled(x)
@@ -58,46 +121,12 @@ def test_seeded_reproducible_and_fresh(name: str) -> None:
     assert torch.equal(first, again), "same seed, different numbers"
     assert not torch.equal(first, second), "successive calls drew the same numbers"
     assert not torch.equal(first, other), "different seeds drew the same numbers"
+    check(first)
+    check(other)
     assert_all_in_jax(backend, "inference")
     if op is not None:
         ops = {k for p in backend.graphs[0].partitions for k in p.ops}
         assert op in ops, f"{op} not in the JAX partition ({sorted(ops)})"
-
-
-def _moments(t: torch.Tensor) -> tuple[float, float]:
-    t = t.double()
-    return t.mean().item(), t.std().item()
-
-
-def test_distributions() -> None:
-    x = torch.zeros(N)
-    torch.manual_seed(0)
-    draw = {name: _compiled(name)[0](x) for name in SAMPLERS}
-
-    u = draw["rand"]
-    assert u.dtype == torch.float32 and 0 <= u.min() and u.max() < 1
-    mean, std = _moments(u)
-    assert abs(mean - 0.5) < 0.005 and abs(std - (1 / 12) ** 0.5) < 0.005
-    for name in ("randn", "randn_like"):
-        mean, std = _moments(draw[name])
-        assert abs(mean) < 0.01 and abs(std - 1) < 0.01, name
-    mean, std = _moments(draw["normal_"])
-    assert abs(mean - 2) < 0.03 and abs(std - 3) < 0.03
-    mean, std = _moments(draw["normal_tensor"])
-    assert abs(mean) < 0.02 and abs(std - 2) < 0.02
-    v = draw["uniform_"]
-    assert -2 <= v.min() and v.max() < 3 and abs(v.double().mean().item() - 0.5) < 0.02
-    for name in ("bernoulli", "bernoulli_p"):
-        b = draw[name]
-        assert set(b.unique().tolist()) <= {0.0, 1.0}
-        assert abs(b.mean().item() - 0.3) < 0.005, name
-    r = draw["randint"]
-    assert r.dtype == torch.int64 and r.min() == 0 and r.max() == 9
-    freq = torch.bincount(r, minlength=10).double() / N
-    assert (freq - 0.1).abs().max() < 0.005
-    e = draw["exponential_"]
-    assert e.min() >= 0 and abs(e.double().mean().item() - 0.5) < 0.005
-    assert torch.equal(draw["randperm"].sort().values, torch.arange(1000))
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
