@@ -10,11 +10,15 @@ import operator
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 import torch.fx
 
 from dynajax.capability import META_KEY, Reason, Unsupported, target_name
 from dynajax.errors import DynajaxError
+
+if TYPE_CHECKING:
+    from dynajax.diagnostics.report import GraphReport, Report
 
 # Fill colours of partitions jax_0, jax_1, ... (cycled), readable on white.
 PALETTE = (
@@ -45,7 +49,10 @@ def _short_target(node: torch.fx.Node) -> str:
 
 
 def _node_attrs(
-    node: torch.fx.Node, partition: str | None, fallback: Unsupported | None, colors: dict
+    node: torch.fx.Node,
+    partition: str | None,
+    fallback: Unsupported | None,
+    colors: dict[str, str],
 ) -> dict[str, str]:
     label = f"{node.name}\n{_short_target(node)}"
     if node.op in ("placeholder", "get_attr"):
@@ -83,7 +90,7 @@ def _node_attrs(
     return attrs
 
 
-def graph_to_dot_lines(g: object, cluster: int) -> list[str]:
+def graph_to_dot_lines(g: GraphReport, cluster: int) -> list[str]:
     """The DOT lines of one GraphReport, as a cluster with node ids prefixed ``g<n>_``."""
     snapshot = g.snapshot
     title = f"graph {g.index} ({g.kind})"
@@ -132,7 +139,7 @@ def graph_to_dot_lines(g: object, cluster: int) -> list[str]:
     return lines
 
 
-def report_to_dot(report: object) -> str:
+def report_to_dot(report: Report) -> str:
     """DOT text of every graph of ``report``, one cluster each."""
     lines = [
         "digraph dynajax {",
