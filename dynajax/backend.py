@@ -32,6 +32,7 @@ from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, partition
 from dynajax.passes import run_passes
 from dynajax.passes.decompositions import training_corrections
+from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import boxed_callable, compile_partition
 
 log = logging.getLogger("dynajax.backend")
@@ -59,6 +60,7 @@ class Backend:
     def __init__(self, **options: Any) -> None:
         self.options = Options.resolve(options)
         self.graphs: list[GraphReport] = []
+        self.cache = ExecutableCache.from_option(self.options.cache_dir)
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
@@ -97,9 +99,18 @@ class Backend:
         annotated = list(gm.graph.nodes)
         snapshot = snapshot_graph(gm)
         gm = partition(gm, self.options.min_block_size)
+        stats = CompileStats()  # filled as the partitions compile, at their first calls
         for name, sub in list(gm.named_children()):
             if name.startswith(PREFIX):
-                setattr(gm, name, compile_partition(name, sub))
+                part = compile_partition(
+                    name,
+                    sub,
+                    cache=self.cache,
+                    stats=stats,
+                    max_executables=self.options.max_executables,
+                    pad_to_buckets=self.options.pad_to_buckets,
+                )
+                setattr(gm, name, part)
         gm.recompile()
         with self._lock:
             report = graph_report(
@@ -110,6 +121,7 @@ class Backend:
                 snapshot,
                 self.options.min_block_size,
             )
+            report.compile_stats = stats
             self.graphs.append(report)
         log_fallbacks_once(report.fallbacks)
         trace_artifact(report.__str__)

@@ -33,13 +33,29 @@ class Options:
         strict: raise ``UnsupportedNodesError`` listing every node that cannot run in
             JAX instead of falling back. Env: ``DYNAJAX_STRICT``.
         cache_dir: directory of the persistent XLA compilation cache; ``""`` turns it
-            off, ``None`` picks the default. Env: ``DYNAJAX_CACHE_DIR``.
+            off, ``None`` picks the default (``$XDG_CACHE_HOME/dynajax/xla``, else
+            ``~/.cache/dynajax/xla``). Entries are keyed by the lowered program (graph,
+            shapes, dtypes, everything the options changed in it), the platform and the
+            versions of torch, jax, jaxlib and dynajax. Env: ``DYNAJAX_CACHE_DIR``.
+        max_executables: under dynamic shapes, how many XLA executables (one per
+            concrete shape, or per bucket) each JAX partition keeps; the least recently
+            used is dropped beyond that (a later call with its shape compiles again, or
+            loads it from the persistent cache). Env: ``DYNAJAX_MAX_EXECUTABLES``.
+        pad_to_buckets: under dynamic shapes, pad each symbolic dimension up to the next
+            power of two and slice the outputs back, so that batch sizes 1..64 need 7
+            executables instead of 64. Applied per partition and per symbol only where
+            the padding provably cannot reach the real rows (no reduction, contraction,
+            reshape or data movement across that dimension; checked on the traced JAX
+            program); elsewhere the partition compiles per exact size, and the
+            ``dynajax.shapes`` logger says why. Env: ``DYNAJAX_PAD_TO_BUCKETS``.
     """
 
     min_block_size: int = 1
     fallback_ops: tuple[str, ...] = ()
     strict: bool = False
     cache_dir: str | None = None
+    max_executables: int = 16
+    pad_to_buckets: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.min_block_size, bool) or not isinstance(self.min_block_size, int):
@@ -54,6 +70,19 @@ class Options:
             )
         if not isinstance(self.strict, bool):
             raise OptionsError(f"strict must be True or False, got {self.strict!r}.")
+        if not isinstance(self.pad_to_buckets, bool):
+            raise OptionsError(
+                f"pad_to_buckets must be True or False, got {self.pad_to_buckets!r}."
+            )
+        if (
+            isinstance(self.max_executables, bool)
+            or not isinstance(self.max_executables, int)
+            or self.max_executables < 1
+        ):
+            raise OptionsError(
+                f"max_executables must be an int >= 1 (executables kept per partition "
+                f"under dynamic shapes), got {self.max_executables!r}."
+            )
         if self.cache_dir is not None and not isinstance(self.cache_dir, str | os.PathLike):
             raise OptionsError(f"cache_dir must be a path or None, got {self.cache_dir!r}.")
         object.__setattr__(self, "fallback_ops", _normalize_ops(self.fallback_ops))
@@ -169,6 +198,8 @@ _ENV = {
     "DYNAJAX_FALLBACK_OPS": ("fallback_ops", lambda n, r: r),
     "DYNAJAX_STRICT": ("strict", _parse_bool),
     "DYNAJAX_CACHE_DIR": ("cache_dir", lambda n, r: r),
+    "DYNAJAX_MAX_EXECUTABLES": ("max_executables", _parse_int),
+    "DYNAJAX_PAD_TO_BUCKETS": ("pad_to_buckets", _parse_bool),
 }
 
 

@@ -67,6 +67,10 @@ def _abstract(value: Any) -> Any:
         return tuple(_abstract(v) for v in value)
     if isinstance(value, list):
         return [_abstract(v) for v in value]
+    if isinstance(value, torch.SymInt):
+        return _concrete(value)
+    if isinstance(value, torch.SymBool):
+        return bool(value.node.hint)
     return jax_literal(value)
 
 
@@ -188,12 +192,15 @@ class CapabilityChecker:
         if rule is None:
             return self._refuse(node, Reason.NO_LOWERING, "")
         for v in inputs:
-            if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+            # Backed SymInts/SymBools (sizes under dynamic shapes) enter a partition as
+            # static Python values, one executable per value (runtime/executables.py);
+            # they are evaluated here at their hint. A SymFloat would recompile per value.
+            if isinstance(v, torch.SymFloat):
                 return self._refuse(
                     node,
                     Reason.CHECK_REFUSED,
-                    f"symbolic scalar argument {v} (dynamic shapes); JAX partitions "
-                    "take sizes as Python literals",
+                    f"symbolic float argument {v}; JAX partitions take sizes and flags "
+                    "as static values, and a float would recompile for every value",
                 )
         # A multi-output op may return None for an output it was asked not to compute
         # (convolution_backward's output_mask); the rule returns None there too.

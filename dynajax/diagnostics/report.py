@@ -13,6 +13,7 @@ import torch.fx
 from dynajax.capability import Reason, Unsupported, verdict_of
 from dynajax.diagnostics.whatif import WhatIf, propose, rank, what_if
 from dynajax.partition import PREFIX, compute_op_count
+from dynajax.runtime.cache import CompileStats, stats_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,9 @@ class GraphReport:
         snapshot: the graph as it was before partitioning, with its verdicts, for the
             what-if list and the picture; None when not recorded.
         min_block_size: the policy the partitions were formed under.
+        compile_stats: XLA compiles, persistent-cache hits and misses (with reasons) and
+            shape buckets of this graph's partitions, counted live as they compile (at
+            their first calls, and at each new shape under dynamic shapes).
     """
 
     kind: str
@@ -52,6 +56,7 @@ class GraphReport:
     host_scalars: list[Unsupported] = dataclasses.field(default_factory=list)
     snapshot: torch.fx.Graph | None = dataclasses.field(default=None, repr=False)
     min_block_size: int = 1
+    compile_stats: CompileStats | None = None
 
     @property
     def jax_ops(self) -> int:
@@ -100,6 +105,8 @@ class GraphReport:
             width = max(len(w.op) for w in self.what_if)
             for w in self.what_if:
                 out.append(f"    {w.op:<{width}}  {w.describe()}")
+        if self.compile_stats is not None:
+            out.extend(_stats_lines(self.compile_stats, "  "))
         if self.host_scalars:
             names = ", ".join(h.node for h in self.host_scalars[:8])
             more = ", ..." if len(self.host_scalars) > 8 else ""
@@ -108,6 +115,15 @@ class GraphReport:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+def _stats_lines(stats: CompileStats, indent: str) -> list[str]:
+    out = [f"{indent}compiles: {stats.line()}"]
+    for b in stats.buckets:
+        out.append(f"{indent}  padded to buckets: {b}")
+    for e in stats.exact:
+        out.append(f"{indent}  not padded: {e}")
+    return out
 
 
 def _short(source_line: str) -> str:
@@ -183,6 +199,11 @@ class Report:
         return [f for g in self.graphs for f in g.fallbacks]
 
     @property
+    def compile_stats(self) -> CompileStats:
+        """XLA compiles and persistent-cache hits/misses summed over the graphs."""
+        return stats_of(g.compile_stats for g in self.graphs if g.compile_stats is not None)
+
+    @property
     def partitions(self) -> list[PartitionInfo]:
         return [p for g in self.graphs for p in g.partitions]
 
@@ -219,6 +240,8 @@ class Report:
             f"dynajax report: {len(self.graphs)} graph(s), {self.jax_ops}/{self.aten_ops} "
             f"ATen ops in JAX ({100 * self.fraction_in_jax:.1f}%)"
         ]
+        if any(g.compile_stats is not None for g in self.graphs):
+            lines.append(f"compiles: {self.compile_stats.line()}")
         for g in self.graphs:
             lines.append("")
             lines.extend(g.lines())

@@ -1,0 +1,384 @@
+"""Padding dynamic dimensions up to buckets, only where padding cannot leak.
+
+With ``pad_to_buckets``, a partition whose inputs have a symbolic size ``s0`` (a batch
+of 5) runs the executable of the next power of two (8): inputs are zero-padded along
+every dimension of size ``s0``, ``s0`` itself is passed as 8 where the graph takes it
+as a value, and every output dimension of size ``s0`` is sliced back to 5. Batch sizes
+1..64 then need 7 executables instead of 64.
+
+That is only correct when the real rows never read the padded ones. Whether they do
+is decided on the traced JAX program, not on a list of torch ops: the partition is
+traced twice with two different values of the symbol, and every dimension whose size
+follows the symbol is tracked through every equation (sub-jaxprs included):
+
+    elementwise ops, transpose, broadcast           rows stay rows             safe
+    dot_general / conv with s0 as batch or free dim rows stay rows             safe
+    reduce_*, argmax, cumsum (reversed), sort, ...   over s0                   refused
+    dot_general contracting over s0                  padded rows summed in     refused
+    reshape keeping s0 as a whole dimension          rows stay rows            safe
+    reshape merging s0 with another dimension        rows move                 refused
+    a size 2*s0 or s0+1 anywhere                     cannot be sliced back     refused
+    any other primitive touching s0 (gather of s0-indexed tables, random bits, ...)
+                                                                              refused
+
+A refused symbol compiles per exact size (the reason is logged on ``dynajax.shapes``
+and listed in the Report). Dynamo's guards on the symbol (``s0 <= 256``) are checked at
+the padded size; a bucket that would violate one runs at the exact size instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import sympy
+import torch
+
+from dynajax.lowering.dtypes import TORCH_TO_JAX
+
+log = logging.getLogger("dynajax.shapes")
+
+
+def next_bucket(n: int) -> int:
+    """The power of two at or above ``n`` (1 for 0 and 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _expr(size: Any) -> sympy.Expr | int:
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    return int(size)
+
+
+def _is_symbol(size: Any, sym: sympy.Symbol) -> bool:
+    return isinstance(size, torch.SymInt) and size.node.expr == sym
+
+
+def _mentions(size: Any, sym: sympy.Symbol) -> bool:
+    if isinstance(size, torch.SymInt | torch.SymBool):
+        return sym in size.node.expr.free_symbols
+    return False
+
+
+def free_symbols(values: Sequence[Any]) -> set[sympy.Symbol]:
+    """The symbols in the shapes of the tensors and in the symbolic scalars of ``values``."""
+    out: set[sympy.Symbol] = set()
+    for v in values:
+        sizes = list(v.shape) if isinstance(v, torch.Tensor) else [v]
+        for s in sizes:
+            if isinstance(s, torch.SymInt | torch.SymBool):
+                out |= s.node.expr.free_symbols
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SymbolPlan:
+    """Where one bucketed symbol occurs: input dims, static inputs, output dims."""
+
+    symbol: sympy.Symbol
+    in_dims: tuple[tuple[int, int], ...]  # (input position, dim)
+    statics: tuple[int, ...]  # input positions whose value is the symbol
+    out_dims: tuple[tuple[int, int], ...]  # (output index, dim)
+    guards: tuple[sympy.Basic, ...]  # Dynamo's guards on this symbol alone
+
+    def size(self, args: Sequence[Any]) -> int:
+        if self.statics:
+            return int(args[self.statics[0]])
+        pos, dim = self.in_dims[0]
+        return args[pos].shape[dim]
+
+    def allows(self, padded: int) -> bool:
+        sub = {self.symbol: padded}
+        return all(bool(g.xreplace(sub)) for g in self.guards)
+
+
+def occurrences(
+    sym: sympy.Symbol, inputs: Sequence[Any], outputs: Sequence[Any]
+) -> SymbolPlan | str:
+    """The places ``sym`` occurs, or why it cannot be padded (a compound size)."""
+    in_dims, statics, out_dims = [], [], []
+    for i, v in enumerate(inputs):
+        if isinstance(v, torch.Tensor):
+            for d, s in enumerate(v.shape):
+                if _is_symbol(s, sym):
+                    in_dims.append((i, d))
+                elif _mentions(s, sym):
+                    return f"input {i} has size {s} (not {sym} itself)"
+        elif _is_symbol(v, sym):
+            statics.append(i)
+        elif _mentions(v, sym):
+            return f"input {i} is the value {v} (not {sym} itself)"
+    for k, v in enumerate(outputs):
+        if isinstance(v, torch.Tensor):
+            for d, s in enumerate(v.shape):
+                if _is_symbol(s, sym):
+                    out_dims.append((k, d))
+                elif _mentions(s, sym):
+                    return f"output {k} has size {s} (not {sym} itself)"
+        elif v is not None and _mentions(v, sym):
+            return f"output {k} is the value {v}"
+    if not in_dims and not statics:
+        return f"{sym} is not an input size"
+    return SymbolPlan(sym, tuple(in_dims), tuple(statics), tuple(out_dims), _guards(sym, inputs))
+
+
+def _guards(sym: sympy.Symbol, inputs: Sequence[Any]) -> tuple[sympy.Basic, ...]:
+    for v in inputs:
+        sizes = list(v.shape) if isinstance(v, torch.Tensor) else [v]
+        for s in sizes:
+            if isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols:
+                env = s.node.shape_env
+                found = []
+                for g in getattr(env, "guards", ()):
+                    expr = getattr(g, "expr", None)
+                    if expr is not None and expr.free_symbols == {sym}:
+                        found.append(expr)
+                return tuple(found)
+    return ()
+
+
+# -- the check on the traced program ----------------------------------------------------
+
+_ELEMENTWISE = frozenset(
+    """abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e
+    bitcast_convert_type cbrt ceil clamp clz complex conj convert_element_type copy copy_p
+    cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not
+    optimization_barrier or polygamma population_count pow real reduce_precision rem
+    round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin
+    sinh sqrt square sub tan tanh xor zeta""".split()
+)
+_REDUCTIONS = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
+    "argmax argmin".split()
+)
+_CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+class _Leak(Exception):
+    """The padded rows could reach real ones (the message says where)."""
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _dims(va: Any, vb: Any, a: int, b: int) -> set[int]:
+    """Dims of a var that are the symbol; raises on a dim that follows it otherwise."""
+    sa, sb = _shape(va), _shape(vb)
+    if len(sa) != len(sb):
+        raise _Leak("the two traces differ in rank")
+    out = set()
+    for d, (x, y) in enumerate(zip(sa, sb, strict=True)):
+        if x == a and y == b:
+            out.add(d)
+        elif x != y:
+            raise _Leak(f"a dimension of size {x} follows the symbol without being it")
+    return out
+
+
+def _prefix(shape: tuple[int, ...], d: int) -> int:
+    p = 1
+    for s in shape[:d]:
+        p *= s
+    return p
+
+
+def _check_reshape(eqn: Any, ins: list[set[int]], outs: list[set[int]]) -> None:
+    src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    din, dout = ins[0], outs[0]
+    if len(din) != len(dout):
+        raise _Leak(f"{eqn.primitive.name} merges or splits the padded dimension")
+    for d in din:
+        if not any(_prefix(src, d) == _prefix(dst, e) and src[d] == dst[e] for e in dout):
+            raise _Leak(f"{eqn.primitive.name} moves the padded dimension")
+
+
+def _check_eqn(eqn: Any, ins: list[set[int]], outs: list[set[int]]) -> None:
+    name = eqn.primitive.name
+    p = eqn.params
+    touched = set().union(*ins) if ins else set()
+    if name in _ELEMENTWISE or name in ("transpose", "iota", "broadcast_in_dim"):
+        return
+    if name in ("reshape", "squeeze", "expand_dims"):
+        return _check_reshape(eqn, ins, outs)
+    if name in _REDUCTIONS:
+        if touched & set(p["axes"]):
+            raise _Leak(f"{name} reduces over the padded dimension")
+        return
+    if name in _CUMULATIVE:
+        if p["axis"] in touched and p.get("reverse", False):
+            raise _Leak(f"{name} runs backwards over the padded dimension")
+        return
+    if name == "dot_general":
+        (lc, rc), _ = p["dimension_numbers"]
+        if ins[0] & set(lc) or ins[1] & set(rc):
+            raise _Leak("dot_general contracts over the padded dimension")
+        return
+    if name == "conv_general_dilated":
+        lhs_spec = p["dimension_numbers"].lhs_spec
+        if ins[1] or ins[0] - {lhs_spec[0]} or p.get("batch_group_count", 1) != 1:
+            raise _Leak("convolution over the padded dimension")
+        return
+    if name in ("sort", "split", "concatenate", "top_k"):
+        axis = p.get("dimension", p.get("axis", len(_shape(eqn.invars[0])) - 1))
+        if axis in touched:
+            raise _Leak(f"{name} along the padded dimension")
+        return
+    if name == "rev":
+        if touched & set(p["dimensions"]):
+            raise _Leak("rev along the padded dimension")
+        return
+    if name == "slice":
+        shape = _shape(eqn.invars[0])
+        strides = p.get("strides") or (1,) * len(shape)
+        for d in touched:
+            if p["start_indices"][d] != 0 or p["limit_indices"][d] != shape[d] or strides[d] != 1:
+                raise _Leak("slice along the padded dimension")
+        return
+    if name == "pad":
+        for d in touched:
+            if tuple(p["padding_config"][d]) != (0, 0, 0):
+                raise _Leak("pad along the padded dimension")
+        return
+    if name in ("reduce_window_sum", "reduce_window_max", "reduce_window_min"):
+        for d in touched:
+            if (
+                p["window_dimensions"][d] != 1
+                or p["window_strides"][d] != 1
+                or tuple(p["padding"][d]) != (0, 0)
+            ):
+                raise _Leak(f"{name} windows over the padded dimension")
+        return
+    if name == "gather":
+        # Row-wise lookups into a table that is not itself padded (embeddings).
+        dn = p["dimension_numbers"]
+        rank_i = len(_shape(eqn.invars[1]))
+        if ins[0] or (rank_i - 1) in ins[1] or dn.start_indices_batching_dims:
+            raise _Leak("gather indexes along the padded dimension")
+        out_rank = len(_shape(eqn.outvars[0]))
+        batch = [d for d in range(out_rank) if d not in dn.offset_dims]
+        if {batch[i] for i in ins[1]} != outs[0]:
+            raise _Leak("gather moves the padded dimension")
+        return
+    raise _Leak(f"{name} is not known to keep rows of the padded dimension apart")
+
+
+def _walk(ja: Any, jb: Any, a: int, b: int) -> list[set[int]]:
+    """Checks a pair of jaxprs; returns the symbol dims of their outputs."""
+    if len(ja.eqns) != len(jb.eqns):
+        raise _Leak("the program's structure depends on the symbol's value")
+    for va, vb in zip([*ja.constvars, *ja.invars], [*jb.constvars, *jb.invars], strict=True):
+        _dims(va, vb, a, b)
+    for ea, eb in zip(ja.eqns, jb.eqns, strict=True):
+        if ea.primitive is not eb.primitive:
+            raise _Leak("the program's structure depends on the symbol's value")
+        ins = [_dims(x, y, a, b) for x, y in zip(ea.invars, eb.invars, strict=True)]
+        outs = [_dims(x, y, a, b) for x, y in zip(ea.outvars, eb.outvars, strict=True)]
+        if not any(ins) and not any(outs):
+            continue
+        sub = next((k for k in _CALLS if k in ea.params), None)
+        if sub is not None:
+            inner_a, inner_b = ea.params[sub], eb.params[sub]
+            inner_a = getattr(inner_a, "jaxpr", inner_a)
+            inner_b = getattr(inner_b, "jaxpr", inner_b)
+            got = _walk(inner_a, inner_b, a, b)
+            if got != outs:
+                raise _Leak(f"{ea.primitive.name} call moves the padded dimension")
+            continue
+        _check_eqn(ea, ins, outs)
+    return [_dims(x, y, a, b) for x, y in zip(ja.outvars, jb.outvars, strict=True)]
+
+
+def check_padding(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    plan: SymbolPlan,
+    *,
+    seed: bool,
+    out_present: Sequence[bool],
+) -> str | None:
+    """None when padding ``plan.symbol`` cannot reach real rows of ``fn``'s outputs.
+
+    ``inputs`` are the placeholder values (fake tensors, SymInts); ``fn`` takes
+    ``[seed,] *inputs`` with the static ones as Python ints. Call with x64 on.
+    """
+    sym = plan.symbol
+    hint = _hint(sym, inputs)
+    a, b = max(hint, 2), max(hint, 2) + 1
+
+    def trace(value: int) -> Any:
+        def concrete(size: Any) -> Any:
+            if isinstance(size, torch.SymInt | torch.SymBool):
+                expr = size.node.expr
+                subs = {s: value if s == sym else _hint(s, inputs) for s in expr.free_symbols}
+                got = expr.xreplace(subs)
+                return bool(got) if isinstance(size, torch.SymBool) else int(got)
+            return size
+
+        args: list[Any] = []
+        statics: dict[int, Any] = {}
+        for i, v in enumerate(inputs):
+            if isinstance(v, torch.Tensor):
+                args.append(
+                    jax.ShapeDtypeStruct(tuple(map(concrete, v.shape)), TORCH_TO_JAX[v.dtype])
+                )
+            else:
+                statics[i] = concrete(v)
+        if seed:
+            args.insert(0, jax.ShapeDtypeStruct((), jax.numpy.int64))
+        return jax.make_jaxpr(_with_statics(fn, len(inputs), statics, seed))(*args)
+
+    try:
+        ja, jb = trace(a), trace(b)
+    except Exception as e:  # noqa: BLE001 - a trace at another size may fail on a
+        # guard-like assertion in a rule; that only means: do not pad this symbol.
+        return f"tracing at another size of {sym} failed ({type(e).__name__})"
+    try:
+        outs = _walk(ja.jaxpr, jb.jaxpr, a, b)
+    except _Leak as e:
+        return str(e)
+    want = [set() for _ in out_present]
+    for k, d in plan.out_dims:
+        want[k].add(d)
+    want = [w for w, present in zip(want, out_present, strict=True) if present]
+    if outs != want:
+        return "the outputs' padded dimensions differ from PyTorch's"
+    return None
+
+
+def _hint(sym: sympy.Symbol, inputs: Sequence[Any]) -> int:
+    for v in inputs:
+        sizes = list(v.shape) if isinstance(v, torch.Tensor) else [v]
+        for s in sizes:
+            if isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols:
+                env = s.node.shape_env
+                return int(env.var_to_val[sym])
+    raise KeyError(sym)
+
+
+def _with_statics(
+    fn: Callable[..., Any], n: int, statics: dict[int, Any], seed: bool
+) -> Callable[..., Any]:
+    """``fn`` taking only its array arguments, the static ones bound."""
+    if not statics:
+        return fn
+    slots = [i for i in range(n) if i not in statics]
+
+    def bound(*arrays: Any) -> Any:
+        full: list[Any] = [None] * n
+        for i, v in statics.items():
+            full[i] = v
+        rest = arrays[1:] if seed else arrays
+        for i, x in zip(slots, rest, strict=True):
+            full[i] = x
+        return fn(*arrays[:1], *full) if seed else fn(*full)
+
+    return bound
+
+
+with_statics = _with_statics

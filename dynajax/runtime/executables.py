@@ -1,0 +1,242 @@
+"""The XLA executables of one JAX partition, and the policy for changing shapes.
+
+A partition is compiled ahead of time (``jax.jit(fn).lower(avals).compile()``, or loaded
+from the persistent cache) and the executable is called directly:
+
+* Static shapes (Dynamo guards every size): exactly one executable, built at the first
+  call from the tensors of that call, then called for good.
+* Dynamic shapes (``dynamic=True``, ``mark_dynamic``, Dynamo's automatic dynamic
+  shapes): the partition's inputs have symbolic sizes, and symbolic sizes the graph
+  uses as values (``view(x, [s0, -1])``) arrive as Python ints. Those ints are *static*
+  in JAX: they are bound into the function, so every shape inside JAX is concrete.
+  Each concrete shape gets its own executable, kept in a per-partition LRU bounded by
+  ``max_executables``; the key is the static ints plus the sizes of the inputs with
+  symbolic dimensions (a tuple, no per-call tracing).
+* ``pad_to_buckets``: symbols that ``buckets.check_padding`` proves safe are padded to
+  the next power of two, so the LRU holds one executable per bucket.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import torch
+
+from dynajax.runtime.buckets import (
+    SymbolPlan,
+    check_padding,
+    free_symbols,
+    next_bucket,
+    occurrences,
+    with_statics,
+)
+from dynajax.runtime.cache import CompileStats, ExecutableCache
+
+log = logging.getLogger("dynajax.shapes")
+
+
+class Executables:
+    """Compiles and keeps the executables of one partition.
+
+    Args:
+        name: the partition's name (for logs).
+        fn: ``fn([seed,] *inputs)``, every input in placeholder order (static ones as
+            Python ints).
+        placeholders: the placeholders' ``meta["val"]`` (fake tensors, SymInts).
+        outputs: the output node's ``meta["val"]`` values.
+        needs_seed: ``fn`` takes a leading int64 seed.
+        cache: the persistent cache; stats: where compiles, hits and misses count.
+        max_executables: the LRU bound under dynamic shapes.
+        pad_to_buckets: pad provably safe symbols to powers of two.
+        sharding: the inputs' sharding (None: JAX's default device).
+        platform_name: the platform the executables run on.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        placeholders: Sequence[Any],
+        outputs: Sequence[Any],
+        needs_seed: bool,
+        *,
+        cache: ExecutableCache,
+        stats: CompileStats,
+        max_executables: int,
+        pad_to_buckets: bool,
+        sharding: Any,
+        platform_name: str,
+    ) -> None:
+        self.name = name
+        self.fn = fn
+        self.placeholders = list(placeholders)
+        self.outputs = list(outputs)
+        self.needs_seed = needs_seed
+        self.cache = cache
+        self.stats = stats
+        self.max_executables = max_executables
+        self.sharding = sharding
+        self.platform_name = platform_name
+        vals = self.placeholders
+        self.tensor_pos = tuple(i for i, v in enumerate(vals) if isinstance(v, torch.Tensor))
+        self.static_pos = tuple(i for i, v in enumerate(vals) if not isinstance(v, torch.Tensor))
+        self.shape_pos = tuple(
+            i for i in self.tensor_pos if any(isinstance(s, torch.SymInt) for s in vals[i].shape)
+        )
+        self.dynamic = bool(self.static_pos or self.shape_pos)
+        self._want_buckets = pad_to_buckets and self.dynamic
+        self.plans: list[SymbolPlan] | None = None if self._want_buckets else []
+        self._allowed: dict[tuple[Any, int], bool] = {}
+        self._lru: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        """Executables currently kept."""
+        return len(self._lru)
+
+    # -- compiling ----------------------------------------------------------------------
+
+    def compile(self, args: Sequence[Any], arrays: Sequence[Any]) -> jax.stages.Compiled:
+        """The executable for the inputs ``args`` (placeholder order; the static ones are
+        bound into it), called on ``arrays`` (``[seed,] *`` the tensor inputs, converted).
+        The arrays' shapes, dtypes and devices are its signature. Call with x64 on."""
+        statics = {i: _static(args[i]) for i in self.static_pos}
+        avals = [
+            jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=getattr(a, "sharding", None) or self.sharding
+            )
+            for a in arrays
+        ]
+        fn = with_statics(self.fn, len(self.placeholders), statics, self.needs_seed)
+        lowered = jax.jit(fn).lower(*avals)
+        shapes = ", ".join(str(list(a.shape)) for a in avals)
+        return self.cache.compile(
+            lowered, self.stats, name=f"{self.name}({shapes})", platform_name=self.platform_name
+        )
+
+    def lookup(self, args: Sequence[Any], arrays: Sequence[Any]) -> Callable[..., Any]:
+        """The executable for ``args`` from the LRU, compiled on a miss (dynamic shapes)."""
+        key = (
+            *[args[i] for i in self.static_pos],
+            *[args[i].shape for i in self.shape_pos],
+        )
+        with self._lock:
+            call = self._lru.get(key)
+            if call is not None:
+                self._lru.move_to_end(key)
+                return call
+            call = self.compile(args, arrays)
+            self._lru[key] = call
+            while len(self._lru) > self.max_executables:
+                old, _ = self._lru.popitem(last=False)
+                self.stats.evictions += 1
+                log.debug("%s: dropped the executable of %s (max_executables)", self.name, old)
+            return call
+
+    # -- buckets ------------------------------------------------------------------------
+
+    def pad(
+        self, args: Sequence[Any]
+    ) -> tuple[Sequence[Any], list[tuple[tuple[tuple[int, int], ...], int]]]:
+        """``args`` padded to their buckets, and what to slice back from the outputs."""
+        plans = self.plans
+        if plans is None:
+            plans = self._plan()
+        if not plans:
+            return args, []
+        padded = list(args)
+        restore = []
+        for plan in plans:
+            n = plan.size(args)
+            size = next_bucket(n)
+            if size == n or not self._allows(plan, size):
+                continue
+            for pos, dim in plan.in_dims:
+                padded[pos] = _pad(padded[pos], dim, size)
+            for pos in plan.statics:
+                padded[pos] = size
+            restore.append((plan.out_dims, n))
+        return padded, restore
+
+    @staticmethod
+    def unpad(
+        outs: list[torch.Tensor], restore: list[tuple[tuple[tuple[int, int], ...], int]]
+    ) -> list[torch.Tensor]:
+        touched = set()
+        for out_dims, n in restore:
+            for k, d in out_dims:
+                outs[k] = outs[k].narrow(d, 0, n)
+                touched.add(k)
+        for k in touched:
+            if not outs[k].is_contiguous():
+                outs[k] = outs[k].contiguous()  # eager's outputs are contiguous
+        return outs
+
+    def _allows(self, plan: SymbolPlan, size: int) -> bool:
+        key = (plan.symbol, size)
+        ok = self._allowed.get(key)
+        if ok is None:
+            ok = self._allowed[key] = plan.allows(size)
+            if not ok:
+                log.info(
+                    "%s: %s padded to %d would break Dynamo's guards on it; exact size",
+                    self.name,
+                    plan.symbol,
+                    size,
+                )
+        return ok
+
+    def _plan(self) -> list[SymbolPlan]:
+        with self._lock:
+            if self.plans is not None:
+                return self.plans
+            plans = []
+            present = [v is not None for v in self.outputs]
+            for sym in sorted(free_symbols(self.placeholders), key=str):
+                found = occurrences(sym, self.placeholders, self.outputs)
+                if isinstance(found, SymbolPlan):
+                    why = check_padding(
+                        self.fn,
+                        self.placeholders,
+                        found,
+                        seed=self.needs_seed,
+                        out_present=present,
+                    )
+                else:
+                    why = found
+                if why is None:
+                    plans.append(found)
+                    self.stats.buckets.append(f"{self.name}: {sym}")
+                    log.info("%s: %s padded to powers of two", self.name, sym)
+                else:
+                    self.stats.exact.append(f"{self.name}: {sym}: {why}")
+                    log.info("%s: %s not padded (%s); one executable per size", self.name, sym, why)
+            self.plans = plans
+            return plans
+
+
+def _static(value: Any) -> Any:
+    if isinstance(value, torch.SymInt):  # not expected at run time; be exact anyway
+        return int(value)
+    if isinstance(value, torch.SymBool):
+        return bool(value)
+    return value
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = size
+    out = t.new_zeros(shape)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+def fast_call(compiled: jax.stages.Compiled) -> Callable[..., Any]:
+    """After ``compiled``'s first call: its C++ dispatch function, which ``Compiled.__call__``
+    looks up on every call (one Python frame saved); ``compiled`` itself if it has none."""
+    return getattr(compiled, "_call", None) or compiled
