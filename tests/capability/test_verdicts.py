@@ -323,3 +323,26 @@ def test_source_line_skips_library_frames_forward_and_backward() -> None:
     x2 = x.detach().clone().requires_grad_()
     f(x2).backward()
     assert_same(x.grad, x2.grad)
+
+
+def test_unbacked_sizes_across_forward_and_backward() -> None:
+    def f(x, w):
+        h = torch.tanh(x @ w)
+        picked = h[h > 0]  # data-dependent size u0, differentiated through
+        return picked.sum() * torch.nonzero(h > 0).shape[0] + h.square().mean()
+
+    x, w = torch.randn(5, 4), torch.randn(4, 3, requires_grad=True)
+    backend = dynajax.Backend()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        out = torch.compile(f, backend=backend)(x, w)
+        out.backward()
+    w2 = w.detach().clone().requires_grad_()
+    expected = f(x, w2)
+    expected.backward()
+    assert_same(out, expected)
+    assert_same(w.grad, w2.grad)
+    report = dynajax.Report(backend.graphs)
+    assert {g.kind for g in report.graphs} == {"forward", "backward"}
+    assert all(g.partitions for g in report.graphs)
+    forward = next(g for g in report.graphs if g.kind == "forward")
+    assert {f.reason for f in forward.fallbacks} == {Reason.DATA_DEPENDENT_SHAPE}
