@@ -145,3 +145,25 @@ def _arange_end(end, *, dtype=None, layout=None, device=None, pin_memory=None):
 @lower(aten.arange.start)
 def _arange_start(start, end, *, dtype=None, layout=None, device=None, pin_memory=None):
     return _arange(start, end, 1, dtype=dtype)
+
+
+# Uninitialized memory in PyTorch; zeros are one valid content. (JAX values have no
+# strides: the stride argument only describes PyTorch's memory layout.)
+@lower(aten.new_empty_strided.default)
+def _new_empty_strided(x, size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), dtype or x.dtype)
+
+
+def _tri_indices(numpy_fn, row, col, offset, dtype):
+    rows, cols = numpy_fn(row, offset, col)
+    return jnp.asarray(np.stack([rows, cols]), dtype or np.int64)
+
+
+@lower(aten.tril_indices.default)
+def _tril_indices(row, col, offset=0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _tri_indices(np.tril_indices, row, col, offset, dtype)
+
+
+@lower(aten.triu_indices.default)
+def _triu_indices(row, col, offset=0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _tri_indices(np.triu_indices, row, col, offset, dtype)

@@ -518,3 +518,99 @@ def _angle(x):
     # Real inputs: pi for negatives, 0 otherwise, NaN kept; integers give floats.
     x = as_dtype(x, float_result_type(x))
     return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0).astype(x.dtype))
+
+
+# ---------------------------------------------------------------------------------
+# Special functions and bit-level arithmetic
+# ---------------------------------------------------------------------------------
+
+_SPECIAL_UNARY = {
+    "special_i0e": jax.scipy.special.i0e,
+    "special_i1": jax.scipy.special.i1,
+    "special_i1e": jax.scipy.special.i1e,
+    "special_ndtri": jax.scipy.special.ndtri,
+    "special_erfcx": jax.scipy.special.erfcx,
+}
+
+for _name, _fn in _SPECIAL_UNARY.items():
+    lower(getattr(aten, _name).default)(_float_unary(_fn))
+
+
+def _float_binary(fn):
+    def rule(x, other):
+        a, b = promote(x, other, dtype=float_result_type(x, other))
+        return fn(a, b)
+
+    return rule
+
+
+lower(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar)(
+    _float_binary(jax.scipy.special.zeta)
+)
+lower(aten.igamma.default)(_float_binary(jax.scipy.special.gammainc))
+lower(aten.igammac.default)(_float_binary(jax.scipy.special.gammaincc))
+
+
+@lower(aten.polygamma.default)
+def _polygamma(n, x):
+    x = as_dtype(x, float_result_type(x))
+    return jax.scipy.special.polygamma(jnp.asarray(n, np.int32), x).astype(x.dtype)
+
+
+@lower(aten.signbit.default)
+def _signbit(x):
+    if x.dtype == np.bool_ or jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        return jnp.zeros(x.shape, bool)
+    return jnp.signbit(x) if is_floating(x.dtype) else x < 0
+
+
+@lower(aten.frexp.Tensor)
+def _frexp(x):
+    mantissa, exponent = jnp.frexp(x)
+    return mantissa.astype(x.dtype), exponent.astype(np.int32)
+
+
+@lower(aten.ldexp.Tensor)
+def _ldexp(x, other):
+    a, b = promote(x, other, dtype=float_result_type(x, other))
+    return a * jnp.exp2(b)
+
+
+@lower(aten.nextafter.default)
+def _nextafter(x, other):
+    a, b = promote(x, other)
+    return jnp.nextafter(a, b)
+
+
+@lower(aten.gcd.default)
+def _gcd(x, other):
+    a, b = promote(x, other)
+    return jnp.gcd(a, b)
+
+
+@lower(aten.lcm.default)
+def _lcm(x, other):
+    a, b = promote(x, other)
+    return jnp.lcm(a, b)
+
+
+def _shift(left):
+    def rule(x, other):
+        a, b = promote(x, other)
+        bits = np.dtype(a.dtype).itemsize * 8
+        # PyTorch: a shift by a negative amount or by the width or more gives 0 (or -1
+        # for a right shift of a negative signed value).
+        out_of_range = (b < 0) | (b >= bits)
+        safe = jnp.where(out_of_range, 0, b)
+        if left:
+            return jnp.where(out_of_range, 0, jnp.left_shift(a, safe))
+        signed = jnp.issubdtype(a.dtype, jnp.signedinteger)
+        fill = jnp.where(a < 0, -1, 0).astype(a.dtype) if signed else 0
+        return jnp.where(out_of_range, fill, jnp.right_shift(a, safe))
+
+    return rule
+
+
+_SHIFT_OVERLOADS = ("Tensor", "Tensor_Scalar", "Scalar_Tensor")
+lower(*(getattr(aten.bitwise_left_shift, o) for o in _SHIFT_OVERLOADS))(_shift(True))
+lower(*(getattr(aten.bitwise_right_shift, o) for o in _SHIFT_OVERLOADS))(_shift(False))

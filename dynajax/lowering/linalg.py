@@ -103,3 +103,14 @@ def _pdist_forward(x, p=2.0):
     # Distances of rows i < j, in row-major order of (i, j).
     i, j = np.triu_indices(x.shape[0], 1)
     return _pnorm(x[i] - x[j], p)
+
+
+@lower(aten._trilinear.default)
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    # sum over sumdim of unsqueeze(i1, expand1) * unsqueeze(i2, expand2) * ...
+    # (F.bilinear's kernel).
+    a = jnp.expand_dims(i1, tuple(expand1)) if expand1 else i1
+    b = jnp.expand_dims(i2, tuple(expand2)) if expand2 else i2
+    c = jnp.expand_dims(i3, tuple(expand3)) if expand3 else i3
+    out = a * b * c
+    return jnp.sum(out, axis=tuple(sumdim)) if sumdim else out

@@ -257,3 +257,45 @@ def _linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     else:
         out = jnp.sum(a**ord, axis=ax, keepdims=keepdim) ** (1.0 / ord)
     return out.astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Cumulative extremes and log-sum-exp
+# ---------------------------------------------------------------------------------
+
+
+def _cum_extreme(x, dim, later_wins):
+    """PyTorch's cummax/cummin scan: a later element replaces the running extreme when
+    it is NaN, or when the running one is not NaN and ``later_wins`` (>= or <=), so ties
+    and NaNs report the last index. That is a max under a total order, hence a scan."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    d = dim % x.ndim
+    idx = jax.lax.broadcasted_iota(np.int64, x.shape, d)
+
+    def combine(a, b):
+        (av, ai), (bv, bi) = a, b
+        if is_floating(x.dtype):
+            take_b = jnp.isnan(bv) | (~jnp.isnan(av) & later_wins(bv, av))
+        else:
+            take_b = later_wins(bv, av)
+        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+
+    return jax.lax.associative_scan(combine, (x, idx), axis=d)
+
+
+@lower(aten.cummax.default)
+def _cummax(x, dim):
+    return _cum_extreme(x, dim, jnp.greater_equal)
+
+
+@lower(aten.cummin.default)
+def _cummin(x, dim):
+    return _cum_extreme(x, dim, jnp.less_equal)
+
+
+@lower(aten.logcumsumexp.default)
+def _logcumsumexp(x, dim):
+    if x.ndim == 0:
+        return x
+    return jax.lax.cumlogsumexp(x, axis=dim % x.ndim)

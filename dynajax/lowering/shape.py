@@ -231,3 +231,20 @@ def _replication_pad_backward(grad, x, padding):
     # Padding is linear in its input: the exact gradient is the VJP of the forward.
     _, vjp = jax.vjp(lambda x_: _replication_pad(x_, list(padding)), x)
     return vjp(grad.astype(x.dtype))[0]
+
+
+@lower(aten.narrow_copy.default)
+def _narrow_copy(x, dim, start, length):
+    return _narrow(x, dim, start, length)
+
+
+@lower(aten.unfold.default)
+def _unfold(x, dimension, size, step):
+    # Windows x[i*step : i*step + size] along `dimension`, each becoming a new last dim.
+    if x.ndim == 0:
+        return x.reshape(1)
+    d = _dim(x, dimension)
+    windows = (x.shape[d] - size) // step + 1
+    idx = np.arange(windows)[:, None] * step + np.arange(size)[None, :]
+    out = jnp.take(x, jnp.asarray(idx), axis=d)  # axis d -> (windows, size)
+    return jnp.moveaxis(out, d + 1, -1)

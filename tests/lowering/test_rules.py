@@ -530,6 +530,107 @@ NONCORE = [
         ("aten.rrelu_with_noise_functional.default", "aten.rrelu_with_noise_backward.default"),
         grad=True,
     ),
+    Case(
+        "special-unary-float64",
+        lambda x: (
+            torch.special.i0e(x),
+            torch.special.i1(x),
+            torch.special.i1e(x),
+            torch.special.erfcx(x),
+            torch.special.ndtri(torch.sigmoid(x)),
+            torch.polygamma(2, x.abs() + 0.5),
+        ),
+        lambda: (randn(7, dtype=torch.float64) * 3,),
+        (
+            "aten.special_i0e.default",
+            "aten.special_i1.default",
+            "aten.special_i1e.default",
+            "aten.special_erfcx.default",
+            "aten.special_ndtri.default",
+            "aten.polygamma.default",
+        ),
+    ),
+    Case(
+        "special-binary-int-promotes-float32",
+        lambda x, i: (
+            torch.special.zeta(x.abs() + 1.5, i.abs() + 1),
+            torch.igamma(x.abs() + 0.1, i.abs() + 0.5),
+            torch.igammac(x.abs() + 0.1, x.abs() * 2),
+        ),
+        lambda: (randn(6), ints(-4, 5, 6)),
+        ("aten.special_zeta.default", "aten.igamma.default", "aten.igammac.default"),
+    ),
+    Case(
+        "bit-level-float32",
+        lambda x, y, e: (
+            torch.signbit(x),
+            torch.frexp(x),
+            torch.ldexp(x, e),
+            torch.nextafter(x, y),
+        ),
+        lambda: (torch.tensor([-0.0, 0.0, -2.5, 3.0, 1e-30, NAN]), randn(6), ints(-3, 4, 6)),
+        (
+            "aten.signbit.default",
+            "aten.frexp.Tensor",
+            "aten.ldexp.Tensor",
+            "aten.nextafter.default",
+        ),
+    ),
+    Case(
+        "gcd-lcm-shifts-int32",
+        lambda a, b: (
+            torch.gcd(a, b),
+            torch.lcm(a, b),
+            torch.bitwise_left_shift(a, b.abs()),
+            torch.bitwise_right_shift(a, 3),
+            torch.bitwise_right_shift(a, torch.tensor(40, dtype=torch.int32)),
+        ),
+        lambda: (
+            torch.tensor([12, -18, 0, 7, -(2**31), 5], dtype=torch.int32),
+            torch.tensor([8, 12, 0, -3, 2, 31], dtype=torch.int32),
+        ),
+        (
+            "aten.gcd.default",
+            "aten.lcm.default",
+            "aten.bitwise_left_shift.Tensor",
+            "aten.bitwise_right_shift.Tensor_Scalar",
+            "aten.bitwise_right_shift.Tensor",
+        ),
+    ),
+    Case(
+        "cummax-cummin-ties-nan-float32",
+        lambda x: (torch.cummax(x, 1), torch.cummin(x, 0)),
+        lambda: (
+            with_nan(torch.tensor([[1.0, 3.0, 3.0, 2.0, 5.0], [0.0, 0.0, -1.0, 4.0, 4.0]]), (0, 3)),
+        ),
+        ("aten.cummax.default", "aten.cummin.default"),
+    ),
+    Case(
+        "cummax-int64-logcumsumexp-float64",
+        lambda i, x: (torch.cummax(i, 0), torch.logcumsumexp(x, 1)),
+        lambda: (ints(-3, 3, 6, 2), randn(2, 5, dtype=torch.float64) * 10),
+        ("aten.cummax.default", "aten.logcumsumexp.default"),
+    ),
+    Case(
+        "unfold-narrow_copy-float32",
+        lambda x: (x.unfold(1, 3, 2), x.unfold(-1, 2, 1), torch.narrow_copy(x, 2, 1, 2)),
+        lambda: (randn(2, 7, 4),),
+        ("aten.unfold.default", "aten.narrow_copy.default"),
+        grad=True,
+    ),
+    Case(
+        "tril-triu-indices-int64",
+        lambda x: (x[tuple(torch.tril_indices(4, 5, -1))], torch.triu_indices(3, 6, 2)),
+        lambda: (randn(4, 5),),
+        ("aten.tril_indices.default", "aten.triu_indices.default"),
+    ),
+    Case(
+        "bilinear-trilinear-grad-float64",
+        lambda a, b, w, bias: F.bilinear(a, b, w, bias),
+        lambda: tuple(randn(*s, dtype=torch.float64) for s in ((3, 4), (3, 5), (2, 4, 5), (2,))),
+        ("aten._trilinear.default",),
+        grad=True,
+    ),
 ]
 
 # ---------------------------------------------------------------------------------
