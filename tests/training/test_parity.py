@@ -107,6 +107,6 @@ def test_compiled_optimizer_step(opt: str) -> None:
     """torch.compile(opt.step) runs the update in JAX; parameters and state match."""
     torch.manual_seed(0)
     make_model, batches, loss_fn = _mlp_case()
-    backend = compare_training(make_model, batches, loss_fn, OPTIMIZERS[opt], compile_step=True)
+    backend, _ = compare_training(make_model, batches, loss_fn, OPTIMIZERS[opt], compile_step=True)
     # The step's graphs are inference graphs (optimizer.step runs under no_grad).
     assert_all_in_jax(backend, "inference")
