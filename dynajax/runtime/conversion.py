@@ -113,11 +113,14 @@ def to_torch(a: jax.Array) -> torch.Tensor:
     """A torch tensor viewing the buffer of the JAX array ``a`` (blocks until ready)."""
     if a.platform() != "cpu":
         return torch.from_dlpack(a)
+    if not _warned:
+        quiet_readonly_warning()
     return cpu_to_torch(a)
 
 
 def cpu_to_torch(a: jax.Array) -> torch.Tensor:
-    """``to_torch`` for an array known to be on CPU."""
+    """``to_torch`` for an array known to be on CPU, once ``quiet_readonly_warning``
+    has run (``CompiledPartition`` runs it when it is built)."""
     arr = np.asarray(a)
     if arr.dtype == _BF16:
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)

@@ -1,0 +1,284 @@
+"""Measurement: peers, interleaved steady-state timing, cold first calls, memory.
+
+Steady state: every peer's step is built and warmed up, then timed in rounds that
+interleave the peers (rotating their order), so load from other processes falls on all
+of them alike; each peer's time is the median over its samples. Ratios taken within one
+run are the numbers to trust on a shared machine.
+
+First call: each (workload, peer) runs in a fresh process with empty compile caches
+(inductor: a new TORCHINDUCTOR_CACHE_DIR, FX graph and autograd caches off; dynajax:
+persistent XLA cache off). Both peers first compile an unrelated tiny function, so the
+number is the cost of compiling this workload, not of importing a compiler.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from benchmarks.workloads import WORKLOADS, Step, Workload
+
+PEERS = ("eager", "inductor", "dynajax", "jax")
+
+
+# -- peers -----------------------------------------------------------------------------
+
+
+def compile_fn(peer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    if peer == "eager":
+        return lambda f: f
+    if peer == "inductor":
+        return lambda f: torch.compile(_own_code(f, peer))
+    if peer == "dynajax":
+        import dynajax  # noqa: F401  (entry point registered on import too)
+
+        return lambda f: torch.compile(_own_code(f, peer), backend="dynajax")
+    raise ValueError(f"unknown peer {peer!r}")
+
+
+_codes = itertools.count()
+
+
+def _own_code(f: Callable[..., Any], peer: str) -> Callable[..., Any]:
+    """``f`` behind a function with a code object of its own.
+
+    Dynamo caches compiled frames on the code object. Peers compiling the same code
+    (one lambda, or ``Sequential.forward``) would share a cache: each call would check
+    the other backend's entry first, and a ``torch._dynamo.reset()`` for one peer would
+    drop the other's. A fresh code object per compile keeps the peers apart.
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return f(*args, **kwargs)
+
+    code = call.__code__.replace(co_name=f"{peer}_{next(_codes)}")
+    return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
+
+
+def build_step(w: Workload, peer: str) -> Step | None:
+    """The step for ``peer``; None where the peer has no version of this workload."""
+    if peer == "jax":
+        return w.jax_setup() if w.jax_setup is not None else dynajax_lowered_step(w)
+    step = w.setup(compile_fn(peer))
+    if not w.no_grad:
+        return step
+
+    def no_grad_step() -> Any:
+        with torch.no_grad():
+            return step()
+
+    return no_grad_step
+
+
+class _Recorder:
+    """Stands in for a partition's InputCache once, to capture its JAX arguments."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seen: list[Any] | None = None
+
+    def arrays(self, ts: Any) -> list[Any]:
+        out = self.inner.arrays(ts)
+        self.seen = list(out)
+        return out
+
+
+def dynajax_lowered_step(w: Workload) -> Step | None:
+    """The JAX function dynajax built for ``w``, called on jax.Arrays (no torch edge).
+
+    Only for graphs that are one JAX partition and nothing else; None otherwise.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import dynajax
+    from dynajax.runtime.compiled import CompiledPartition
+
+    backend = dynajax.Backend()
+    step = w.setup(lambda f: torch.compile(f, backend=backend))
+    ctx = torch.no_grad() if w.no_grad else nullcontext()
+    with ctx:
+        step()
+    parts = []
+    for report in backend.graphs:
+        gm = report.graph_module
+        subs = [m for _, m in gm.named_children() if isinstance(m, CompiledPartition)]
+        ops = [
+            n for n in gm.graph.nodes if n.op == "call_function" and "getitem" not in str(n.target)
+        ]
+        if len(subs) != 1 or ops:
+            return None
+        parts.append(subs[0])
+    if len(parts) != 1 or parts[0].needs_seed:
+        return None
+    part = parts[0]
+    part.inputs = recorder = _Recorder(part.inputs)
+    with ctx:
+        step()
+    part.inputs = recorder.inner
+    with jax.enable_x64(True):
+        args = [jnp.array(a) for a in recorder.seen]  # device copies: plain jax.Arrays
+    jitted = part._jitted
+
+    def floor() -> Any:
+        with jax.enable_x64(True):
+            return jax.block_until_ready(jitted(*args))
+
+    return floor
+
+
+# -- steady state ----------------------------------------------------------------------
+
+
+def time_steady(
+    w: Workload,
+    peers: list[str],
+    *,
+    repeats: int,
+    warmup: int,
+    budget_s: float,
+) -> dict[str, dict[str, Any]]:
+    """Median seconds per call for each peer, interleaved; errors are recorded."""
+    steps: dict[str, Step] = {}
+    results: dict[str, dict[str, Any]] = {}
+    for peer in peers:
+        try:
+            step = build_step(w, peer)
+            if step is None:
+                results[peer] = {"status": "n/a"}
+                continue
+            for _ in range(warmup):
+                step()
+            steps[peer] = step
+            results[peer] = {"status": "ok", "samples": []}
+        except Exception as e:  # a peer failing is a result, not a crash of the run
+            results[peer] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+    order = list(steps)
+    start = time.perf_counter()
+    gc.collect()
+    for r in range(repeats):
+        for peer in order[r % len(order) :] + order[: r % len(order)] if order else []:
+            step, samples = steps[peer], results[peer]["samples"]
+            for _ in range(w.inner):  # each call timed alone: preemptions stay outliers
+                t0 = time.perf_counter()
+                step()
+                samples.append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
+            break
+    for peer in order:
+        s = results[peer]["samples"]
+        results[peer]["median_s"] = statistics.median(s)
+        results[peer]["p25_s"] = statistics.quantiles(s, n=4)[0] if len(s) > 1 else s[0]
+        results[peer]["min_s"] = min(s)
+        results[peer]["n"] = len(s)
+        del results[peer]["samples"]
+    if w.memory_calls and "dynajax" in steps:
+        results["dynajax"]["memory"] = measure_memory(steps["dynajax"], w.memory_calls)
+    return results
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_memory(step: Step, calls: int) -> dict[str, Any]:
+    """RSS and live JAX buffers before and after ``calls`` more calls (after 100 warm)."""
+    import jax
+
+    for _ in range(100):
+        step()
+    gc.collect()
+    rss0, live0 = _rss_bytes(), len(jax.live_arrays())
+    for _ in range(calls):
+        step()
+    gc.collect()
+    rss1, live1 = _rss_bytes(), len(jax.live_arrays())
+    return {
+        "calls": calls,
+        "rss_before_mib": rss0 / 2**20,
+        "rss_after_mib": rss1 / 2**20,
+        "rss_delta_mib": (rss1 - rss0) / 2**20,
+        "live_arrays_before": live0,
+        "live_arrays_after": live1,
+        "flat": live1 <= live0 and (rss1 - rss0) < 2 * 2**20,
+    }
+
+
+# -- first call (one fresh process per workload and peer) -------------------------------
+
+
+def _warm_compiler(peer: str) -> None:
+    """Compile and run an unrelated tiny function: imports and backend init paid."""
+    if peer == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        jax.jit(lambda a: a * 3 - 1)(jnp.ones((3, 5))).block_until_ready()
+        return
+    f = compile_fn(peer)(lambda a: a * 3 - 1)
+    f(torch.ones(3, 5))
+    torch._dynamo.reset()
+
+
+def first_call_worker(name: str, peer: str) -> dict[str, Any]:
+    """Runs in the child process: seconds of the first and second call."""
+    w = WORKLOADS[name]
+    _warm_compiler(peer)
+    t0 = time.perf_counter()
+    step = build_step(w, peer) if peer != "jax" or w.jax_setup else None
+    if step is None:
+        return {"status": "n/a"}
+    ctx = torch.no_grad() if w.no_grad else nullcontext()
+    with ctx:
+        t1 = time.perf_counter()
+        step()
+        t2 = time.perf_counter()
+        step()
+        t3 = time.perf_counter()
+    return {
+        "status": "ok",
+        "setup_s": t1 - t0,
+        "first_s": t2 - t1,
+        "second_s": t3 - t2,
+    }
+
+
+def time_first_call(name: str, peer: str, timeout_s: float = 900) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="dynajax-bench-") as tmp:
+        env = dict(os.environ)
+        env.update(
+            TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+            TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+            TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+            DYNAJAX_CACHE_DIR="",
+            JAX_ENABLE_COMPILATION_CACHE="false",
+            TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
+        )
+        cmd = [sys.executable, "-m", "benchmarks.run", "--first-call-worker", name, peer]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "error": f"timed out after {timeout_s}s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"status": "error", "error": proc.stderr.strip()[-500:]}
+    return json.loads(lines[-1])

@@ -1,0 +1,323 @@
+"""One command for the side-by-side benchmark: ``python -m benchmarks.run`` (``make bench``).
+
+    python -m benchmarks.run                   # every workload, every peer
+    python -m benchmarks.run --quick           # smoke: quick rows, few repeats
+    python -m benchmarks.run --workloads mlp,gpt2 --peers eager,dynajax
+
+Prints a table of per-call medians and ratios, cold first-call times, memory over many
+calls and the issue's targets; writes ``benchmarks/results/<stamp>.json`` (and
+``latest.json``) and a plot (``<stamp>.png``, ``latest.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} µs"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def _geomean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def _median(res: dict[str, Any], peer: str) -> float | None:
+    r = res.get(peer, {})
+    return r.get("median_s") if r.get("status") == "ok" else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from benchmarks import harness
+    from benchmarks.workloads import WORKLOADS
+
+    names = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        sys.exit(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")
+    if args.quick and not args.workloads:
+        names = [n for n in names if WORKLOADS[n].quick]
+    peers = args.peers.split(",")
+    bad = [p for p in peers if p not in harness.PEERS]
+    if bad:
+        sys.exit(f"unknown peer(s) {bad}; known: {list(harness.PEERS)}")
+
+    repeats = args.repeats or (5 if args.quick else 30)
+    out: dict[str, Any] = {
+        "meta": {
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "jax": __import__("jax").__version__,
+            "cpus": os.cpu_count(),
+            "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "quick": args.quick,
+            "repeats": repeats,
+            "peers": peers,
+        },
+        "workloads": {},
+    }
+    for name in names:
+        w = WORKLOADS[name]
+        print(f"[bench] {name}: steady state ...", file=sys.stderr, flush=True)
+        steady = harness.time_steady(
+            w,
+            peers,
+            repeats=repeats,
+            warmup=args.warmup if args.warmup is not None else (2 if args.quick else 5),
+            budget_s=args.budget,
+        )
+        if args.no_memory:
+            steady.get("dynajax", {}).pop("memory", None)
+        first: dict[str, Any] = {}
+        if not args.no_first_call:
+            for peer in peers:
+                print(f"[bench] {name}: first call, {peer} ...", file=sys.stderr, flush=True)
+                first[peer] = harness.time_first_call(name, peer)
+        out["workloads"][name] = {
+            "group": w.group,
+            "description": w.description,
+            "steady": steady,
+            "first_call": first,
+        }
+    out["summary"] = summarize(out)
+    return out
+
+
+def summarize(out: dict[str, Any]) -> dict[str, Any]:
+    """Ratios and the issue's targets."""
+    rows = out["workloads"]
+    s: dict[str, Any] = {"ratios": {}, "targets": {}}
+    for name, r in rows.items():
+        st = r["steady"]
+        d = _median(st, "dynajax")
+        s["ratios"][name] = {
+            "dynajax/inductor": _ratio(d, _median(st, "inductor")),
+            "dynajax/eager": _ratio(d, _median(st, "eager")),
+            "dynajax/jax": _ratio(d, _median(st, "jax")),
+            "inductor/eager": _ratio(_median(st, "inductor"), _median(st, "eager")),
+        }
+        fc = r["first_call"]
+        fd = fc.get("dynajax", {}).get("first_s")
+        fi = fc.get("inductor", {}).get("first_s")
+        s["ratios"][name]["first_call dynajax/inductor"] = _ratio(fd, fi)
+    t = s["targets"]
+
+    def target(key: str, value: float | None, limit: float) -> None:
+        t[key] = {"value": value, "limit": limit, "met": value is not None and value <= limit}
+
+    if "add-one" in rows:
+        target("add-one: dynajax/inductor", s["ratios"]["add-one"]["dynajax/inductor"], 1.0)
+    if "100-inputs" in rows:
+        target("100-inputs: dynajax/jax", s["ratios"]["100-inputs"]["dynajax/jax"], 2.0)
+    models = [n for n, r in rows.items() if r["group"] in ("model", "training")]
+    if models:
+        for peer, limit in (("inductor", 0.7), ("eager", 0.6)):
+            g = _geomean([s["ratios"][n][f"dynajax/{peer}"] for n in models])
+            target(f"models geomean: dynajax/{peer}", g, limit)
+        g = _geomean([s["ratios"][n]["first_call dynajax/inductor"] for n in models])
+        if g is not None:
+            target("models first-call geomean: dynajax/inductor", g, 0.5)
+    mem = {
+        n: r["steady"]["dynajax"]["memory"]
+        for n, r in rows.items()
+        if "memory" in r["steady"].get("dynajax", {})
+    }
+    if mem:
+        t["memory flat (RSS < 2 MiB growth, live buffers not growing)"] = {
+            "value": {n: round(m["rss_delta_mib"], 2) for n, m in mem.items()},
+            "limit": "flat",
+            "met": all(m["flat"] for m in mem.values()),
+        }
+    return s
+
+
+def print_report(out: dict[str, Any]) -> None:
+    peers = out["meta"]["peers"]
+    rows = out["workloads"]
+    ratios = out["summary"]["ratios"]
+    print()
+    print(f"load average at start: {out['meta']['load_avg']}  cpus: {out['meta']['cpus']}")
+    head = ["workload"] + peers + ["dj/ind", "dj/eager", "dj/jax"]
+    lines = [head]
+    for name, r in rows.items():
+        st = r["steady"]
+        cells = [name]
+        for p in peers:
+            res = st.get(p, {})
+            cells.append(
+                _fmt_time(res.get("median_s"))
+                if res.get("status") == "ok"
+                else res.get("status", "-")
+            )
+        for k in ("dynajax/inductor", "dynajax/eager", "dynajax/jax"):
+            v = ratios[name][k]
+            cells.append(f"{v:.2f}" if v else "-")
+        lines.append(cells)
+    _table("steady state, median per call", lines)
+
+    if any(r["first_call"] for r in rows.values()):
+        lines = [["workload"] + peers + ["dj/ind"]]
+        for name, r in rows.items():
+            fc = r["first_call"]
+            cells = [name]
+            for p in peers:
+                res = fc.get(p, {})
+                cells.append(
+                    _fmt_time(res.get("first_s"))
+                    if res.get("status") == "ok"
+                    else res.get("status", "-")
+                )
+            v = ratios[name]["first_call dynajax/inductor"]
+            cells.append(f"{v:.2f}" if v else "-")
+            lines.append(cells)
+        _table("first call (compile + run), cold caches, fresh process", lines)
+
+    mem_lines = [["workload", "calls", "RSS before", "RSS delta", "live arrays", "flat"]]
+    for name, r in rows.items():
+        m = r["steady"].get("dynajax", {}).get("memory")
+        if m:
+            mem_lines.append(
+                [
+                    name,
+                    str(m["calls"]),
+                    f"{m['rss_before_mib']:.1f} MiB",
+                    f"{m['rss_delta_mib']:+.2f} MiB",
+                    f"{m['live_arrays_before']} -> {m['live_arrays_after']}",
+                    "yes" if m["flat"] else "NO",
+                ]
+            )
+    if len(mem_lines) > 1:
+        _table("dynajax memory over repeated calls", mem_lines)
+
+    errors = [
+        (name, p, res["error"])
+        for name, r in rows.items()
+        for part in ("steady", "first_call")
+        for p, res in r[part].items()
+        if isinstance(res, dict) and res.get("status") == "error"
+    ]
+    for name, p, e in errors:
+        print(f"error: {name} / {p}: {e}")
+
+    print("\ntargets:")
+    for k, v in out["summary"]["targets"].items():
+        val = v["value"]
+        shown = f"{val:.2f}" if isinstance(val, float) else str(val)
+        print(f"  [{'met' if v['met'] else 'MISSED'}] {k} = {shown} (limit {v['limit']})")
+
+
+def _table(title: str, lines: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    print(f"\n{title}")
+    for j, row in enumerate(lines):
+        print(
+            "  ".join(
+                c.rjust(wd) if i else c.ljust(wd)
+                for i, (c, wd) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if j == 0:
+            print("  ".join("-" * wd for wd in widths))
+
+
+def plot(out: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+        return False
+    peers = out["meta"]["peers"]
+    names = list(out["workloads"])
+    panels = [("steady", "median_s", "per call (s, log)")]
+    if any(r["first_call"] for r in out["workloads"].values()):
+        panels.append(("first_call", "first_s", "first call, cold (s, log)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    width = 0.8 / len(peers)
+    for ax, (part, key, label) in zip(axes[0], panels, strict=True):
+        for k, p in enumerate(peers):
+            ys = []
+            for n in names:
+                res = out["workloads"][n][part].get(p, {})
+                ys.append(res.get(key) if res.get("status") == "ok" else 0)
+            ax.bar([i + k * width for i in range(len(names))], ys, width, label=p)
+        ax.set_yscale("log")
+        ax.set_xticks([i + width * (len(peers) - 1) / 2 for i in range(len(names))])
+        ax.set_xticklabels(names, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"dynajax benchmarks ({out['meta']['time'][:19]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="quick rows only, few repeats")
+    p.add_argument("--workloads", help="comma-separated names (default: all)")
+    p.add_argument("--peers", default="eager,inductor,dynajax,jax")
+    p.add_argument("--repeats", type=int, help="timing rounds per peer (default 30; quick 5)")
+    p.add_argument("--warmup", type=int, help="untimed calls before timing (default 5; quick 2)")
+    p.add_argument("--budget", type=float, default=20.0, help="seconds of timing per workload")
+    p.add_argument("--no-first-call", action="store_true", help="skip cold first-call runs")
+    p.add_argument("--no-memory", action="store_true", help="skip memory checks")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    p.add_argument(
+        "--first-call-worker", nargs=2, metavar=("WORKLOAD", "PEER"), help=argparse.SUPPRESS
+    )
+    args = p.parse_args(argv)
+
+    if args.first_call_worker:
+        from benchmarks.harness import first_call_worker
+
+        print(json.dumps(first_call_worker(*args.first_call_worker)))
+        return 0
+
+    out = run(args)
+    print_report(out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    js = args.out / f"{stamp}.json"
+    js.write_text(json.dumps(out, indent=1, default=str))
+    shutil.copyfile(js, args.out / "latest.json")
+    print(f"\nwrote {js}")
+    if not args.no_plot:
+        png = args.out / f"{stamp}.png"
+        if plot(out, png):
+            shutil.copyfile(png, args.out / "latest.png")
+            print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

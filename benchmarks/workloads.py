@@ -1,0 +1,287 @@
+"""The benchmark workloads: one registry, ``WORKLOADS``, keyed by name.
+
+A workload knows how to build a zero-argument *step* for any peer. ``setup(compile)``
+receives the peer's compile function (identity for eager, ``torch.compile`` with the
+peer's backend otherwise) and returns ``step()``, the thing that is timed: one forward
+call, or for training rows, forward + backward + optimizer step. The raw-JAX floor is
+``jax_setup()`` where a hand-written JAX version exists; for the rest, the harness takes
+the function dynajax itself lowered and jitted, and calls it on ``jax.Array`` inputs
+(the same computation with no torch boundary at all).
+
+To add a row (e.g. a training step), append a ``Workload`` with ``register``:
+
+    def _mlp_train(compile):
+        model = ...; opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        fwd = compile(model)
+        def step():
+            opt.zero_grad(set_to_none=True)
+            fwd(x).square().mean().backward()
+            opt.step()
+        return step
+
+    register(Workload("mlp-train", "training", _mlp_train, description="..."))
+
+Groups: ``overhead`` rows measure per-call cost; ``model`` and ``training`` rows enter
+the geometric means of the targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+Compile = Callable[[Callable[..., Any]], Callable[..., Any]]
+Step = Callable[[], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One benchmark row.
+
+    Attributes:
+        name: row id (``--workloads`` selects by it).
+        group: "overhead", "model" or "training".
+        setup: ``setup(compile) -> step``; builds model and inputs (seeded), compiles
+            with the peer's ``compile``, returns the zero-argument step to time.
+        jax_setup: ``() -> step`` of a hand-written raw ``jax.jit`` floor, or None to use
+            the function dynajax lowered (fed ``jax.Array``s directly).
+        description: one line for the table's legend.
+        quick: part of ``--quick``.
+        inner: calls per peer per round, each timed alone (many for µs-scale rows).
+        memory_calls: if > 0, run that many more calls and report RSS and live JAX
+            buffers before and after (must stay flat).
+        no_grad: run the step under ``torch.no_grad()`` (inference rows).
+    """
+
+    name: str
+    group: str
+    setup: Callable[[Compile], Step]
+    jax_setup: Callable[[], Step] | None = None
+    description: str = ""
+    quick: bool = False
+    inner: int = 1
+    memory_calls: int = 0
+    no_grad: bool = True
+
+
+WORKLOADS: dict[str, Workload] = {}
+
+
+def register(w: Workload) -> Workload:
+    if w.group not in ("overhead", "model", "training"):
+        raise ValueError(f"workload {w.name!r}: unknown group {w.group!r}")
+    WORKLOADS[w.name] = w
+    return w
+
+
+def _seeded() -> None:
+    torch.manual_seed(0)
+
+
+# -- overhead rows ---------------------------------------------------------------------
+
+
+def _add_one(compile: Compile) -> Step:
+    x = torch.zeros(1)
+    f = compile(lambda x: x + 1)
+    return lambda: f(x)
+
+
+def _add_one_jax() -> Step:
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: x + 1)
+    x = jnp.zeros(1)
+    return lambda: f(x).block_until_ready()
+
+
+N_SMALL = 100
+
+
+def _sum_inputs(*xs: torch.Tensor) -> torch.Tensor:
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = acc + x
+    return acc
+
+
+def _many_inputs(compile: Compile) -> Step:
+    xs = [torch.full((4,), float(i)) for i in range(N_SMALL)]
+    f = compile(_sum_inputs)
+    return lambda: f(*xs)
+
+
+def _many_inputs_jax() -> Step:
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(_sum_inputs)
+    xs = [jnp.full((4,), float(i)) for i in range(N_SMALL)]
+    return lambda: f(*xs).block_until_ready()
+
+
+register(
+    Workload(
+        "add-one",
+        "overhead",
+        _add_one,
+        _add_one_jax,
+        description="x + 1 on a 1-element float32 tensor",
+        quick=True,
+        inner=200,
+        memory_calls=1000,
+    )
+)
+register(
+    Workload(
+        "100-inputs",
+        "overhead",
+        _many_inputs,
+        _many_inputs_jax,
+        description=f"sum of {N_SMALL} float32[4] inputs",
+        quick=True,
+        inner=100,
+        memory_calls=1000,
+    )
+)
+
+
+# -- model rows (eval + no_grad) -------------------------------------------------------
+
+
+def _model_step(build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]) -> Callable[..., Step]:
+    def setup(compile: Compile) -> Step:
+        _seeded()
+        model, args = build()
+        model.eval()
+        f = compile(model)
+        return lambda: f(*args)
+
+    return setup
+
+
+def mlp_model() -> tuple[nn.Module, tuple[Any, ...]]:
+    model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))
+    return model, (torch.randn(64, 512),)
+
+
+def _mlp_jax() -> Step:
+    import jax
+    import jax.numpy as jnp
+
+    _seeded()
+    model, (x,) = mlp_model()
+    w1, b1, w2, b2 = (jnp.asarray(p.detach().numpy()) for p in model.parameters())
+
+    @jax.jit
+    def f(x: jax.Array) -> jax.Array:
+        return jnp.maximum(x @ w1.T + b1, 0) @ w2.T + b2
+
+    xa = jnp.asarray(x.numpy())
+    return lambda: f(xa).block_until_ready()
+
+
+def encoder_model() -> tuple[nn.Module, tuple[Any, ...]]:
+    model = nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True)
+    return model, (torch.randn(8, 128, 256),)
+
+
+def gpt2_model() -> tuple[nn.Module, tuple[Any, ...]]:
+    from tests.models import gpt2, tokens
+
+    vocab = 1024
+    model = gpt2(layers=4, width=256, heads=4, vocab=vocab)
+    return model, (tokens(4, 128, vocab),)
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18's shape (torchvision's layout, written in plain torch)."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.MaxPool2d(3, 2, 1),
+        )
+        layers, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet_model() -> tuple[nn.Module, tuple[Any, ...]]:
+    return ResNet18(), (torch.randn(8, 3, 64, 64),)
+
+
+register(
+    Workload(
+        "mlp",
+        "model",
+        _model_step(mlp_model),
+        _mlp_jax,
+        description="MLP 512-2048-512, batch 64",
+        quick=True,
+        memory_calls=1000,
+    )
+)
+register(
+    Workload(
+        "encoder-layer",
+        "model",
+        _model_step(encoder_model),
+        description="nn.TransformerEncoderLayer(256, 4, 1024) on (8, 128, 256)",
+    )
+)
+register(
+    Workload(
+        "gpt2",
+        "model",
+        _model_step(gpt2_model),
+        description="transformers GPT-2 LM, 4 layers, width 256, vocab 1024, (4, 128)",
+    )
+)
+register(
+    Workload(
+        "resnet18",
+        "model",
+        _model_step(resnet_model),
+        description="ResNet-18-shaped CNN on (8, 3, 64, 64)",
+    )
+)
+
+
+# -- training rows (forward + backward + optimizer step): benchmarks/training.py --------
+
+from benchmarks import training as _training  # noqa: E402,F401  (registers its rows)
