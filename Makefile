@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-full opinfo-full bench lint
+.PHONY: install demo test test-full opinfo-full bench bench-quick lint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e ".[test,viz]"
+	$(PIP) install -q -e ".[test,viz,bench]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -29,6 +29,9 @@ opinfo-full: install
 
 bench: install
 	$(PY) -m benchmarks.run
+
+bench-quick: install
+	$(PY) -m benchmarks.run --quick
 
 lint: install
 	$(PY) -m ruff check dynajax tests benchmarks examples

@@ -1,0 +1,59 @@
+"""The benchmark harness runs end to end on its tiniest workload (structure only: no
+timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from benchmarks import harness, run
+from benchmarks.workloads import WORKLOADS
+
+
+def test_registry_rows_are_well_formed() -> None:
+    assert {"add-one", "100-inputs", "mlp", "encoder-layer", "gpt2", "resnet18"} <= set(WORKLOADS)
+    for name, w in WORKLOADS.items():
+        assert w.name == name
+        assert w.group in ("overhead", "model", "training")
+        assert callable(w.setup)
+
+
+def test_run_tiniest_workload(tmp_path, capsys) -> None:
+    plot = importlib.util.find_spec("matplotlib") is not None
+    argv = ["--workloads", "add-one", "--peers", "eager,dynajax,jax", "--repeats", "2"]
+    argv += ["--warmup", "1", "--no-first-call", "--out", str(tmp_path)]
+    if not plot:
+        argv.append("--no-plot")
+    assert run.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "steady state, median per call" in printed and "targets:" in printed
+
+    out = json.loads((tmp_path / "latest.json").read_text())
+    assert set(out) == {"meta", "workloads", "summary"}
+    row = out["workloads"]["add-one"]
+    assert row["group"] == "overhead"
+    for peer in ("eager", "dynajax", "jax"):
+        res = row["steady"][peer]
+        assert res["status"] == "ok", res
+        assert res["median_s"] > 0 and res["n"] == 2 * WORKLOADS["add-one"].inner
+    mem = row["steady"]["dynajax"]["memory"]
+    assert mem["calls"] == WORKLOADS["add-one"].memory_calls
+    assert {"rss_delta_mib", "live_arrays_before", "live_arrays_after", "flat"} <= set(mem)
+    ratios = out["summary"]["ratios"]["add-one"]
+    assert ratios["dynajax/eager"] > 0 and ratios["dynajax/jax"] > 0
+    assert ratios["dynajax/inductor"] is None  # inductor was not run
+    assert "add-one: dynajax/inductor" in out["summary"]["targets"]
+    if plot:
+        assert (tmp_path / "latest.png").stat().st_size > 0
+
+
+def test_first_call_worker_runs_in_a_fresh_process() -> None:
+    res = harness.time_first_call("add-one", "dynajax", timeout_s=300)
+    assert res["status"] == "ok", res
+    assert res["first_s"] > 0 and res["second_s"] > 0
+
+
+def test_floor_from_the_dynajax_lowered_function() -> None:
+    step = harness.dynajax_lowered_step(WORKLOADS["mlp"])
+    assert step is not None
+    step()
