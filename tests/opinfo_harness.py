@@ -1,0 +1,288 @@
+"""Runs PyTorch's OpInfo database through dynajax and classifies every sample.
+
+Shared by the CI test (``tests/test_opinfo.py``, a deterministic subset) and the
+whole-database run (``python -m tests.opinfo_full``). For one OpInfo, one dtype and one
+of its CPU sample inputs, ``run_sample`` compiles ``lambda *a, **k: op(*a, **k)`` with a
+fresh ``dynajax.Backend`` (``dynamic=False``) and compares it with eager PyTorch:
+
+    jax       the compiled call matches eager and no node fell back
+    fallback  it matches eager, and some node ran in eager PyTorch for a recorded
+              reason (a dynajax verdict, or a Dynamo graph break)
+    failing   a crash, or a result that differs from eager
+
+A sample on which eager raises matches when the compiled call raises too (any type).
+Samples whose eager result depends on the random seed (random ops), or that return
+uninitialized memory (``empty*``), are compared by structure, dtype and shape only.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import functools
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch._dynamo
+
+import dynajax
+from tests.tolerances import assert_same
+
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.bfloat16,
+    torch.float16,
+    torch.complex64,
+)
+
+# Ops whose result is uninitialized memory: PyTorch's own OpInfo tests skip their
+# values too ("empty is not comparable").
+UNINITIALIZED = frozenset(
+    {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
+)
+
+JAX, FALLBACK, FAILING = "jax", "fallback", "failing"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def op_db() -> list[Any]:
+    """The OpInfo database (importing it takes seconds, so only on first use)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.testing._internal.common_methods_invocations import op_db as db
+    return list(db)
+
+
+def op_id(op: Any) -> str:
+    """``op`` or ``op.variant``: OpInfo's own unique test name."""
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How one sample ended.
+
+    Attributes:
+        status: ``jax``, ``fallback`` or ``failing``.
+        detail: the fallback reasons, or what failed (first line of the error).
+        eager_error: the exception type eager raised (the compiled call raised too).
+        shape_only: values were not compared (random or uninitialized output).
+        seconds: wall time of the compiled call, compilation included.
+    """
+
+    status: str
+    detail: str = ""
+    eager_error: str = ""
+    shape_only: bool = False
+    seconds: float = 0.0
+
+
+def samples(op: Any, dtype: torch.dtype) -> Iterator[Any]:
+    """The op's CPU sample inputs for ``dtype`` (without gradients), in OpInfo's order."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield from op.sample_inputs("cpu", dtype, requires_grad=False)
+
+
+def _clone(value: Any) -> Any:
+    """A deep copy that keeps tensor strides (non-contiguous samples stay so)."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.requires_grad:
+            return value.clone()
+        out = torch.empty(0, dtype=value.dtype, device=value.device)
+        out.set_(
+            value.untyped_storage().clone(), value.storage_offset(), value.size(), value.stride()
+        )
+        if value.is_conj():
+            out = out.conj()  # the storage holds the unconjugated data
+        if value.is_neg():
+            out = out._neg_view()
+        return out
+    if isinstance(value, list | tuple):
+        items = [_clone(v) for v in value]
+        return type(value)(items) if type(value) in (list, tuple) else copy.copy(value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def _arguments(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (_clone(sample.input), *_clone(tuple(sample.args))), _clone(dict(sample.kwargs))
+
+
+def _call_eager(op: Any, sample: Any, seed: int) -> tuple[Any, BaseException | None]:
+    args, kwargs = _arguments(sample)
+    torch.manual_seed(seed)
+    try:
+        return op.op(*args, **kwargs), None
+    except Exception as e:  # eager's own error is part of the expected behavior
+        return None, e
+
+
+def _differs(a: Any, b: Any) -> bool:
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return True
+    return False
+
+
+def _structure(actual: Any, expected: Any, path: str = "out") -> None:
+    """Same nesting, tensor dtypes and shapes; values ignored."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual)}"
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
+    elif isinstance(expected, list | tuple):
+        assert isinstance(actual, list | tuple), f"{path}: expected a sequence"
+        assert len(actual) == len(expected), f"{path}: {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            _structure(a, e, f"{path}[{i}]")
+
+
+def _one_line(text: str, lines: int = 1) -> str:
+    return " ".join(x.strip() for x in text.strip().splitlines()[:lines])
+
+
+def _first_line(e: BaseException) -> str:
+    inner = getattr(e, "inner_exception", None)  # Dynamo's BackendCompilerFailed
+    if isinstance(inner, BaseException):
+        e = inner
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {line}"[:300]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silences the warnings and logs of eager kernels and Dynamo for one sample."""
+    loggers = [
+        logging.getLogger(n)
+        for n in ("torch._dynamo", "torch._inductor", "torch._subclasses", "dynajax")
+    ]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # Our own warnings stay errors, as everywhere in the test suite.
+            warnings.filterwarnings("error", module=r"dynajax(\.|$)")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _graph_breaks() -> collections.Counter[str]:
+    return collections.Counter(torch._dynamo.utils.counters["graph_break"])
+
+
+def run_sample(op: Any, sample: Any) -> Outcome:
+    """Compiles one OpInfo sample with dynajax, runs it, and compares it with eager."""
+    with _quiet():
+        return _run_sample(op, sample)
+
+
+def _run_sample(op: Any, sample: Any) -> Outcome:
+    expected, eager_error = _call_eager(op, sample, seed=0)
+    shape_only = op.name in UNINITIALIZED
+    if eager_error is None and not shape_only:
+        # A result that changes with the seed (or between two identical calls) is
+        # random: another suite checks its statistics; here only its structure.
+        again, _ = _call_eager(op, sample, seed=1)
+        shape_only = _differs(again, expected)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend = dynajax.Backend()
+    compiled = torch.compile(lambda *a, **k: op.op(*a, **k), backend=backend, dynamic=False)
+    args, kwargs = _arguments(sample)
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    try:
+        actual = compiled(*args, **kwargs)
+        error = None
+    except Exception as e:
+        actual, error = None, e
+    seconds = time.perf_counter() - start
+
+    if eager_error is not None:
+        if error is None:
+            return Outcome(
+                FAILING,
+                f"eager raised {_first_line(eager_error)}; compiled did not",
+                seconds=seconds,
+            )
+        return _classify(
+            backend, Outcome(JAX, eager_error=type(eager_error).__name__, seconds=seconds)
+        )
+    if error is not None:
+        return Outcome(FAILING, f"compiled raised {_first_line(error)}", seconds=seconds)
+    try:
+        if shape_only:
+            _structure(actual, expected)
+        else:
+            assert_same(actual, expected)
+    except AssertionError as e:
+        return Outcome(
+            FAILING,
+            f"mismatch: {_one_line(str(e), 4)[:300]}",
+            shape_only=shape_only,
+            seconds=seconds,
+        )
+    return _classify(backend, Outcome(JAX, shape_only=shape_only, seconds=seconds))
+
+
+def _classify(backend: dynajax.Backend, outcome: Outcome) -> Outcome:
+    reasons = [
+        f"{f.target}: {f.reason.name}" + (f" ({f.detail})" if f.detail else "")
+        for f in dynajax.Report(backend.graphs).fallbacks
+    ]
+    reasons += [f"dynamo graph break: {_one_line(r, 2)}" for r in _graph_breaks()]
+    if reasons:
+        outcome.status = FALLBACK
+        outcome.detail = "; ".join(dict.fromkeys(reasons))[:500]
+    return outcome
+
+
+def expected_failure(key: tuple[str, str, str]) -> str | None:
+    from tests.opinfo_expected_failures import EXPECTED_FAILURES
+
+    return EXPECTED_FAILURES.get(key)
+
+
+# The CI subset: the first sample of every op in float32 (~680 samples), and the first
+# sample of every fifth op in one other dtype, cycling through them (op k in dtype
+# k mod 7, when k // 7 is a multiple of 5): about 6 minutes on two cores. Deterministic:
+# the database's order decides.
+CI_SAMPLES = 1
+CI_OTHER_DTYPE_STRIDE = 5
+
+
+def ci_selection() -> list[tuple[Any, torch.dtype, int]]:
+    """(op, dtype, number of leading samples) of the CI subset, in database order."""
+    others = DTYPES[1:]
+    out = []
+    for k, op in enumerate(op_db()):
+        supported = op.supported_dtypes("cpu")
+        if torch.float32 in supported:
+            out.append((op, torch.float32, CI_SAMPLES))
+        other = others[k % len(others)]
+        if (k // len(others)) % CI_OTHER_DTYPE_STRIDE == 0 and other in supported:
+            out.append((op, other, CI_SAMPLES))
+    return out
