@@ -121,8 +121,15 @@ def _round(x):
 
 @lower(aten.round.decimals)
 def _round_decimals(x, *, decimals=0):
-    scale = 10.0**decimals
-    return (jnp.round(x * scale) / scale).astype(x.dtype)
+    # PyTorch's kernel, in its opmath type (float32 for half types): multiply by 10**d
+    # for d >= 0, divide by 10**-d otherwise (0.001 is inexact: 2500 * 0.001 != 2.5).
+    dt = np.float32 if x.dtype in (np.float16, jnp.bfloat16) else x.dtype
+    xf = x.astype(dt)
+    if decimals >= 0:
+        ten = jnp.asarray(10.0**decimals, dt)
+        return (jnp.round(xf * ten) / ten).astype(x.dtype)
+    ten = jnp.asarray(10.0**-decimals, dt)
+    return (jnp.round(xf / ten) * ten).astype(x.dtype)
 
 
 @lower(aten.bitwise_not.default)
@@ -284,7 +291,18 @@ def _fmod(x, other):
     return jnp.fmod(a, b)
 
 
-@lower(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar)
+def _pow_check(x, exponent):
+    if (
+        isinstance(exponent, int)
+        and not isinstance(exponent, bool)
+        and exponent < 0
+        and is_integral(x.dtype)
+    ):
+        return "integer tensor to a negative integer power (PyTorch raises)"
+    return None
+
+
+@lower(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, check=_pow_check)
 def _pow(x, exponent):
     dt = result_type(x, exponent)
     if isinstance(exponent, int) and not is_complex(dt):
@@ -474,8 +492,11 @@ def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None,
     if is_complex(x.dtype) and not is_complex(dtype):
         x = jnp.real(x)
     if is_floating(x.dtype) and is_integral(dtype, include_bool=False):
-        # float -> int truncates toward zero in PyTorch.
+        # float -> int truncates toward zero in PyTorch; to a type narrower than int32 it
+        # goes through int32 and wraps (-1.7 -> uint8 255), where XLA would saturate.
         x = jnp.trunc(x)
+        if np.dtype(dtype).itemsize < 4:
+            x = x.astype(np.int32)
     return x.astype(dtype)
 
 

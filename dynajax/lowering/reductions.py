@@ -139,48 +139,63 @@ def _correction(correction, unbiased=True):
     return correction
 
 
+def _variance(x, ax, ddof, keepdim):
+    # PyTorch divides by max(N - correction, 0): inf or NaN once the correction reaches
+    # N, where jnp.var's negative divisor would flip the sign.
+    n = int(np.prod([x.shape[a] for a in ax]))
+    var = jnp.var(x, axis=ax, ddof=0, keepdims=keepdim)
+    if ddof == 0:
+        return var
+    return (var * n / jnp.asarray(max(n - ddof, 0), var.dtype)).astype(var.dtype)
+
+
 @lower(aten.var.correction)
 def _var(x, dim=None, *, correction=None, keepdim=False):
-    return jnp.var(x, axis=axes(x, dim), ddof=_correction(correction), keepdims=keepdim)
+    return _variance(x, axes(x, dim), _correction(correction), keepdim)
 
 
 @lower(aten.var.dim)
 def _var_dim(x, dim=None, unbiased=True, keepdim=False):
-    return jnp.var(x, axis=axes(x, dim), ddof=1 if unbiased else 0, keepdims=keepdim)
+    return _variance(x, axes(x, dim), 1 if unbiased else 0, keepdim)
 
 
 @lower(aten.var_mean.correction)
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     ax = axes(x, dim)
     return (
-        jnp.var(x, axis=ax, ddof=_correction(correction), keepdims=keepdim),
+        _variance(x, ax, _correction(correction), keepdim),
         jnp.mean(x, axis=ax, keepdims=keepdim),
     )
 
 
+def _logical_reduction_dtype(x):
+    # any/all of a uint8 tensor are uint8 in PyTorch (a legacy rule); bool otherwise.
+    return np.dtype(np.uint8) if x.dtype == np.uint8 else np.dtype(np.bool_)
+
+
 @lower(aten.any.default)
 def _any(x):
-    return jnp.any(x)
+    return jnp.any(x).astype(_logical_reduction_dtype(x))
 
 
 @lower(aten.any.dim)
 def _any_dim(x, dim, keepdim=False):
-    return jnp.any(x, axis=axes(x, dim), keepdims=keepdim)
+    return jnp.any(x, axis=axes(x, dim), keepdims=keepdim).astype(_logical_reduction_dtype(x))
 
 
 @lower(aten.any.dims)
 def _any_dims(x, dim=None, keepdim=False):
-    return jnp.any(x, axis=axes(x, dim), keepdims=keepdim)
+    return jnp.any(x, axis=axes(x, dim), keepdims=keepdim).astype(_logical_reduction_dtype(x))
 
 
 @lower(aten.all.default)
 def _all(x):
-    return jnp.all(x)
+    return jnp.all(x).astype(_logical_reduction_dtype(x))
 
 
 @lower(aten.all.dim)
 def _all_dim(x, dim, keepdim=False):
-    return jnp.all(x, axis=axes(x, dim), keepdims=keepdim)
+    return jnp.all(x, axis=axes(x, dim), keepdims=keepdim).astype(_logical_reduction_dtype(x))
 
 
 @lower(aten.cumsum.default)
