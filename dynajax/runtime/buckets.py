@@ -149,7 +149,7 @@ _ELEMENTWISE = frozenset(
     integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not
     optimization_barrier or polygamma population_count pow real reduce_precision rem
     round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin
-    sinh sqrt square sub tan tanh xor zeta""".split()
+    sinh sqrt square stop_gradient sub tan tanh xor zeta""".split()
 )
 _REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
@@ -357,7 +357,8 @@ def _hint(sym: sympy.Symbol, inputs: Sequence[Any]) -> int:
         for s in sizes:
             if isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols:
                 env = s.node.shape_env
-                return int(env.var_to_val[sym])
+                values = getattr(env, "backed_var_to_val", None) or env.var_to_val
+                return int(values[sym])
     raise KeyError(sym)
 
 

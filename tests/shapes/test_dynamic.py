@@ -1,0 +1,208 @@
+"""Dynamic shapes: symbolic sizes run in JAX, give eager's results at every size, and
+compile one executable per size (bounded) or per power-of-two bucket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynajax
+from tests.models import gpt2, mlp, tokens
+from tests.tolerances import assert_same
+
+
+def _compile(fn, **options):
+    backend = dynajax.Backend(cache_dir="", **options)
+    return torch.compile(fn, backend=backend, dynamic=True), backend
+
+
+def _compile_rows(fn, **options):
+    """``fn`` compiled with only dimension 0 of its argument dynamic."""
+    backend = dynajax.Backend(cache_dir="", **options)
+    compiled = torch.compile(fn, backend=backend)
+
+    def call(x):
+        torch._dynamo.mark_dynamic(x, 0)
+        return compiled(x)
+
+    return call, backend
+
+
+def _report(backend) -> dynajax.Report:
+    return dynajax.Report(backend.graphs)
+
+
+# -- sizes used as values inside JAX ----------------------------------------------------
+
+
+def _view_rows(x):
+    return (x.view(x.shape[0], -1) * 2).sum(1)
+
+
+def _zeros_of_size(x):
+    return x.sum((1, 2)) + torch.zeros(x.shape[0])
+
+
+def _arange_rows(x):
+    return x * torch.arange(x.shape[0], dtype=x.dtype)[:, None, None]
+
+
+def _expand_and_mean(x):
+    return x.mean(0).expand(x.shape[0], -1, -1) - x
+
+
+def _reshape_both(x):
+    return x.reshape(x.shape[0] * x.shape[1], -1).softmax(0).reshape(x.shape)
+
+
+CASES = {
+    "view-rows": _view_rows,
+    "zeros-of-size": _zeros_of_size,
+    "arange-rows": _arange_rows,
+    "expand-mean": _expand_and_mean,
+    "reshape-both": _reshape_both,
+}
+
+
+@pytest.mark.parametrize("fn", list(CASES.values()), ids=list(CASES))
+def test_symbolic_sizes_run_in_jax(fn) -> None:
+    f, backend = _compile(fn)
+    for n in (2, 3, 5):
+        x = torch.randn(n, n + 1, 4)
+        assert_same(f(x), fn(x))
+    report = _report(backend)
+    assert report.fallbacks == [], str(report)
+    # one executable per concrete shape; Dynamo compiled the graph once
+    assert len(backend.graphs) == 1
+    assert report.compile_stats.xla_compiles == 3
+
+
+def test_mark_dynamic_and_automatic_dynamic() -> None:
+    model = mlp().eval()
+    backend = dynajax.Backend(cache_dir="")
+    f = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        x = torch.randn(3, 32)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert_same(f(x), model(x))
+        for n in (4, 9):
+            x = torch.randn(n, 32)
+            assert_same(f(x), model(x))
+        # a static graph first, then Dynamo's automatic dynamic shapes
+        torch._dynamo.reset()
+        g = torch.compile(model, backend=backend)
+        for n in (3, 5, 7, 11):
+            y = torch.randn(n, 32)
+            assert_same(g(y), model(y))
+    assert not _report(backend).fallbacks
+
+
+def test_gpt2_dynamic_sequence_length_stays_in_jax() -> None:
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    backend = dynajax.Backend(cache_dir="")
+    f = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for length in (5, 7, 9):
+            ids = tokens(2, length)
+            torch._dynamo.mark_dynamic(ids, 1)
+            assert_same(f(ids).logits, model(ids).logits, model=True)
+    report = _report(backend)
+    assert len(backend.graphs) == 1, str(report)
+    symbolic = [f for f in report.fallbacks if "symbolic" in f.detail]
+    assert symbolic == [], str(report)
+    assert report.fraction_in_jax > 0.95, str(report)
+
+
+def test_training_with_dynamic_batch() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    ref = mlp()
+    ref.load_state_dict(model.state_dict())
+    f, backend = _compile(model, pad_to_buckets=True)
+    for n in (2, 3, 6):
+        x = torch.randn(n, 32)
+        f(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert_same(p.grad, q.grad)
+    stats = _report(backend).compile_stats
+    # the weight gradients contract over the batch: the backward is not padded
+    assert any("dot_general contracts" in e for e in stats.exact), stats.exact
+
+
+# -- the bounded LRU --------------------------------------------------------------------
+
+
+def test_executables_per_partition_are_bounded() -> None:
+    f, backend = _compile(lambda x: torch.tanh(x) * 3, max_executables=2)
+    for n in (2, 3, 4, 2, 4):
+        x = torch.randn(n, 3)
+        assert_same(f(x), torch.tanh(x) * 3)
+    stats = _report(backend).compile_stats
+    # 2, 3, 4 compile (2 is dropped), 2 compiles again (3 is dropped), 4 is kept
+    assert stats.xla_compiles == 4
+    assert stats.evictions == 2
+    [part] = [m for n, m in backend.graphs[0].graph_module.named_children() if n == "jax_0"]
+    assert len(part.executables) == 2
+
+
+def test_max_executables_option_and_env(monkeypatch) -> None:
+    with pytest.raises(dynajax.OptionsError, match="max_executables"):
+        dynajax.Backend(max_executables=0)
+    monkeypatch.setenv("DYNAJAX_MAX_EXECUTABLES", "lots")
+    with pytest.raises(dynajax.OptionsError, match="DYNAJAX_MAX_EXECUTABLES"):
+        dynajax.Backend()
+    monkeypatch.setenv("DYNAJAX_MAX_EXECUTABLES", "5")
+    monkeypatch.setenv("DYNAJAX_PAD_TO_BUCKETS", "1")
+    options = dynajax.Backend().options
+    assert options.max_executables == 5 and options.pad_to_buckets is True
+
+
+# -- buckets ----------------------------------------------------------------------------
+
+
+def _rowwise(x):
+    return torch.relu(x @ torch.ones(x.shape[-1], 4)).cumsum(0) + x.view(x.shape[0], -1)[:, :1]
+
+
+def test_buckets_compile_once_per_power_of_two() -> None:
+    f, backend = _compile_rows(_rowwise, pad_to_buckets=True)
+    for n in range(2, 10):
+        x = torch.randn(n, 6)
+        assert_same(f(x), _rowwise(x))
+    stats = _report(backend).compile_stats
+    assert len(stats.buckets) == 1 and not stats.exact, stats
+    assert stats.xla_compiles == 4  # buckets 2, 4, 8, 16
+
+
+LEAKY = {
+    "sum-over-rows": lambda x: x.sum(0),
+    "mean-over-rows": lambda x: x - x.mean(0),
+    "softmax-over-rows": lambda x: x.softmax(0),
+    "rows-contracted": lambda x: x.t() @ x,
+    "flip-rows": lambda x: x.flip(0) * 2,
+    "reverse-cumsum": lambda x: x.flip(0).cumsum(0),
+    "rows-flattened": lambda x: x.reshape(-1).softmax(0),
+    "last-row": lambda x: x[-1] + x,
+}
+
+
+@pytest.mark.parametrize("fn", list(LEAKY.values()), ids=list(LEAKY))
+def test_buckets_refused_where_padding_would_leak(fn) -> None:
+    f, backend = _compile_rows(fn, pad_to_buckets=True)
+    for n in (3, 5, 6):
+        x = torch.randn(n, 4) + 1
+        assert_same(f(x), fn(x))
+    stats = _report(backend).compile_stats
+    assert stats.buckets == [], stats
+    assert stats.exact, stats
+    assert stats.xla_compiles == 3  # one per exact size
+
+
+def test_report_lists_buckets() -> None:
+    f, backend = _compile_rows(lambda x: x.sum(0), pad_to_buckets=True)
+    f(torch.randn(3, 2))
+    text = str(_report(backend))
+    assert "compiles: 1 XLA compile(s)" in text
+    assert "not padded: jax_0: " in text and "reduce_sum reduces over" in text
