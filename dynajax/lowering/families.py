@@ -5,6 +5,7 @@ from dynajax.lowering import (  # noqa: F401
     conv_pool,
     creation,
     elementwise,
+    factorizations,
     fft,
     indexing,
     linalg,

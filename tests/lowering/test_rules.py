@@ -631,6 +631,72 @@ NONCORE = [
         ("aten._trilinear.default",),
         grad=True,
     ),
+    Case(
+        "lu-det-slogdet-solve-inv-grad-float64",
+        lambda A, B: (
+            torch.linalg.det(A),
+            torch.linalg.slogdet(A),
+            torch.linalg.solve_ex(A, B),
+            torch.linalg.solve_ex(A, B[..., 0]),
+            torch.linalg.inv_ex(A),
+            torch.linalg.lu_factor_ex(A),
+        ),
+        lambda: (randn(2, 4, 4, dtype=torch.float64), randn(4, 3, dtype=torch.float64)),
+        (
+            "aten._linalg_det.default",
+            "aten._linalg_slogdet.default",
+            "aten._linalg_solve_ex.default",
+            "aten.linalg_inv_ex.default",
+            "aten.linalg_lu_factor_ex.default",
+            "aten.linalg_lu_solve.default",
+            "aten.lu_unpack.default",
+        ),
+        grad=True,
+    ),
+    Case(
+        "cholesky-triangular-grad-float64",
+        lambda M, B: (
+            torch.linalg.cholesky_ex(M @ M.mT + 4 * torch.eye(4, dtype=M.dtype)),
+            torch.linalg.cholesky_ex(M @ M.mT + torch.eye(4, dtype=M.dtype), upper=True),
+            torch.linalg.solve_triangular(M, B, upper=True),
+            torch.linalg.solve_triangular(M, B.mT, upper=False, left=False, unitriangular=True),
+            torch.cholesky_solve(B, torch.linalg.cholesky_ex(M @ M.mT + 4 * torch.eye(4))[0]),
+        ),
+        lambda: (
+            randn(4, 4, dtype=torch.float64) + 3 * torch.eye(4),
+            randn(2, 4, 3, dtype=torch.float64),
+        ),
+        (
+            "aten.linalg_cholesky_ex.default",
+            "aten.linalg_solve_triangular.default",
+            "aten.cholesky_solve.default",
+        ),
+        grad=True,
+    ),
+    Case(
+        "cholesky_ex-info-not-positive-definite-float64",
+        lambda A: torch.linalg.cholesky_ex(A).info,
+        lambda: (
+            torch.tensor(
+                [[[4.0, 2, 1], [2, 1, 3], [1, 3, 5]], [[2.0, 0, 0], [0, 3, 0], [0, 0, -1]]]
+            ),
+        ),
+        ("aten.linalg_cholesky_ex.default",),
+    ),
+    Case(
+        "lu-slogdet-solve-complex128",
+        lambda a, b, B: (
+            torch.linalg.slogdet(torch.complex(a, b)),
+            torch.linalg.solve_ex(torch.complex(a, b), B.to(torch.complex128)),
+            torch.linalg.inv_ex(torch.complex(a, b)),
+        ),
+        lambda: tuple(randn(*s, dtype=torch.float64) for s in ((3, 3), (3, 3), (3, 2))),
+        (
+            "aten._linalg_slogdet.default",
+            "aten._linalg_solve_ex.default",
+            "aten.linalg_inv_ex.default",
+        ),
+    ),
 ]
 
 # ---------------------------------------------------------------------------------
@@ -657,7 +723,7 @@ def _partition_ops(backend: dynajax.Backend) -> set[str]:
 
 def _grads(out: Any, inputs: tuple[Any, ...]) -> list[torch.Tensor | None]:
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if o.requires_grad]
+    outs = [o for o in torch.utils._pytree.tree_leaves(out) if o.requires_grad]
     # A fixed, non-uniform cotangent, so every output element's gradient matters.
     loss = sum(
         (o * torch.linspace(-1, 2, o.numel(), dtype=o.dtype).reshape(o.shape)).sum() for o in outs
