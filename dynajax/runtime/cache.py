@@ -141,6 +141,7 @@ class ExecutableCache:
         self.directory = Path(directory) if directory else None
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        self._unwritable = False
 
     @classmethod
     def from_option(cls, cache_dir: str | os.PathLike[str] | None) -> ExecutableCache:
@@ -196,7 +197,7 @@ class ExecutableCache:
     def _load(self, path: Path, platform_name: str) -> tuple[jax.stages.Compiled | None, str]:
         try:
             blob = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # (the write says why, if it fails)
             return None, "not cached yet"
         except OSError as e:
             self._warn("read", f"cannot read {path} ({e}); compiling instead")
@@ -223,6 +224,8 @@ class ExecutableCache:
         return compiled, ""
 
     def _store(self, path: Path, compiled: jax.stages.Compiled, name: str) -> None:
+        if self._unwritable:
+            return
         try:
             body = pickle.dumps(serialize_executable.serialize(compiled))
         except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as e:
@@ -239,6 +242,7 @@ class ExecutableCache:
             os.replace(tmp, path)
             tmp = None
         except OSError as e:
+            self._unwritable = True  # one warning, no further attempts in this process
             self._warn(
                 "write",
                 f"cannot write the compilation cache at {self.directory} ({e}); running "
