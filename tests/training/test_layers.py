@@ -63,6 +63,10 @@ CASES: dict[str, Case] = {
     "avg_pool2d": (lambda: nn.AvgPool2d(3, stride=2, padding=1), _img()),
     "adaptive_avg_pool2d": (lambda: nn.AdaptiveAvgPool2d((2, 3)), _img()),
     "batch_norm2d": (lambda: nn.BatchNorm2d(3), _img()),
+    "batch_norm2d-eval": (lambda: nn.BatchNorm2d(3).eval(), _img()),
+    "adaptive_max_pool2d": (lambda: nn.AdaptiveMaxPool2d(2), _img()),
+    "upsample-bilinear": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), _img(3, 5)),
+    "replication_pad2d": (lambda: nn.ReplicationPad2d(2), _img(3, 5)),
     "group_norm": (lambda: nn.GroupNorm(2, 4), _img(4)),
     "layer_norm": (lambda: nn.LayerNorm(12), _seq),
     # One case for the pointwise activations and softmaxes (one compile instead of 11).
