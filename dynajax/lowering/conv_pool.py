@@ -367,12 +367,18 @@ def _adaptive_max_pool(x, output_size, nd):
     return values, indices[..., 0]
 
 
-@lower(aten.adaptive_max_pool2d.default)
+def _adaptive_max_pool_check(x, output_size):
+    if not is_floating(x.dtype):
+        return f"adaptive max pooling of {np.dtype(x.dtype).name} (PyTorch's CPU kernel raises)"
+    return None
+
+
+@lower(aten.adaptive_max_pool2d.default, check=_adaptive_max_pool_check)
 def _adaptive_max_pool2d(x, output_size):
     return _adaptive_max_pool(x, output_size, 2)
 
 
-@lower(aten.adaptive_max_pool3d.default)
+@lower(aten.adaptive_max_pool3d.default, check=_adaptive_max_pool_check)
 def _adaptive_max_pool3d(x, output_size):
     return _adaptive_max_pool(x, output_size, 3)
 

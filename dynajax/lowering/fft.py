@@ -26,9 +26,11 @@ _FFT_DTYPES = {
 }
 
 
-def _fft_check(x, *args, **kwargs):
+def _fft_check(x, dim, *args, **kwargs):
     if np.dtype(x.dtype) not in _FFT_DTYPES:
         return f"FFT of {np.dtype(x.dtype).name} (PyTorch's CPU FFT takes float32/64 and complex)"
+    if x.size == 0:
+        return "FFT of an empty tensor (PyTorch's CPU FFT raises)"
     return None
 
 

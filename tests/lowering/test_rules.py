@@ -844,7 +844,7 @@ DIRECT = [
 
 def _to_jax_tree(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return to_jax(value)
+        return jax.numpy.asarray(to_jax(value))
     if isinstance(value, list | tuple):
         return type(value)(_to_jax_tree(v) for v in value)
     return jax_literal(value)
