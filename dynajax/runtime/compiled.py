@@ -52,6 +52,12 @@ except (ImportError, AttributeError):  # pragma: no cover - older/newer JAX
     _X64_STATE = None
 
 
+# From this many inputs, a call whose inputs are all cached skips the executable's
+# argument checks (``CompiledPartition._build_direct``); below, they cost less than
+# wrapping the results does.
+DIRECT_MIN_INPUTS = 6
+
+
 class CompiledPartition(torch.nn.Module):
     """Calls a jitted JAX function on torch tensors and returns torch tensors.
 
@@ -116,6 +122,10 @@ class CompiledPartition(torch.nn.Module):
             platform_name="cpu" if on_cpu else jax.default_backend(),
         )
         self._call: Callable[..., Any] | None = None  # the executable, after the first call
+        self._compiled: jax.stages.Compiled | None = None
+        # (snapshot, execute, arguments, their positions): all inputs cached, no checks
+        self._direct: tuple[Any, Callable[..., Any], list[Any], list[int]] | None = None
+        self._direct_failed = False
         self._compile_lock = threading.Lock()
         n_inputs = len(self.executables.tensor_pos)  # static sizes are not converted
         if self.executables.dynamic:
@@ -126,14 +136,65 @@ class CompiledPartition(torch.nn.Module):
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The per-call path: a sequence of tensors in, a list of tensors out."""
+        direct = self._direct
+        if direct is not None and self.inputs.hit(tensors) is direct[0]:
+            results = direct[1](direct[2]).disassemble_into_single_device_arrays()
+            return [self._to_torch(r[0]) for r in results]
         if _X64_STATE is None:  # pragma: no cover
             with jax.enable_x64(True):
-                return self._run(tensors)
-        prev = _X64_STATE.swap_local(True)
+                outs = self._run(tensors)
+        else:
+            prev = _X64_STATE.swap_local(True)
+            try:
+                outs = self._run(tensors)
+            finally:
+                _X64_STATE.set_local(prev)
+        if len(tensors) >= DIRECT_MIN_INPUTS and not self._direct_failed:
+            snap = self.inputs.current
+            if snap is not None and (direct is None or direct[0] is not snap):
+                if direct is not None and all(
+                    map(operator.is_, direct[2], [snap.arrays[i] for i in direct[3]])
+                ):  # versions moved on (in-place updates), arrays are the same memory
+                    self._direct = (snap, direct[1], direct[2], direct[3])
+                else:
+                    self._direct = self._build_direct(snap, outs)
+        return outs
+
+    def _build_direct(self, snap: Any, outs: list[torch.Tensor]) -> Any:
+        """The executable's own entry point, for calls whose inputs are all cached.
+
+        The C++ dispatch of a compiled function checks every argument's type, shape and
+        placement on each call (~0.5 µs each). When every input is a cached array whose
+        identity, version and pointer ``InputCache.hit`` has just checked, those checks
+        are known to pass, and the loaded executable can run the very same arrays
+        (~0.15 µs per argument). Worth it from ``DIRECT_MIN_INPUTS`` inputs up. Checked
+        once against the regular path's outputs; on any mismatch or missing internal
+        API, the regular path stays for good.
+        """
+        compiled = self._compiled
+        if compiled is None or self.needs_seed or self.executables.dynamic:
+            self._direct_failed = True
+            return None
         try:
-            return self._run(tensors)
-        finally:
-            _X64_STATE.set_local(prev)
+            inner = compiled._executable
+            kept = sorted(inner._kept_var_idx)
+            args = [snap.arrays[i] for i in kept]
+            execute = inner.xla_executable.execute_sharded
+            results = execute(args).disassemble_into_single_device_arrays()
+            check = [self._to_torch(r[0]) for r in results]
+        except Exception:  # an internal JAX API moved: the regular path stays
+            self._direct_failed = True
+            return None
+        if not (
+            len(check) == len(outs)
+            and all(
+                a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+                for a, b in zip(check, outs, strict=True)
+            )
+        ):
+            self._direct_failed = True
+            return None
+        return (snap, execute, args, kept)
 
     def _run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         arrays = self.inputs.arrays(tensors)
@@ -151,6 +212,7 @@ class CompiledPartition(torch.nn.Module):
             if self._call is None:
                 exe = self.executables.compile(tensors, arrays)
                 outs = exe(*arrays)  # sets up its C++ dispatch function
+                self._compiled = exe
                 self._call = fast_call(exe)
                 return outs
         return self._call(*arrays)

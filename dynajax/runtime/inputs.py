@@ -106,6 +106,27 @@ class InputCache:
             return []
         return [i for i, a in enumerate(snap.arrays) if a is not None]
 
+    def hit(self, ts: Sequence[torch.Tensor]) -> _Snapshot | None:
+        """The current snapshot if *every* input is cached and unchanged, else None.
+
+        ``snapshot.arrays`` are then exactly the arguments ``arrays(ts)`` would return.
+        """
+        snap = self._snap
+        if (
+            snap is not None
+            and not self._volatile
+            and tuple(map(id, c := snap.get(ts))) == snap.ids
+            and tuple(map(_version, c)) == snap.versions
+            and tuple(map(_data_ptr, c)) == snap.ptrs
+        ):
+            return snap
+        return None
+
+    @property
+    def current(self) -> _Snapshot | None:
+        """The snapshot in use when every input is cached, else None."""
+        return self._snap if not self._volatile else None
+
     def arrays(self, ts: Sequence[torch.Tensor]) -> list[Any]:
         """The JAX arguments for the tensors ``ts``, one per input."""
         snap = self._snap

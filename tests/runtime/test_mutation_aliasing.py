@@ -303,3 +303,34 @@ def test_many_calls_keep_live_buffers_flat() -> None:
             cf(torch.randn(4, 8))
         gc.collect()
         assert len(jax.live_arrays()) <= before
+
+
+def test_many_cached_inputs_take_the_direct_path_and_see_updates() -> None:
+    from dynajax.runtime.compiled import DIRECT_MIN_INPUTS
+
+    n = DIRECT_MIN_INPUTS + 2
+
+    def f(*xs):
+        acc = xs[0]
+        for x in xs[1:]:
+            acc = acc * 0.5 + x
+        return acc, xs[1] - xs[2]
+
+    backend = dynajax.Backend()
+    cf = torch.compile(f, backend=backend)
+    xs = [torch.randn(4) for _ in range(n)]
+    for _ in range(3):
+        assert_same(cf(*xs), f(*xs))
+    part = backend.graphs[-1].graph_module.jax_0
+    assert part._direct is not None  # every input cached: the executable is called as is
+    xs[3].add_(1)  # version bump, same memory
+    assert_same(cf(*xs), f(*xs))
+    xs[0].numpy()[:] = 2.0  # no version bump
+    assert_same(cf(*xs), f(*xs))
+    xs[1].data = torch.randn(4)  # new memory, same object
+    assert_same(cf(*xs), f(*xs))
+    out = cf(*xs)
+    out[0].add_(100)  # caller writes an output: later calls unaffected
+    assert_same(cf(*xs), f(*xs))
+    xs[5] = torch.randn(4)  # a new object at one position
+    assert_same(cf(*xs), f(*xs))
