@@ -125,7 +125,12 @@ def _arange_length(start, end, step):
 @lower(aten.arange.start_step)
 def _arange(start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
     dt = _arange_dtype(start, end, step, dtype)
-    n = _arange_length(start, end, step)
+    if dt == np.int64:
+        # PyTorch sizes an int64 arange from the truncated bounds and step
+        # (arange(-0.9, 2.1, 2.0, dtype=int64) has 1 element, int32 has 2).
+        n = _arange_length(int(start), int(end), int(step))
+    else:
+        n = _arange_length(start, end, step)
     # start + i * step in PyTorch's accumulate type, then cast: float64 for floating
     # outputs; int64 for integer ones, whose kernel first truncates a float start and
     # step (arange(-0.9, 2.1, 2.0, dtype=int32) is [0, 2]); the length comes from the

@@ -251,8 +251,8 @@ def _trunc_div(a, b):
     dt = result_type(a, b)
     a, b = promote(a, b, dtype=dt)
     if is_integral(dt):
-        q = jax.lax.div(a, b)  # C-style truncation
-        return q
+        a, b = jnp.broadcast_arrays(a, b)  # lax.div does not broadcast
+        return jax.lax.div(a, b)  # C-style truncation
     return jnp.trunc(a / b)
 
 

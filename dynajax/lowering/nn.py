@@ -95,6 +95,20 @@ def _batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum
     return _bn_apply(x, running_mean, invstd, weight, bias), empty, empty
 
 
+def _saved_stats(x, mean, invstd, training):
+    # As PyTorch's CPU kernels: the saved mean/invstd in the input's dtype, and empty
+    # (shape (0,)) in evaluation mode.
+    if not training:
+        return jnp.zeros((0,), x.dtype), jnp.zeros((0,), x.dtype)
+    return mean.astype(x.dtype), invstd.astype(x.dtype)
+
+
+def _running_dtype(x, running):
+    # PyTorch's meta kernel computes updated running stats of a half-precision input in
+    # float32 and returns them so; the graph around this node was traced with that.
+    return np.dtype(np.float32) if x.dtype in (np.float16, jnp.bfloat16) else running.dtype
+
+
 def _batch_stats(x, eps):
     axis = (0, *range(2, x.ndim))
     xf = x.astype(_stat_dtype(x))
@@ -114,28 +128,32 @@ def _bn_inplace_check(x, weight, bias, running_mean, running_var, training, *_):
 def _batch_norm_legit(x, weight, bias, running_mean, running_var, training, momentum, eps):
     mean, var, invstd, n = _batch_stats(x, eps)
     if not training:
-        return _bn_apply(x, running_mean, jax.lax.rsqrt(running_var + eps), weight, bias), mean, invstd
-    return _bn_apply(x, mean, invstd, weight, bias), mean, invstd
+        out = _bn_apply(x, running_mean, jax.lax.rsqrt(running_var + eps), weight, bias)
+        return out, *_saved_stats(x, mean, invstd, training)
+    return _bn_apply(x, mean, invstd, weight, bias), *_saved_stats(x, mean, invstd, training)
 
 
 @lower(aten._native_batch_norm_legit_functional.default)
 def _batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
     mean, var, invstd, n = _batch_stats(x, eps)
+    rd = _running_dtype(x, running_mean)
     if not training:
         invstd_r = jax.lax.rsqrt(running_var + eps)
         out = _bn_apply(x, running_mean, invstd_r, weight, bias)
-        return out, mean, invstd, running_mean, running_var
+        saved = _saved_stats(x, mean, invstd, training)
+        return out, *saved, running_mean.astype(rd), running_var.astype(rd)
     out = _bn_apply(x, mean, invstd, weight, bias)
     unbiased = var * (n / max(n - 1, 1))
-    new_mean = (1 - momentum) * running_mean + momentum * mean.astype(running_mean.dtype)
-    new_var = (1 - momentum) * running_var + momentum * unbiased.astype(running_var.dtype)
-    return out, mean, invstd, new_mean.astype(running_mean.dtype), new_var.astype(running_var.dtype)
+    new_mean = (1 - momentum) * running_mean.astype(rd) + momentum * mean.astype(rd)
+    new_var = (1 - momentum) * running_var.astype(rd) + momentum * unbiased.astype(rd)
+    saved = _saved_stats(x, mean, invstd, training)
+    return out, *saved, new_mean.astype(rd), new_var.astype(rd)
 
 
 @lower(aten._native_batch_norm_legit.no_stats)
 def _batch_norm_no_stats(x, weight, bias, training, momentum, eps):
     mean, var, invstd, n = _batch_stats(x, eps)
-    return _bn_apply(x, mean, invstd, weight, bias), mean, invstd
+    return _bn_apply(x, mean, invstd, weight, bias), *_saved_stats(x, mean, invstd, True)
 
 
 @lower(aten.native_group_norm.default)

@@ -202,14 +202,23 @@ def _all_dim(x, dim, keepdim=False):
 def _cumsum(x, dim, *, dtype=None):
     if x.ndim == 0:
         return x.astype(_sum_dtype(x, dtype))
-    return jnp.cumsum(x, axis=dim % x.ndim, dtype=_sum_dtype(x, dtype))
+    out = _sum_dtype(x, dtype)
+    acc = _scan_dtype(out)
+    return jnp.cumsum(x.astype(acc), axis=dim % x.ndim, dtype=acc).astype(out)
+
+
+def _scan_dtype(dtype):
+    # PyTorch's CPU scans accumulate half types in float32 and round each output once.
+    return np.dtype(np.float32) if dtype in (np.float16, jnp.bfloat16) else dtype
 
 
 @lower(aten.cumprod.default)
 def _cumprod(x, dim, *, dtype=None):
     if x.ndim == 0:
         return x.astype(_sum_dtype(x, dtype))
-    return jnp.cumprod(x, axis=dim % x.ndim, dtype=_sum_dtype(x, dtype))
+    out = _sum_dtype(x, dtype)
+    acc = _scan_dtype(out)
+    return jnp.cumprod(x.astype(acc), axis=dim % x.ndim, dtype=acc).astype(out)
 
 
 # ---------------------------------------------------------------------------------
