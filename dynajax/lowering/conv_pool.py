@@ -391,3 +391,13 @@ def _adaptive_max_pool2d_backward(grad, x, indices):
 @lower(aten.adaptive_max_pool3d_backward.default)
 def _adaptive_max_pool3d_backward(grad, x, indices):
     return _max_pool_backward(grad, x, indices, 3)
+
+
+@lower(aten.conv_tbc.default, check=lambda x, w, b, pad=0: _conv_check(x, w, b, *[None] * 6))
+def _conv_tbc(x, weight, bias, pad=0):
+    # (time, batch, channels) layout: a 1-D convolution with a (K, Cin, Cout) kernel.
+    out = _convolution(
+        jnp.transpose(x, (1, 2, 0)), jnp.transpose(weight, (2, 1, 0)), bias,
+        [1], [pad], [1], False, [0], 1,
+    )
+    return jnp.transpose(out, (2, 0, 1))

@@ -79,8 +79,8 @@ def _euclidean_mm(x1, x2):
 
 
 def _cdist_check(x1, x2, p, compute_mode):
-    if not jnp.issubdtype(x1.dtype, jnp.floating):
-        return f"cdist of {x1.dtype} (PyTorch takes floating point only)"
+    if not jnp.issubdtype(x1.dtype, jnp.floating) or x1.dtype in (jnp.float16, jnp.bfloat16):
+        return f"cdist of {x1.dtype} (PyTorch's CPU kernel takes float32/64 only)"
     return None
 
 

@@ -323,3 +323,31 @@ def _logcumsumexp(x, dim):
     if x.ndim == 0:
         return x
     return jax.lax.cumlogsumexp(x, axis=dim % x.ndim)
+
+
+# ---------------------------------------------------------------------------------
+# Histograms
+# ---------------------------------------------------------------------------------
+
+
+def _histc_check(x, bins=100, min=0, max=0):
+    if not is_floating(x.dtype):
+        return f"histc of {np.dtype(x.dtype).name} (PyTorch's CPU kernel takes floating point)"
+    return None
+
+
+@lower(aten.histc.default, check=_histc_check)
+def _histc(x, bins=100, min=0, max=0):
+    # min == max means "the data's range", widened by 1 on each side if still empty.
+    # Values outside the range are not counted; x == max falls in the last bin.
+    flat = x.reshape(-1)
+    lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
+    if min == max:
+        lo = jnp.min(flat, initial=jnp.inf).astype(x.dtype) if flat.size else lo
+        hi = jnp.max(flat, initial=-jnp.inf).astype(x.dtype) if flat.size else hi
+        same = lo == hi
+        lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+    inside = (flat >= lo) & (flat <= hi)
+    idx = ((flat - lo) * bins / (hi - lo)).astype(np.int64)
+    idx = jnp.clip(jnp.where(flat == hi, bins - 1, idx), 0, bins - 1)
+    return jnp.zeros((bins,), x.dtype).at[idx].add(inside.astype(x.dtype))

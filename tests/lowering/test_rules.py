@@ -713,6 +713,19 @@ NONCORE = [
             "aten.linalg_inv_ex.default",
         ),
     ),
+    Case(
+        "histc-range-and-auto-range-float32",
+        lambda x: (torch.histc(x, 4, 0, 4), torch.histc(x, 3), torch.histc(x[:1], 3)),
+        lambda: (torch.tensor([0.0, 1.0, 2.5, 3.0, 4.0, 4.0, 10.0, -1.0]),),
+        ("aten.histc.default",),
+    ),
+    Case(
+        "conv_tbc-float32",
+        lambda x, w, b: torch.conv_tbc(x, w, b, 1),
+        lambda: (randn(7, 2, 3), randn(3, 3, 4), randn(4)),
+        ("aten.conv_tbc.default",),
+        grad=True,
+    ),
 ]
 
 # ---------------------------------------------------------------------------------
