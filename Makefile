@@ -17,10 +17,17 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Graphviz's `dot` renders Report.save_svg(); best effort (needs root and apt-get), the
+# test that renders an SVG says why it is skipped when `dot` is missing.
+graphviz:
+	@command -v dot >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
+		apt-get install -y -q graphviz >/dev/null 2>&1) || \
+		echo "note: graphviz not installed; Report.save_svg() needs its 'dot' program"
+
 demo: install
 	$(PY) examples/demo.py
 
-test: install
+test: install graphviz
 	$(PY) -m pytest -q tests
 
 # Every OpInfo sample (long; not run in CI).
