@@ -21,7 +21,8 @@ install: $(VENV)/.installed
 # test that renders an SVG says why it is skipped when `dot` is missing.
 graphviz:
 	@command -v dot >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
-		apt-get install -y -q graphviz >/dev/null 2>&1) || \
+		(apt-get install -y -q graphviz || (apt-get update -q && apt-get install -y -q graphviz)) \
+		>/dev/null 2>&1) || \
 		echo "note: graphviz not installed; Report.save_svg() needs its 'dot' program"
 
 demo: install
