@@ -23,6 +23,7 @@ import torch
 import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from dynajax.capability import CapabilityChecker
 from dynajax.config import Options
@@ -81,6 +82,11 @@ class Backend:
             bw_compiler=functools.partial(self.compile_aten_graph, kind="backward"),
             inference_compiler=functools.partial(self.compile_aten_graph, kind="inference"),
             decompositions=decompositions(),
+            # What the backward needs is chosen as inductor chooses it: cheap ops (views,
+            # transposes, pointwise masks) are recomputed inside the backward's JAX
+            # partition instead of being materialized and saved by the forward. Random
+            # ops are never recomputed, so the backward reuses the forward's dropout mask.
+            partition_fn=min_cut_rematerialization_partition,
         )
         return compiler(gm, example_inputs)
 
