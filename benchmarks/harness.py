@@ -90,10 +90,16 @@ class _Recorder:
         self.inner = inner
         self.seen: list[Any] | None = None
 
+    def hit(self, ts: Any) -> None:
+        return None  # take the regular path, through ``arrays``
+
     def arrays(self, ts: Any) -> list[Any]:
         out = self.inner.arrays(ts)
         self.seen = list(out)
         return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def dynajax_lowered_step(w: Workload) -> Step | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from benchmarks import harness, run
 from benchmarks.workloads import WORKLOADS
 
@@ -53,7 +55,8 @@ def test_first_call_worker_runs_in_a_fresh_process() -> None:
     assert res["first_s"] > 0 and res["second_s"] > 0
 
 
-def test_floor_from_the_dynajax_lowered_function() -> None:
-    step = harness.dynajax_lowered_step(WORKLOADS["mlp"])
+@pytest.mark.parametrize("name", ["mlp", "100-inputs"])  # 100-inputs: the direct path
+def test_floor_from_the_dynajax_lowered_function(name: str) -> None:
+    step = harness.dynajax_lowered_step(WORKLOADS[name])
     assert step is not None
     step()
