@@ -26,8 +26,18 @@ Design:
   with ``jax.threefry_partitionable(False)`` while tracing (no global JAX setting
   changes). On CPU it measured 1.5-3x faster than the partitionable form for a
   dropout mask; single-device partitions do not need the shardable variant.
-- An explicit ``torch.Generator`` argument is refused (the node runs in PyTorch with
-  that generator), since only the default generator seeds our keys.
+- Explicit ``torch.Generator`` arguments stay with PyTorch: Dynamo breaks the graph
+  at them today (the op runs eagerly with that generator), and should such a node
+  reach us, its rule's check refuses it, since only the default generator seeds keys.
+
+README note (for users):
+
+    Random ops (dropout, rand, randn, bernoulli, normal_, uniform_, ...) run inside
+    the JAX partitions and are seeded from PyTorch's default generator: the same
+    torch.manual_seed gives the same results run after run, successive calls draw
+    fresh numbers, and the distributions match PyTorch's. The values are not those
+    eager PyTorch draws (JAX's PRNG is not PyTorch's Mersenne Twister), so compare
+    a compiled model with dropout to eager in distribution, or with p=0.
 """
 
 from __future__ import annotations
