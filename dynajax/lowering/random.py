@@ -30,14 +30,6 @@ Design:
   at them today (the op runs eagerly with that generator), and should such a node
   reach us, its rule's check refuses it, since only the default generator seeds keys.
 
-README note (for users):
-
-    Random ops (dropout, rand, randn, bernoulli, normal_, uniform_, ...) run inside
-    the JAX partitions and are seeded from PyTorch's default generator: the same
-    torch.manual_seed gives the same results run after run, successive calls draw
-    fresh numbers, and the distributions match PyTorch's. The values are not those
-    eager PyTorch draws (JAX's PRNG is not PyTorch's Mersenne Twister), so compare
-    a compiled model with dropout to eager in distribution, or with p=0.
 """
 
 from __future__ import annotations
