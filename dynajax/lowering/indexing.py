@@ -173,3 +173,17 @@ def _masked_scatter(x, mask, source):
     pos = jnp.clip(jnp.cumsum(flat_m, dtype=np.int64) - 1, 0, source.size - 1)
     taken = source.reshape(-1)[pos].astype(x.dtype)
     return jnp.where(flat_m, taken, flat_x).reshape(shape)
+
+
+@lower(aten.diagonal_scatter.default)
+def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    # x with x.diagonal(offset, dim1, dim2) replaced by src (whose last dim is the
+    # diagonal, as torch.diagonal lays it out).
+    d1, d2 = dim1 % x.ndim, dim2 % x.ndim
+    moved = jnp.moveaxis(x, (d1, d2), (-2, -1))
+    n1, n2 = moved.shape[-2:]
+    length = max(min(n1, n2 - offset) if offset >= 0 else min(n1 + offset, n2), 0)
+    i = np.arange(length)
+    rows, cols = (i, i + offset) if offset >= 0 else (i - offset, i)
+    moved = moved.at[..., rows, cols].set(src.astype(x.dtype))
+    return jnp.moveaxis(moved, (-2, -1), (d1, d2))

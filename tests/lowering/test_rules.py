@@ -36,6 +36,7 @@ class Case:
     inputs: Callable[[], tuple[Any, ...]]
     ops: tuple[str, ...]  # ATen overloads that must run in JAX
     grad: bool = False  # also compare gradients of the float inputs
+    xfail: str | None = None  # a known gap, with its reason (the test must fail)
 
 
 def randn(*shape, dtype=torch.float32):
@@ -730,6 +731,30 @@ NONCORE = [
         ("aten.conv_tbc.default",),
         grad=True,
     ),
+    Case(
+        "diagonal_scatter-offsets-float32",
+        lambda x: tuple(
+            torch.diagonal_scatter(x, torch.diagonal(x, o, 0, 2) * 10, o, 0, 2) for o in (0, 2, -1)
+        ),
+        lambda: (randn(3, 2, 4),),
+        ("aten.diagonal_scatter.default",),
+    ),
+    Case(
+        "diagonal-fill-functionalized-float32",
+        lambda x: x.clone().diagonal(1).fill_(5.0).sum() + x,
+        lambda: (randn(4, 5),),
+        ("aten.diagonal_scatter.default",),
+    ),
+    Case(
+        "fill_diagonal-as_strided-float32",
+        lambda x: x.clone().fill_diagonal_(0.0),
+        lambda: (randn(4, 5),),
+        ("aten.as_strided.default", "aten.as_strided_scatter.default"),
+        xfail=(
+            "functionalized fill_diagonal_ is as_strided/as_strided_scatter on the base, "
+            "which need the input's strides; rules see only shape and dtype (refused)"
+        ),
+    ),
 ]
 
 # ---------------------------------------------------------------------------------
@@ -764,7 +789,16 @@ def _grads(out: Any, inputs: tuple[Any, ...]) -> list[torch.Tensor | None]:
     return list(torch.autograd.grad(loss, leaves, allow_unused=True))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def _params(cases):
+    return [
+        pytest.param(
+            c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.xfail)] if c.xfail else []
+        )
+        for c in cases
+    ]
+
+
+@pytest.mark.parametrize("case", _params(CASES))
 def test_rule(case: Case):
     torch.manual_seed(0)
     inputs = case.inputs()
