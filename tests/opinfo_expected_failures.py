@@ -7,4 +7,17 @@ those entries after a run.
 
 from __future__ import annotations
 
-EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {}
+_TOPK_TIES = (
+    "indices of tied values: PyTorch's CPU topk returns an unspecified one among equal "
+    "values (the values match)"
+)
+_DECOMPOSED_BF16 = (
+    "the core ATen decomposition rounds each step to bfloat16; PyTorch's fused CPU kernel "
+    "computes in float32 and rounds once"
+)
+
+EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
+    ("addcdiv", "", "bfloat16"): _DECOMPOSED_BF16,
+    ("topk", "", "int32"): _TOPK_TIES,
+    ("topk", "", "int64"): _TOPK_TIES,
+}

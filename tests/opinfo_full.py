@@ -2,12 +2,17 @@
 failing per dtype, and a JSON summary.
 
     python -m tests.opinfo_full                      # every op, dtype and sample (hours)
+    python -m tests.opinfo_full --jobs 8             # the same on 8 cores
     python -m tests.opinfo_full --max-samples 3      # the first 3 samples of each
     python -m tests.opinfo_full --dtypes float32 --ops add,sum,nn.functional.conv2d
     python -m tests.opinfo_full --ci                 # exactly the CI subset
 
-Each sample's outcome is appended to a JSON-lines log as it finishes (``--log``), so a
-long run can be watched and, with ``--resume``, continued after an interruption. The
+The samples run in worker processes, ``--chunk`` (op, dtype) pairs each, so memory
+stays bounded over a long run (each compilation leaves some behind in torch), and a
+sample that kills its worker is recorded as failing and the run goes on; ``--jobs N``
+runs N workers at once on a machine with cores to spare. Each sample's outcome is
+appended to a JSON-lines log as it finishes (``--log``), so a long run can be watched
+and, with ``--resume``, continued after an interruption. The
 summary (``--json``) holds the per-dtype counts, the float32 in-JAX fraction, the top
 fallback reasons, failures not listed in ``tests/opinfo_expected_failures.py``, and
 listed expected failures that no longer fail.
@@ -17,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import re
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +67,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log", default="opinfo_full.jsonl", help="per-sample JSON lines")
     p.add_argument("--json", default="opinfo_full.json", help="summary JSON")
     p.add_argument("--resume", action="store_true", help="skip samples already in --log")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes at once")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=40,
+        help="(op, dtype) pairs per worker process (bounds its memory)",
+    )
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--entries", default="[]", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -88,47 +105,124 @@ def _reason_kind(detail: str) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    log_path = Path(args.log)
+Entry = tuple[str, str, int | None]  # (op id, dtype name, sample limit or None)
+
+
+def _read_log(path: Path) -> tuple[dict[tuple[str, str, int], dict[str, Any]], list[Any]]:
+    """The sample records in a log, and its start markers (in order)."""
     done: dict[tuple[str, str, int], dict[str, Any]] = {}
-    if args.resume and log_path.exists():
-        for line in log_path.read_text().splitlines():
+    starts = []
+    if path.exists():
+        for line in path.read_text().splitlines():
             rec = json.loads(line)
-            done[(rec["op"], rec["dtype"], rec["sample"])] = rec
-    plan = _plan(args)
-    start = time.perf_counter()
-    records: list[dict[str, Any]] = []
-    with log_path.open("a" if args.resume else "w") as log:
-        for k, (op, dt, limit) in enumerate(plan):
-            oid, dn = op_id(op), dtype_name(dt)
+            if "start" in rec:
+                starts.append(rec)
+            else:
+                done[(rec["op"], rec["dtype"], rec["sample"])] = rec
+    return done, starts
+
+
+def _record(op: Any, dn: str, i: int, **outcome: Any) -> dict[str, Any]:
+    return {
+        "op": op_id(op),
+        "name": op.name,
+        "variant": op.variant_test_name,
+        "dtype": dn,
+        "sample": i,
+        **outcome,
+    }
+
+
+def _work(entries: list[Entry], log_path: Path, token: str) -> None:
+    """Worker process: runs the entries' samples not yet in the log, appending to it."""
+    ops = {op_id(op): op for op in op_db()}
+    done, _ = _read_log(log_path)
+    with log_path.open("a") as log:
+        for oid, dn, limit in entries:
+            op = ops[oid]
             try:
-                it = list(_take(samples(op, dt), limit))
+                it = list(_take(samples(op, getattr(torch, dn)), limit))
             except Exception as e:  # the database's own sample generator failed
                 print(f"{oid} {dn}: sample_inputs raised {type(e).__name__}: {e}", file=sys.stderr)
                 continue
             for i, sample in enumerate(it):
                 if (oid, dn, i) in done:
-                    records.append(done[(oid, dn, i)])
                     continue
-                outcome = run_sample(op, sample)
-                rec = {
-                    "op": oid,
-                    "name": op.name,
-                    "variant": op.variant_test_name,
-                    "dtype": dn,
-                    "sample": i,
-                    **dataclasses.asdict(outcome),
-                }
-                records.append(rec)
-                log.write(json.dumps(rec) + "\n")
+                # A marker first: if this sample kills the process, the parent finds it.
+                log.write(json.dumps({"start": [oid, dn, i], "token": token}) + "\n")
                 log.flush()
-            if k % 25 == 0:
-                print(
-                    f"[{time.perf_counter() - start:7.0f}s] {k}/{len(plan)} {oid} {dn}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                outcome = run_sample(op, sample)
+                log.write(json.dumps(_record(op, dn, i, **dataclasses.asdict(outcome))) + "\n")
+                log.flush()
+
+
+def _run_chunk(chunk: list[Entry], log_path: Path, ops: dict[str, Any]) -> None:
+    """Runs a chunk in fresh worker processes (bounded memory) until it completes; a
+    sample that kills its worker (a segfault, say) is recorded as failing."""
+    while True:
+        token = uuid.uuid4().hex
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.opinfo_full",
+            "--worker",
+            token,
+            "--log",
+            str(log_path),
+            "--entries",
+            json.dumps(chunk),
+        ]
+        rc = subprocess.run(cmd, check=False).returncode
+        if rc == 0:
+            return
+        done, starts = _read_log(log_path)
+        mine = [s["start"] for s in starts if s["token"] == token]
+        crashed = [m for m in mine if tuple(m) not in done]
+        if not crashed:
+            raise RuntimeError(f"worker exited with {rc} outside any sample: {cmd}")
+        oid, dn, i = crashed[-1]
+        rec = _record(
+            ops[oid],
+            dn,
+            i,
+            status=FAILING,
+            detail=f"worker process died ({rc})",
+            eager_error="",
+            shape_only=False,
+            seconds=0.0,
+        )
+        with log_path.open("a") as log:
+            log.write(json.dumps(rec) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    log_path = Path(args.log)
+    if args.worker:
+        _work([tuple(e) for e in json.loads(args.entries)], log_path, args.worker)
+        return 0
+    plan = [(op_id(op), dtype_name(dt), n) for op, dt, n in _plan(args)]
+    ops = {op_id(op): op for op in op_db()}
+    if not args.resume:
+        log_path.write_text("")
+    chunks = [plan[i : i + args.chunk] for i in range(0, len(plan), args.chunk)]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(_run_chunk, c, log_path, ops) for c in chunks]
+        for k, f in enumerate(concurrent.futures.as_completed(futures)):
+            f.result()
+            print(
+                f"[{time.perf_counter() - start:7.0f}s] {k + 1}/{len(chunks)} chunks done",
+                file=sys.stderr,
+                flush=True,
+            )
+    done, _ = _read_log(log_path)
+    wanted = {(oid, dn): n for oid, dn, n in plan}
+    records = [
+        r
+        for (oid, dn, i), r in sorted(done.items())
+        if (oid, dn) in wanted and (wanted[(oid, dn)] is None or i < wanted[(oid, dn)])
+    ]
     summary = summarize(records)
     summary["seconds"] = round(time.perf_counter() - start, 1)
     summary["command"] = " ".join(["python -m tests.opinfo_full", *(argv or sys.argv[1:])])
