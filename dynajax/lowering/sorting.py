@@ -182,3 +182,38 @@ lower(aten.searchsorted.Tensor, aten.searchsorted.Scalar, check=_searchsorted_ch
 @lower(aten.bucketize.Tensor, aten.bucketize.Scalar)
 def _bucketize(x, boundaries, *, out_int32=False, right=False):
     return _search(boundaries, x, right, out_int32)
+
+
+@lower(aten.mode.default, check=_sort_check)
+def _mode(x, dim=-1, keepdim=False):
+    """The most frequent value along ``dim`` (the smallest one among equally frequent
+    values) and the index of its last occurrence, as PyTorch's CPU kernel reports.
+
+    Runs of equal values in the stable ascending sort give the frequencies (NaN never
+    equals NaN, so each NaN is a run of its own); within a run the stable sort keeps
+    the original order, so the run's end holds the last occurrence. (With NaN in the
+    input, PyTorch's kernel answers inconsistently, even for the non-NaN values.)
+    """
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    d = dim % x.ndim
+    values, indices = sort_along(x, d, False)
+    values, indices = jnp.moveaxis(values, d, -1), jnp.moveaxis(indices, d, -1)
+    n = values.shape[-1]
+    pos = jnp.broadcast_to(jnp.arange(n), values.shape)
+    new_run = jnp.concatenate(
+        [jnp.ones(values.shape[:-1] + (1,), bool), values[..., 1:] != values[..., :-1]], -1
+    )
+    ends_run = jnp.concatenate([new_run[..., 1:], jnp.ones(values.shape[:-1] + (1,), bool)], -1)
+    start = jax.lax.cummax(jnp.where(new_run, pos, 0), axis=values.ndim - 1)
+    end = jnp.flip(
+        jax.lax.cummin(jnp.flip(jnp.where(ends_run, pos, n), -1), axis=values.ndim - 1), -1
+    )
+    best = jnp.argmax(end - start, axis=-1)[..., None]  # first = smallest value
+    best_end = jnp.take_along_axis(end, best, axis=-1)
+    v = jnp.take_along_axis(values, best, axis=-1)
+    i = jnp.take_along_axis(indices, best_end, axis=-1)
+    v, i = jnp.moveaxis(v, -1, d), jnp.moveaxis(i, -1, d)
+    if not keepdim:
+        v, i = jnp.squeeze(v, d), jnp.squeeze(i, d)
+    return v, i

@@ -517,6 +517,12 @@ NONCORE = [
         ("aten.kthvalue.default",),
     ),
     Case(
+        "mode-ties-last-index-int64",
+        lambda x, y: (torch.mode(x, 1), torch.mode(y, 0, keepdim=True)),
+        lambda: (ints(0, 4, 3, 9), ints(0, 3, 6, 2).double()),
+        ("aten.mode.default",),
+    ),
+    Case(
         "bucketize-right-int32-out",
         lambda x, b: (torch.bucketize(x, b, right=True), torch.bucketize(x, b, out_int32=True)),
         lambda: (torch.tensor([[-1.0, 0.0, 0.5], [1.0, 2.0, 9.0]]), torch.tensor([0.0, 1.0, 2.0])),
