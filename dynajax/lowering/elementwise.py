@@ -89,7 +89,7 @@ def _abs(x):
 
 @lower(aten.sign.default)
 def _sign(x):
-    return jnp.sign(x)
+    return x if x.dtype == np.bool_ else jnp.sign(x)  # sign of a bool is itself
 
 
 @lower(aten.sgn.default)
@@ -97,7 +97,7 @@ def _sgn(x):
     if is_complex(x.dtype):
         mag = jnp.abs(x)
         return jnp.where(mag == 0, 0, x / jnp.where(mag == 0, 1, mag)).astype(x.dtype)
-    return jnp.sign(x)
+    return _sign(x)
 
 
 def _integral_identity(fn):
