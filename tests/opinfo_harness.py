@@ -124,13 +124,24 @@ def _arguments(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (_clone(sample.input), *_clone(tuple(sample.args))), _clone(dict(sample.kwargs))
 
 
-def _call_eager(op: Any, sample: Any, seed: int) -> tuple[Any, BaseException | None]:
+def _call_eager(op: Any, sample: Any, seed: int) -> tuple[Any, BaseException | None, Any]:
+    """(result, exception, the arguments after the call: ops may write to them)."""
     args, kwargs = _arguments(sample)
     torch.manual_seed(seed)
     try:
-        return op.op(*args, **kwargs), None
+        return op.op(*args, **kwargs), None, (args, kwargs)
     except Exception as e:  # eager's own error is part of the expected behavior
-        return None, e
+        return None, e, (args, kwargs)
+
+
+def _input_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _input_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _input_tensors(v)]
+    return []
 
 
 def _differs(a: Any, b: Any) -> bool:
@@ -199,12 +210,12 @@ def run_sample(op: Any, sample: Any) -> Outcome:
 
 
 def _run_sample(op: Any, sample: Any) -> Outcome:
-    expected, eager_error = _call_eager(op, sample, seed=0)
+    expected, eager_error, eager_inputs = _call_eager(op, sample, seed=0)
     shape_only = op.name in UNINITIALIZED
     if eager_error is None and not shape_only:
         # A result that changes with the seed (or between two identical calls) is
         # random: another suite checks its statistics; here only its structure.
-        again, _ = _call_eager(op, sample, seed=1)
+        again, _, _ = _call_eager(op, sample, seed=1)
         shape_only = _differs(again, expected)
 
     torch._dynamo.reset()
@@ -238,6 +249,8 @@ def _run_sample(op: Any, sample: Any) -> Outcome:
             _structure(actual, expected)
         else:
             assert_same(actual, expected)
+            # Inputs the op writes to must end the same as in eager.
+            assert_same(_input_tensors((args, kwargs)), _input_tensors(eager_inputs), path="inputs")
     except AssertionError as e:
         return Outcome(
             FAILING,
