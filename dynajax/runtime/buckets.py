@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import sympy
 import torch
 
@@ -268,6 +269,37 @@ def _check_eqn(eqn: Any, ins: list[set[int]], outs: list[set[int]]) -> None:
     raise _Leak(f"{name} is not known to keep rows of the padded dimension apart")
 
 
+def _equal(x: Any, y: Any) -> bool:
+    try:
+        return bool(np.array_equal(x, y)) if hasattr(x, "shape") else bool(x == y)
+    except (TypeError, ValueError):
+        return x is y
+
+
+def _same_values(ea: Any, eb: Any, a: int, b: int) -> None:
+    """Raises where the symbol's *value* (not a size) reaches the computation.
+
+    A size the graph takes as a value (``x * x.shape[0]``) is a literal or a parameter
+    that differs between the two traces; padded, it would be the bucket's size. Shape
+    parameters may differ exactly where they are the symbol (``reshape`` to ``[s0, -1]``).
+    """
+    for x, y in zip(ea.invars, eb.invars, strict=True):
+        if hasattr(x, "val") and hasattr(y, "val") and not _equal(x.val, y.val):
+            raise _Leak(f"{ea.primitive.name} uses the symbol's value as data")
+    for key, va in ea.params.items():
+        vb = eb.params.get(key)
+        if key in _CALLS or callable(va) or hasattr(va, "eqns") or _equal(va, vb):
+            continue
+        if (
+            isinstance(va, tuple)
+            and isinstance(vb, tuple)
+            and len(va) == len(vb)
+            and all(p == q or (p == a and q == b) for p, q in zip(va, vb, strict=True))
+        ):
+            continue  # a shape parameter, the symbol exactly where it differs
+        raise _Leak(f"{ea.primitive.name} takes the symbol's value in its {key!r}")
+
+
 def _walk(ja: Any, jb: Any, a: int, b: int) -> list[set[int]]:
     """Checks a pair of jaxprs; returns the symbol dims of their outputs."""
     if len(ja.eqns) != len(jb.eqns):
@@ -277,6 +309,7 @@ def _walk(ja: Any, jb: Any, a: int, b: int) -> list[set[int]]:
     for ea, eb in zip(ja.eqns, jb.eqns, strict=True):
         if ea.primitive is not eb.primitive:
             raise _Leak("the program's structure depends on the symbol's value")
+        _same_values(ea, eb, a, b)
         ins = [_dims(x, y, a, b) for x, y in zip(ea.invars, eb.invars, strict=True)]
         outs = [_dims(x, y, a, b) for x, y in zip(ea.outvars, eb.outvars, strict=True)]
         if not any(ins) and not any(outs):
@@ -339,6 +372,10 @@ def check_padding(
         # guard-like assertion in a rule; that only means: do not pad this symbol.
         return f"tracing at another size of {sym} failed ({type(e).__name__})"
     try:
+        if len(ja.consts) != len(jb.consts) or not all(
+            _equal(x, y) for x, y in zip(ja.consts, jb.consts, strict=True)
+        ):
+            raise _Leak("a constant of the program depends on the symbol")
         outs = _walk(ja.jaxpr, jb.jaxpr, a, b)
     except _Leak as e:
         return str(e)
