@@ -99,11 +99,11 @@ def test_mark_dynamic_and_automatic_dynamic() -> None:
 
 def test_gpt2_dynamic_sequence_length_stays_in_jax() -> None:
     torch.manual_seed(0)
-    model = gpt2().eval()
+    model = gpt2(layers=1).eval()
     backend = dynajax.Backend(cache_dir="")
     f = torch.compile(model, backend=backend)
     with torch.no_grad():
-        for length in (5, 7, 9):
+        for length in (5, 9):
             ids = tokens(2, length)
             torch._dynamo.mark_dynamic(ids, 1)
             assert_same(f(ids).logits, model(ids).logits, model=True)
