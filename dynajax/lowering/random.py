@@ -204,6 +204,41 @@ def _bernoulli(x, *, generator=None, key):
     return (_uniform(key, x.shape, wide) < x.astype(wide)).astype(x.dtype)
 
 
+@lower(aten.bernoulli.Tensor, check=_generator_check, needs_key=True)
+def _bernoulli_tensor(x, p, *, generator=None, key):
+    wide = np.float64 if p.dtype == np.float64 else np.float32
+    u = _uniform(key, x.shape, wide)
+    return (u < jnp.broadcast_to(p, x.shape).astype(wide)).astype(x.dtype)
+
+
+@lower(aten.log_normal.default, check=_generator_check, needs_key=True)
+def _log_normal(x, mean=1.0, std=2.0, *, generator=None, key):
+    wide = np.float64 if x.dtype == np.float64 else np.float32
+    return jnp.exp(_normal(key, x.shape, wide) * std + mean).astype(x.dtype)
+
+
+@lower(aten.cauchy.default, check=_generator_check, needs_key=True)
+def _cauchy(x, median=0.0, sigma=1.0, *, generator=None, key):
+    wide = np.float64 if x.dtype == np.float64 else np.float32
+    u = _uniform(key, x.shape, wide)
+    return (median + sigma * jnp.tan(np.pi * (u - 0.5))).astype(x.dtype)
+
+
+@lower(aten.geometric.default, check=_generator_check, needs_key=True)
+def _geometric(x, p, *, generator=None, key):
+    # Trials up to and including the first success: ceil(log(u) / log(1 - p)), u in (0, 1].
+    wide = np.float64 if x.dtype == np.float64 else np.float32
+    u = 1 - _uniform(key, x.shape, wide)
+    return jnp.ceil(jnp.log(u) / jnp.log1p(-p)).astype(x.dtype)
+
+
+@lower(aten.poisson.default, check=_generator_check, needs_key=True)
+def _poisson(rates, generator=None, *, key):
+    with _sequential():
+        counts = jax.random.poisson(key, rates, rates.shape, np.int64)
+    return counts.astype(rates.dtype)
+
+
 @lower(aten.exponential.default, check=_generator_check, needs_key=True)
 def _exponential(x, lambd=1.0, *, generator=None, key):
     wide = np.float64 if x.dtype == np.float64 else np.float32

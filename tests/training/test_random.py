@@ -8,6 +8,7 @@ distributions, or make eager reuse the mask the compiled model drew."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import pytest
@@ -232,3 +233,35 @@ def test_encoder_with_dropout_trains_reproducibly_in_jax() -> None:
         assert not torch.equal(layer(x).square().mean(), loss_a)
     assert_all_in_jax(backend, "forward")
     assert_all_in_jax(backend, "backward")
+
+
+def test_more_distributions_in_one_graph() -> None:
+    """bernoulli with a tensor p, log_normal_, cauchy_, geometric_, poisson: one graph,
+    all in JAX, seeded, and distributed as PyTorch's."""
+
+    def sample(x):
+        return (
+            x.clone().bernoulli_(torch.full_like(x, 0.3)),
+            torch.empty_like(x).log_normal_(0.0, 0.5),
+            torch.empty_like(x).cauchy_(),
+            torch.empty_like(x).geometric_(0.3),
+            torch.poisson(x + 2.0),
+        )
+
+    backend = dynajax.Backend()
+    compiled = torch.compile(sample, backend=backend)
+    x = torch.zeros(N)
+    torch.manual_seed(3)
+    first = compiled(x)
+    torch.manual_seed(3)
+    for a, b in zip(compiled(x), first, strict=True):
+        assert torch.equal(a, b)
+    bern, lognormal, cauchy, geometric, poisson = (t.double() for t in first)
+    assert abs(bern.mean().item() - 0.3) < 0.005
+    assert abs(lognormal.median().item() - 1.0) < 0.01
+    assert abs(lognormal.mean().item() - math.exp(0.125)) < 0.01  # exp(std^2 / 2)
+    q1, q2, q3 = torch.quantile(cauchy[:100_000], torch.tensor([0.25, 0.5, 0.75]).double())
+    assert abs(q1 + 1) < 0.03 and abs(q2) < 0.03 and abs(q3 - 1) < 0.03
+    assert geometric.min() == 1 and abs(geometric.mean().item() - 1 / 0.3) < 0.03
+    assert abs(poisson.mean().item() - 2) < 0.02 and abs(poisson.var().item() - 2) < 0.05
+    assert_all_in_jax(backend, "inference")
