@@ -157,6 +157,10 @@ class ExecutableCache:
             _device_key(platform_name),
             os.environ.get("XLA_FLAGS", ""),
             lowered.as_text(),
+            # jit prunes unused arguments from the StableHLO, so the text alone would
+            # give f(int32[3]) and f(float32[3]) -> ones(3) the same key, and the loaded
+            # executable would then refuse the other call's argument types.
+            repr(lowered.args_info),
         ):
             h.update(part.encode())
             h.update(b"\x00")
