@@ -98,6 +98,26 @@ class _Embed(nn.Module):
 
 
 CASES["multihead_attention"] = (_MHA, _seq)
+_KEEP = torch.rand(5, 5) > 0.3
+_KEEP[:, 0] = True  # no fully masked row
+CASES["sdpa-bool_mask"] = (
+    lambda: _Fn(lambda x: F.scaled_dot_product_attention(x, x * 2, x.sin(), attn_mask=_KEEP)),
+    lambda: torch.randn(2, 3, 5, 8),
+)
+CASES["sdpa-float_mask-scale"] = (
+    lambda: _Fn(
+        lambda x: F.scaled_dot_product_attention(
+            x, x.cos(), x * 3, attn_mask=torch.linspace(-1, 1, 25).reshape(5, 5), scale=0.3
+        )
+    ),
+    lambda: torch.randn(2, 3, 5, 8),
+)
+CASES["sdpa-gqa"] = (
+    lambda: _Fn(
+        lambda x: F.scaled_dot_product_attention(x, x[:, :2].cos(), x[:, :2] * 3, enable_gqa=True)
+    ),
+    lambda: torch.randn(2, 4, 5, 8),
+)
 CASES["embedding-padding_idx"] = (_Embed, _seq)
 CASES["cross_entropy"] = (
     lambda: _Fn(lambda x: F.cross_entropy(x.flatten(0, 1), torch.arange(10) % 12)),
