@@ -56,10 +56,15 @@ _FLOAT_UNARY = {
     "erfc": jax.scipy.special.erfc,
     "erfinv": jax.scipy.special.erfinv,
     "reciprocal": jnp.reciprocal,
-    "digamma": jax.scipy.special.digamma,
+    "digamma": lambda x: _digamma(x),
     "lgamma": jax.scipy.special.gammaln,
     "i0": jax.scipy.special.i0,
 }
+
+
+def _digamma(x):
+    # PyTorch: digamma(+-0) = -+inf (jax gives NaN); NaN at negative integers as jax.
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), jax.scipy.special.digamma(x))
 
 
 def _float_unary(fn):
