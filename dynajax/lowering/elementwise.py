@@ -512,7 +512,7 @@ def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None,
 
 @lower(aten.complex.default)
 def _complex(real, imag):
-    re, im = promote(real, imag)
+    re, im = jnp.broadcast_arrays(*promote(real, imag))
     return jax.lax.complex(re, im)
 
 
@@ -570,8 +570,27 @@ def _float_binary(fn):
     return rule
 
 
+def _hurwitz_zeta(s, q):
+    """zeta(s, q) for any q, as Cephes (PyTorch) computes it: the terms (q + k)^-s of
+    negative q are summed directly (JAX's series is only accurate for q >= 0)."""
+
+    def shifting(carry):
+        q, _ = carry
+        return jnp.any(jnp.isfinite(q) & (q < 0))
+
+    def shift(carry):
+        q, acc = carry
+        neg = jnp.isfinite(q) & (q < 0)
+        return jnp.where(neg, q + 1, q), acc + jnp.where(neg, q ** (-s), 0)
+
+    s, q = jnp.broadcast_arrays(s, q)
+    pole = (q <= 0) & (q == jnp.floor(q))  # Cephes: zeta(s, q) = inf there
+    q, acc = jax.lax.while_loop(shifting, shift, (q, jnp.zeros_like(q)))
+    return jnp.where(pole, jnp.inf, acc + jax.scipy.special.zeta(s, q))
+
+
 lower(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar)(
-    _float_binary(jax.scipy.special.zeta)
+    _float_binary(_hurwitz_zeta)
 )
 lower(aten.igamma.default)(_float_binary(jax.scipy.special.gammainc))
 lower(aten.igammac.default)(_float_binary(jax.scipy.special.gammaincc))
@@ -580,7 +599,13 @@ lower(aten.igammac.default)(_float_binary(jax.scipy.special.gammaincc))
 @lower(aten.polygamma.default)
 def _polygamma(n, x):
     x = as_dtype(x, float_result_type(x))
-    return jax.scipy.special.polygamma(jnp.asarray(n, np.int32), x).astype(x.dtype)
+    if n == 0:
+        return jax.scipy.special.digamma(x)
+    # PyTorch: (-1)^(n+1) n! zeta(n + 1, x). Near the poles (negative integers) the
+    # series cancels badly, so single precision is summed in double.
+    scale = (1.0 if n % 2 else -1.0) * float(np.prod(np.arange(1, n + 1, dtype=np.float64)))
+    acc = x.astype(np.float64) if x.dtype == np.float32 else x
+    return (scale * _hurwitz_zeta(jnp.asarray(n + 1, acc.dtype), acc)).astype(x.dtype)
 
 
 @lower(aten.signbit.default)

@@ -36,6 +36,8 @@ def _lu(A):
     """(LU, 1-based int32 pivots, row permutation, info) of a batch of square matrices."""
     lu, pivots, perm = jax.lax.linalg.lu(A)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    if diag.shape[-1] == 0:  # empty matrices: nothing can fail
+        return lu, pivots.astype(np.int32) + 1, perm, jnp.zeros(diag.shape[:-1], np.int32)
     zero = diag == 0
     info = jnp.where(jnp.any(zero, -1), jnp.argmax(zero, -1) + 1, 0).astype(np.int32)
     return lu, pivots.astype(np.int32) + 1, perm, info
@@ -220,6 +222,8 @@ def _cholesky_info(A):
     """potrf's info: 1 + the first j whose pivot A_jj - sum_k L_jk^2 is not positive
     (an unblocked Cholesky, run only to find where the factorization stops)."""
     n = A.shape[-1]
+    if n == 0:
+        return jnp.zeros(A.shape[:-2], np.int32)
 
     def step(j, carry):
         L, info = carry

@@ -569,6 +569,17 @@ NONCORE = [
         ),
     ),
     Case(
+        "polygamma-zeta-negative-arguments-float64",
+        lambda x: (
+            torch.polygamma(1, x),
+            torch.polygamma(3, x),
+            torch.special.zeta(torch.full_like(x, 4.0), x),
+            torch.complex(x[:1], x[None, 1:]),
+        ),
+        lambda: (torch.tensor([-9.2, -20.5, -0.5, 0.3, 7.5], dtype=torch.float64),),
+        ("aten.polygamma.default", "aten.special_zeta.default", "aten.complex.default"),
+    ),
+    Case(
         "special-binary-int-promotes-float32",
         lambda x, i: (
             torch.special.zeta(x.abs() + 1.5, i.abs() + 1),
