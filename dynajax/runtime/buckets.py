@@ -3,8 +3,8 @@
 With ``pad_to_buckets``, a partition whose inputs have a symbolic size ``s0`` (a batch
 of 5) runs the executable of the next power of two (8): inputs are zero-padded along
 every dimension of size ``s0``, ``s0`` itself is passed as 8 where the graph takes it
-as a value, and every output dimension of size ``s0`` is sliced back to 5. Batch sizes
-1..64 then need 7 executables instead of 64.
+as a value (``4*s0`` as 4 times 8), and every output dimension of size ``s0`` is sliced
+back to 5. Batch sizes 1..64 then need 7 executables instead of 64.
 
 That is only correct when the real rows never read the padded ones. Whether they do
 is decided on the traced JAX program, not on a list of torch ops: the partition is
@@ -15,9 +15,9 @@ follows the symbol is tracked through every equation (sub-jaxprs included):
     dot_general / conv with s0 as batch or free dim rows stay rows             safe
     reduce_*, argmax, cumsum (reversed), sort, ...   over s0                   refused
     dot_general contracting over s0                  padded rows summed in     refused
-    reshape keeping s0 as a whole dimension          rows stay rows            safe
-    reshape merging s0 with another dimension        rows move                 refused
-    a size 2*s0 or s0+1 anywhere                     cannot be sliced back     refused
+    reshape [s0, 4, 7] <-> [4*s0, 7] (s0 outermost)  rows stay blocks          safe
+    reshape [4, s0] -> [4*s0]                        rows interleave           refused
+    a size s0+1 anywhere, or 4*s0 in an output       cannot be sliced back     refused
     any other primitive touching s0 (gather of s0-indexed tables, random bits, ...)
                                                                               refused
 
@@ -58,6 +58,14 @@ def _is_symbol(size: Any, sym: sympy.Symbol) -> bool:
     return isinstance(size, torch.SymInt) and size.node.expr == sym
 
 
+def _multiple(size: Any, sym: sympy.Symbol) -> int | None:
+    """k where ``size`` is the SymInt ``k * sym`` (``4*s0``: batch times heads), else None."""
+    if not isinstance(size, torch.SymInt):
+        return None
+    ratio = sympy.simplify(size.node.expr / sym)
+    return int(ratio) if ratio.is_Integer and ratio > 0 else None
+
+
 def _mentions(size: Any, sym: sympy.Symbol) -> bool:
     if isinstance(size, torch.SymInt | torch.SymBool):
         return sym in size.node.expr.free_symbols
@@ -81,15 +89,16 @@ class SymbolPlan:
 
     symbol: sympy.Symbol
     in_dims: tuple[tuple[int, int], ...]  # (input position, dim)
-    statics: tuple[int, ...]  # input positions whose value is the symbol
+    statics: tuple[tuple[int, int], ...]  # (input position, k): its value is k * symbol
     out_dims: tuple[tuple[int, int], ...]  # (output index, dim)
     guards: tuple[sympy.Basic, ...]  # Dynamo's guards on this symbol alone
 
     def size(self, args: Sequence[Any]) -> int:
-        if self.statics:
-            return int(args[self.statics[0]])
-        pos, dim = self.in_dims[0]
-        return args[pos].shape[dim]
+        if self.in_dims:
+            pos, dim = self.in_dims[0]
+            return args[pos].shape[dim]
+        pos, k = self.statics[0]
+        return int(args[pos]) // k
 
     def allows(self, padded: int) -> bool:
         sub = {self.symbol: padded}
@@ -108,8 +117,8 @@ def occurrences(
                     in_dims.append((i, d))
                 elif _mentions(s, sym):
                     return f"input {i} has size {s} (not {sym} itself)"
-        elif _is_symbol(v, sym):
-            statics.append(i)
+        elif (k := _multiple(v, sym)) is not None:
+            statics.append((i, k))
         elif _mentions(v, sym):
             return f"input {i} is the value {v} (not {sym} itself)"
     for k, v in enumerate(outputs):
@@ -169,16 +178,21 @@ def _shape(v: Any) -> tuple[int, ...]:
 
 
 def _dims(va: Any, vb: Any, a: int, b: int) -> set[int]:
-    """Dims of a var that are the symbol; raises on a dim that follows it otherwise."""
+    """Dims of a var whose size is ``k * symbol`` (k >= 1: the symbol, or the symbol
+    merged with inner dims, ``B*H`` in attention; rows stay contiguous blocks there,
+    which ``_check_reshape`` keeps true). Raises on a dim that follows the symbol in any
+    other way (``s0 + 1``)."""
     sa, sb = _shape(va), _shape(vb)
     if len(sa) != len(sb):
         raise _Leak("the two traces differ in rank")
     out = set()
     for d, (x, y) in enumerate(zip(sa, sb, strict=True)):
-        if x == a and y == b:
+        if x == y:
+            continue
+        if x % a == 0 and y % b == 0 and x // a == y // b:
             out.add(d)
-        elif x != y:
-            raise _Leak(f"a dimension of size {x} follows the symbol without being it")
+        else:
+            raise _Leak(f"a dimension of size {x} follows the symbol as other than a multiple")
     return out
 
 
@@ -190,13 +204,13 @@ def _prefix(shape: tuple[int, ...], d: int) -> int:
 
 
 def _check_reshape(eqn: Any, ins: list[set[int]], outs: list[set[int]]) -> None:
+    """Row-major reshapes keep each row a contiguous block; the blocks of input and
+    output coincide exactly when the dims before the padded one have the same product
+    (``[s, 4, 7] -> [4s, 7]`` keeps rows, ``[4, s] -> [4s]`` interleaves them)."""
     src, dst = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
     din, dout = ins[0], outs[0]
-    if len(din) != len(dout):
-        raise _Leak(f"{eqn.primitive.name} merges or splits the padded dimension")
-    for d in din:
-        if not any(_prefix(src, d) == _prefix(dst, e) and src[d] == dst[e] for e in dout):
-            raise _Leak(f"{eqn.primitive.name} moves the padded dimension")
+    if sorted(_prefix(src, d) for d in din) != sorted(_prefix(dst, e) for e in dout):
+        raise _Leak(f"{eqn.primitive.name} interleaves rows of the padded dimension")
 
 
 def _check_eqn(eqn: Any, ins: list[set[int]], outs: list[set[int]]) -> None:
@@ -271,7 +285,9 @@ def _check_eqn(eqn: Any, ins: list[set[int]], outs: list[set[int]]) -> None:
 
 def _equal(x: Any, y: Any) -> bool:
     try:
-        return bool(np.array_equal(x, y)) if hasattr(x, "shape") else bool(x == y)
+        if hasattr(x, "shape") or isinstance(x, float):  # NaN fill values are equal
+            return bool(np.array_equal(x, y, equal_nan=True))
+        return bool(x == y)
     except (TypeError, ValueError):
         return x is y
 
@@ -294,9 +310,12 @@ def _same_values(ea: Any, eb: Any, a: int, b: int) -> None:
             isinstance(va, tuple)
             and isinstance(vb, tuple)
             and len(va) == len(vb)
-            and all(p == q or (p == a and q == b) for p, q in zip(va, vb, strict=True))
+            and all(
+                p == q or (isinstance(p, int) and isinstance(q, int) and p * b == q * a)
+                for p, q in zip(va, vb, strict=True)
+            )
         ):
-            continue  # a shape parameter, the symbol exactly where it differs
+            continue  # a shape parameter, a multiple of the symbol where it differs
         raise _Leak(f"{ea.primitive.name} takes the symbol's value in its {key!r}")
 
 
@@ -383,7 +402,10 @@ def check_padding(
     for k, d in plan.out_dims:
         want[k].add(d)
     want = [w for w, present in zip(want, out_present, strict=True) if present]
-    if outs != want:
+    plain = all(
+        _shape(v)[d] == a for v, dims in zip(ja.jaxpr.outvars, outs, strict=True) for d in dims
+    )
+    if outs != want or not plain:
         return "the outputs' padded dimensions differ from PyTorch's"
     return None
 

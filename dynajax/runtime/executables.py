@@ -158,8 +158,8 @@ class Executables:
                 continue
             for pos, dim in plan.in_dims:
                 padded[pos] = _pad(padded[pos], dim, size)
-            for pos in plan.statics:
-                padded[pos] = size
+            for pos, k in plan.statics:
+                padded[pos] = k * size
             restore.append((plan.out_dims, n))
         return padded, restore
 
