@@ -43,7 +43,7 @@ class _Snapshot:
 
     def __init__(
         self,
-        get: Callable[[Sequence[Any]], tuple[Any, ...]],
+        get: Callable[[Sequence[Any]], Sequence[Any]],
         ids: tuple[int, ...],
         versions: tuple[int, ...],
         ptrs: tuple[int, ...],
@@ -60,7 +60,13 @@ class _Snapshot:
         self.meta = meta  # position -> (version, data_ptr, shape, stride)
 
 
-def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+def _identity(ts: Sequence[Any]) -> Sequence[Any]:
+    return ts
+
+
+def _getter(positions: Sequence[int], n: int) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    if list(positions) == list(range(n)):
+        return _identity
     if len(positions) == 1:
         (i,) = positions
         return lambda ts: (ts[i],)
@@ -175,7 +181,7 @@ class InputCache:
         if keep:
             c = [ts[i] for i in keep]
             snap = _Snapshot(
-                _getter(keep),
+                _getter(keep, self._n),
                 tuple(map(id, c)),
                 tuple(map(_version, c)),
                 tuple(map(_data_ptr, c)),
