@@ -209,6 +209,8 @@ def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_l
     bag = jnp.clip(bag - 1, 0, max(num_bags - 1, 0))
     valid = indices != padding_idx if padding_idx >= 0 else jnp.ones((n,), bool)
     rows = jnp.take(weight, indices, axis=0)
+    if rows.dtype in (np.float16, jnp.bfloat16):  # the CPU kernel accumulates in float32
+        rows = rows.astype(np.float32)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights[:, None].astype(rows.dtype)
     counts = jax.ops.segment_sum(valid.astype(itype), bag, num_segments=num_bags)
