@@ -292,6 +292,15 @@ def _equal(x: Any, y: Any) -> bool:
         return x is y
 
 
+def _is_function(key: str, value: Any) -> bool:
+    return (
+        callable(value)
+        or hasattr(value, "eqns")
+        or hasattr(value, "jaxpr")
+        or any(part in key for part in ("jaxpr", "fun", "thunk"))
+    )
+
+
 def _same_values(ea: Any, eb: Any, a: int, b: int) -> None:
     """Raises where the symbol's *value* (not a size) reaches the computation.
 
@@ -304,8 +313,8 @@ def _same_values(ea: Any, eb: Any, a: int, b: int) -> None:
             raise _Leak(f"{ea.primitive.name} uses the symbol's value as data")
     for key, va in ea.params.items():
         vb = eb.params.get(key)
-        if key in _CALLS or callable(va) or hasattr(va, "eqns") or _equal(va, vb):
-            continue
+        if key in _CALLS or _is_function(key, va) or _equal(va, vb):
+            continue  # sub-programs are walked on their own; jvp/vjp rules never run here
         if (
             isinstance(va, tuple)
             and isinstance(vb, tuple)

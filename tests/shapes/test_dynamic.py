@@ -114,6 +114,20 @@ def test_gpt2_dynamic_sequence_length_stays_in_jax() -> None:
     assert report.fraction_in_jax > 0.95, str(report)
 
 
+def test_encoder_layer_batch_padded_to_buckets() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+    f, backend = _compile_rows(layer, pad_to_buckets=True)
+    with torch.no_grad():
+        for batch in (2, 3, 5):
+            x = torch.randn(batch, 6, 32)
+            assert_same(f(x), layer(x), model=True)
+    stats = _report(backend).compile_stats
+    # layer norm, softmax and matmuls stay within a row of the batch
+    assert len(stats.buckets) == 1 and not stats.exact, stats
+    assert stats.xla_compiles == 3  # buckets 2, 4, 8
+
+
 def test_gpt2_dynamic_batch_with_buckets_asked() -> None:
     torch.manual_seed(0)
     model = gpt2(layers=1).eval()
