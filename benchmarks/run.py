@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "quick": args.quick,
             "repeats": repeats,
             "peers": peers,
+            "torch_threads": torch.get_num_threads(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
         },
         "workloads": {},
     }
@@ -167,7 +169,11 @@ def print_report(out: dict[str, Any]) -> None:
     rows = out["workloads"]
     ratios = out["summary"]["ratios"]
     print()
-    print(f"load average at start: {out['meta']['load_avg']}  cpus: {out['meta']['cpus']}")
+    meta = out["meta"]
+    print(
+        f"load average at start: {meta['load_avg']}  cpus: {meta['cpus']}  "
+        f"torch threads: {meta.get('torch_threads')}  XLA_FLAGS: {meta.get('xla_flags') or '-'}"
+    )
     head = ["workload"] + peers + ["dj/ind", "dj/eager", "dj/jax"]
     lines = [head]
     for name, r in rows.items():
@@ -291,6 +297,20 @@ def plot(out: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def set_threads(n: int) -> None:
+    """Thread counts for torch and XLA; call before JAX creates its CPU client."""
+    import torch
+
+    os.environ["DYNAJAX_BENCH_THREADS"] = str(n)  # inherited by first-call workers
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+    if n == 1 and "jax" not in sys.modules:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        ).strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="quick rows only, few repeats")
@@ -307,7 +327,17 @@ def main(argv: list[str] | None = None) -> int:
         "--first-call-worker", nargs=2, metavar=("WORKLOAD", "PEER"), help=argparse.SUPPRESS
     )
     p.add_argument("--report", type=Path, help="re-print the tables of a saved results JSON")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="compute threads for every peer (torch intra-op threads; 1 also makes XLA's "
+        "CPU backend single-threaded). On a loaded machine, torch's OpenMP threads suffer "
+        "far more from oversubscription than XLA's pool: --threads 1 compares like with "
+        "like there. Default: each library's own default.",
+    )
     args = p.parse_args(argv)
+    if args.threads:
+        set_threads(args.threads)
 
     if args.report:
         out = json.loads(args.report.read_text())
@@ -315,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         print_report(out)
         return 0
 
+    if os.environ.get("DYNAJAX_BENCH_THREADS") and not args.threads:
+        set_threads(int(os.environ["DYNAJAX_BENCH_THREADS"]))
     if args.first_call_worker:
         from benchmarks.harness import first_call_worker
 
