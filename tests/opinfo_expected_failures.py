@@ -25,6 +25,11 @@ _GRID_HALF = (
     "points (its rounding of intermediate coordinates is not matched yet)"
 )
 
+_POLYGAMMA_F32 = (
+    "near a pole PyTorch's float32 kernel loses precision (x=-7.9506: 412.7526 where the "
+    "float64 value is 412.7442); the rule sums in float64 and is off from eager by 2e-5"
+)
+
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("addcdiv", "", "bfloat16"): _DECOMPOSED_BF16,
     ("grid_sampler_2d", "", "bfloat16"): _GRID_HALF,
@@ -33,9 +38,15 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("kthvalue", "", "int64"): _TIES,
     ("nn.functional.grid_sample", "", "bfloat16"): _GRID_HALF,
     ("pinverse", "", "complex64"): _UPSTREAM_PINV,
+    ("polygamma", "polygamma_n_0", "float32"): _POLYGAMMA_F32,
+    ("polygamma", "polygamma_n_1", "float32"): _POLYGAMMA_F32,
+    ("polygamma", "polygamma_n_2", "float32"): _POLYGAMMA_F32,
+    ("polygamma", "polygamma_n_3", "float32"): _POLYGAMMA_F32,
+    ("polygamma", "polygamma_n_4", "float32"): _POLYGAMMA_F32,
     ("sort", "", "bfloat16"): _TIES,
     ("sort", "", "bool"): _TIES,
     ("sort", "", "float16"): _TIES,
+    ("special.polygamma", "special_polygamma_n_0", "float32"): _POLYGAMMA_F32,
     ("topk", "", "bfloat16"): _TIES,
     ("topk", "", "int32"): _TIES,
     ("topk", "", "int64"): _TIES,
