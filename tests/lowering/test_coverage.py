@@ -49,6 +49,10 @@ REFUSED: dict[str, str] = {
         "addresses the input's storage through its strides and offset; a rule sees "
         "only shape and dtype, and a JAX value has no storage layout to honour"
     ),
+    "aten.resize_.default": (
+        "resizes a tensor's storage in place; a functional JAX value has no storage, and "
+        "functionalization leaves resize_ only on graph inputs, which PyTorch owns"
+    ),
     "aten.atan2.out": (
         "out= variant; functionalization rewrites it to aten.atan2.default (which has "
         "a rule) before lowering"
@@ -57,16 +61,21 @@ REFUSED: dict[str, str] = {
 
 
 def core_overloads() -> list[torch._ops.OpOverload]:
-    """Every ATen overload of the installed torch tagged ``torch.Tag.core``."""
+    """Every ATen overload of the installed torch tagged ``torch.Tag.core``.
+
+    Enumerated from the dispatcher's registry, not ``dir(torch.ops.aten)``: the latter
+    lists only the packets some code has touched so far, so its count would depend on
+    what ran before this test.
+    """
     found = []
-    for name in dir(aten):
-        packet = getattr(aten, name, None)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
             continue
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            if torch.Tag.core in op.tags:
-                found.append(op)
+        name, _, overload = qualified[len("aten::") :].partition(".")
+        packet = getattr(aten, name, None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if isinstance(op, torch._ops.OpOverload) and torch.Tag.core in op.tags:
+            found.append(op)
     return sorted(found, key=str)
 
 
