@@ -178,13 +178,8 @@ def _any(x):
     return jnp.any(x).astype(_logical_reduction_dtype(x))
 
 
-@lower(aten.any.dim)
-def _any_dim(x, dim, keepdim=False):
-    return jnp.any(x, axis=axes(x, dim), keepdims=keepdim).astype(_logical_reduction_dtype(x))
-
-
-@lower(aten.any.dims)
-def _any_dims(x, dim=None, keepdim=False):
+@lower(aten.any.dim, aten.any.dims)
+def _any_dim(x, dim=None, keepdim=False):
     return jnp.any(x, axis=axes(x, dim), keepdims=keepdim).astype(_logical_reduction_dtype(x))
 
 
