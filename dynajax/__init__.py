@@ -1,8 +1,8 @@
 """dynajax: a torch.compile backend that runs PyTorch programs on JAX/XLA.
 
-    import torch
-    compiled = torch.compile(model, backend="dynajax")
-    print(dynajax.explain(model, x))
+import torch
+compiled = torch.compile(model, backend="dynajax")
+print(dynajax.explain(model, x))
 """
 
 from dynajax.backend import Backend, dynajax_backend

@@ -29,8 +29,14 @@ def median_ms(fn, *args, repeats: int = 30) -> float:
 def main() -> None:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=1024, n_positions=256,
-        bos_token_id=0, eos_token_id=0, use_cache=False,
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        vocab_size=1024,
+        n_positions=256,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
     )
     model = transformers.GPT2LMHeadModel(config).eval()
     tokens = torch.randint(0, config.vocab_size, (4, 128))

@@ -29,8 +29,14 @@ def gpt2(layers: int = 2, width: int = 64, heads: int = 4, vocab: int = 128) -> 
     import transformers
 
     cfg = transformers.GPT2Config(
-        n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=256,
-        bos_token_id=0, eos_token_id=0, use_cache=False,
+        n_layer=layers,
+        n_embd=width,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=256,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
     )
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -39,8 +45,12 @@ def bert(layers: int = 2, width: int = 64, heads: int = 4, vocab: int = 128) -> 
     import transformers
 
     cfg = transformers.BertConfig(
-        num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
-        intermediate_size=4 * width, vocab_size=vocab, max_position_embeddings=256,
+        num_hidden_layers=layers,
+        hidden_size=width,
+        num_attention_heads=heads,
+        intermediate_size=4 * width,
+        vocab_size=vocab,
+        max_position_embeddings=256,
     )
     return transformers.BertModel(cfg)
 
@@ -49,9 +59,16 @@ def llama(layers: int = 2, width: int = 64, heads: int = 4, vocab: int = 128) ->
     import transformers
 
     cfg = transformers.LlamaConfig(
-        num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
-        num_key_value_heads=heads // 2, intermediate_size=2 * width, vocab_size=vocab,
-        max_position_embeddings=256, bos_token_id=0, eos_token_id=0, use_cache=False,
+        num_hidden_layers=layers,
+        hidden_size=width,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        intermediate_size=2 * width,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
     )
     return transformers.LlamaForCausalLM(cfg)
 

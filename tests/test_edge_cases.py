@@ -87,8 +87,17 @@ def test_requires_grad_inputs_under_no_grad() -> None:
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.float64, torch.int64, torch.int32, torch.bool, torch.float16, torch.bfloat16,
-              torch.complex64], ids=str,
+    "dtype",
+    [
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.bool,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+    ],
+    ids=str,
 )
 def test_dtypes_survive(dtype) -> None:
     def f(x):

@@ -42,7 +42,11 @@ def assert_same(actual: Any, expected: Any, *, model: bool = False, path: str = 
         assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
         rtol, atol = tolerance(expected.dtype, model)
         torch.testing.assert_close(
-            actual.detach(), expected.detach(), rtol=rtol, atol=atol, equal_nan=True,
+            actual.detach(),
+            expected.detach(),
+            rtol=rtol,
+            atol=atol,
+            equal_nan=True,
             msg=lambda m: f"{path}: {m}",
         )
     elif isinstance(expected, list | tuple):

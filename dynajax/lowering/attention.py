@@ -48,9 +48,26 @@ def _encoder_layer_check(src, embed_dim, num_heads, *args, mask=None, mask_type=
 
 @lower(aten._transformer_encoder_layer_fwd.default, check=_encoder_layer_check)
 def _transformer_encoder_layer_fwd(
-    src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu,
-    norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2,
-    ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2, mask=None, mask_type=None,
+    src,
+    embed_dim,
+    num_heads,
+    qkv_weight,
+    qkv_bias,
+    proj_weight,
+    proj_bias,
+    use_gelu,
+    norm_first,
+    eps,
+    norm_weight_1,
+    norm_bias_1,
+    norm_weight_2,
+    norm_bias_2,
+    ffn_weight_1,
+    ffn_bias_1,
+    ffn_weight_2,
+    ffn_bias_2,
+    mask=None,
+    mask_type=None,
 ):
     x = _layer_norm(src, norm_weight_1, norm_bias_1, eps) if norm_first else src
     x = src + _self_attention(x, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias)

@@ -34,7 +34,9 @@ def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_
     unbatched = x.ndim == nd + 1
     if unbatched:
         x = x[None]
-    stride, padding, dilation = (list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation))
+    stride, padding, dilation = (
+        list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation)
+    )
     if not transposed:
         out = jax.lax.conv_general_dilated(
             x,
@@ -65,7 +67,10 @@ def _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups
     w = jnp.swapaxes(w, 1, 2).reshape((groups * cout_g, cin // groups) + k)
     w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
     pads = [
-        (dilation[i] * (k[i] - 1) - padding[i], dilation[i] * (k[i] - 1) - padding[i] + output_padding[i])
+        (
+            dilation[i] * (k[i] - 1) - padding[i],
+            dilation[i] * (k[i] - 1) - padding[i] + output_padding[i],
+        )
         for i in range(nd)
     ]
     return jax.lax.conv_general_dilated(
@@ -149,12 +154,16 @@ def _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode,
 
 
 @lower(aten.max_pool2d_with_indices.default)
-def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+def _max_pool2d_with_indices(
+    x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False
+):
     return _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode, 2)
 
 
 @lower(aten.max_pool3d_with_indices.default)
-def _max_pool3d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
+def _max_pool3d_with_indices(
+    x, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False
+):
     return _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode, 3)
 
 
@@ -178,20 +187,44 @@ def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, div
     if count_include_pad:
         ones = jnp.pad(ones, [(p, p) for p in padding], constant_values=1)
         extra = [(0, max(hi - p, 0)) for (lo, hi), p in zip(pads, padding, strict=True)]
-        counts = jax.lax.reduce_window(ones, jnp.zeros((), acc.dtype), jax.lax.add, tuple(kernel), tuple(stride), extra)
+        counts = jax.lax.reduce_window(
+            ones, jnp.zeros((), acc.dtype), jax.lax.add, tuple(kernel), tuple(stride), extra
+        )
     else:
-        counts = jax.lax.reduce_window(ones, jnp.zeros((), acc.dtype), jax.lax.add, tuple(kernel), tuple(stride), pads)
+        counts = jax.lax.reduce_window(
+            ones, jnp.zeros((), acc.dtype), jax.lax.add, tuple(kernel), tuple(stride), pads
+        )
     return (sums / counts).astype(x.dtype)
 
 
 @lower(aten.avg_pool2d.default)
-def _avg_pool2d(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True, divisor_override=None):
-    return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
+def _avg_pool2d(
+    x,
+    kernel_size,
+    stride=(),
+    padding=(0,),
+    ceil_mode=False,
+    count_include_pad=True,
+    divisor_override=None,
+):
+    return _avg_pool(
+        x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2
+    )
 
 
 @lower(aten.avg_pool3d.default)
-def _avg_pool3d(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True, divisor_override=None):
-    return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
+def _avg_pool3d(
+    x,
+    kernel_size,
+    stride=(),
+    padding=(0,),
+    ceil_mode=False,
+    count_include_pad=True,
+    divisor_override=None,
+):
+    return _avg_pool(
+        x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3
+    )
 
 
 def _adaptive_avg_pool(x, output_size, nd):
@@ -229,19 +262,43 @@ def _adaptive_avg_pool3d(x, output_size):
 # ---------------------------------------------------------------------------------
 
 
-def _conv_backward_check(grad, x, weight, bias_sizes, stride, padding, dilation, transposed,
-                         output_padding, groups, output_mask):
-    return _conv_check(x, weight, None, stride, padding, dilation, transposed, output_padding,
-                       groups)
+def _conv_backward_check(
+    grad,
+    x,
+    weight,
+    bias_sizes,
+    stride,
+    padding,
+    dilation,
+    transposed,
+    output_padding,
+    groups,
+    output_mask,
+):
+    return _conv_check(
+        x, weight, None, stride, padding, dilation, transposed, output_padding, groups
+    )
 
 
 @lower(aten.convolution_backward.default, check=_conv_backward_check)
-def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed,
-                          output_padding, groups, output_mask):
+def _convolution_backward(
+    grad,
+    x,
+    weight,
+    bias_sizes,
+    stride,
+    padding,
+    dilation,
+    transposed,
+    output_padding,
+    groups,
+    output_mask,
+):
     # The forward rule is linear in input and weight, so its VJP is the exact gradient.
     def forward(x_, w_):
-        return _convolution(x_, w_, None, stride, padding, dilation, transposed,
-                            output_padding, groups)
+        return _convolution(
+            x_, w_, None, stride, padding, dilation, transposed, output_padding, groups
+        )
 
     _, vjp = jax.vjp(forward, x, weight)
     grad_input, grad_weight = vjp(grad.astype(x.dtype))
@@ -269,14 +326,16 @@ def _max_pool_backward(grad, x, indices, nd):
 
 
 @lower(aten.max_pool2d_with_indices_backward.default)
-def _max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation,
-                                      ceil_mode, indices):
+def _max_pool2d_with_indices_backward(
+    grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices
+):
     return _max_pool_backward(grad, x, indices, 2)
 
 
 @lower(aten.max_pool3d_with_indices_backward.default)
-def _max_pool3d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation,
-                                      ceil_mode, indices):
+def _max_pool3d_with_indices_backward(
+    grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices
+):
     return _max_pool_backward(grad, x, indices, 3)
 
 
@@ -287,21 +346,25 @@ def _linear_vjp(forward, x, grad):
 
 
 @lower(aten.avg_pool2d_backward.default)
-def _avg_pool2d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                         divisor_override):
+def _avg_pool2d_backward(
+    grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+):
     def forward(x_):
-        return _avg_pool(x_, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                         divisor_override, 2)
+        return _avg_pool(
+            x_, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2
+        )
 
     return _linear_vjp(forward, x, grad)
 
 
 @lower(aten.avg_pool3d_backward.default)
-def _avg_pool3d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                         divisor_override):
+def _avg_pool3d_backward(
+    grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+):
     def forward(x_):
-        return _avg_pool(x_, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                         divisor_override, 3)
+        return _avg_pool(
+            x_, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3
+        )
 
     return _linear_vjp(forward, x, grad)
 
@@ -397,7 +460,14 @@ def _adaptive_max_pool3d_backward(grad, x, indices):
 def _conv_tbc(x, weight, bias, pad=0):
     # (time, batch, channels) layout: a 1-D convolution with a (K, Cin, Cout) kernel.
     out = _convolution(
-        jnp.transpose(x, (1, 2, 0)), jnp.transpose(weight, (2, 1, 0)), bias,
-        [1], [pad], [1], False, [0], 1,
+        jnp.transpose(x, (1, 2, 0)),
+        jnp.transpose(weight, (2, 1, 0)),
+        bias,
+        [1],
+        [pad],
+        [1],
+        False,
+        [0],
+        1,
     )
     return jnp.transpose(out, (2, 0, 1))

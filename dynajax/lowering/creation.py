@@ -28,7 +28,9 @@ def _full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=
 
 
 @lower(aten.full_like.default)
-def _full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+def _full_like(
+    x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None
+):
     return jnp.full(x.shape, fill_value, dtype or x.dtype)
 
 

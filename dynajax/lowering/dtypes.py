@@ -73,7 +73,7 @@ def _category(dtype: np.dtype | None) -> int:
     return 3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def promote_types(a: np.dtype, b: np.dtype) -> np.dtype:
     """torch.promote_types on numpy dtypes."""
     return TORCH_TO_JAX[torch.promote_types(JAX_TO_TORCH[a], JAX_TO_TORCH[b])]

@@ -249,7 +249,9 @@ def _floor_div(a, b):
     div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
     floordiv = jnp.floor(div)
     floordiv = jnp.where(div - floordiv > 0.5, floordiv + 1, floordiv)
-    return jnp.where(b == 0, a / b, jnp.where(div == 0, jnp.copysign(0.0, a / b), floordiv)).astype(dt)
+    return jnp.where(b == 0, a / b, jnp.where(div == 0, jnp.copysign(0.0, a / b), floordiv)).astype(
+        dt
+    )
 
 
 def _trunc_div(a, b):
@@ -482,16 +484,32 @@ def _clamp_max(x, max):
 # ---------------------------------------------------------------------------------
 
 
-def _to_copy_check(x, *, dtype=None, layout=None, device=None, pin_memory=None,
-                   non_blocking=False, memory_format=None):
+def _to_copy_check(
+    x,
+    *,
+    dtype=None,
+    layout=None,
+    device=None,
+    pin_memory=None,
+    non_blocking=False,
+    memory_format=None,
+):
     if device is not None and getattr(device, "type", "cpu") not in ("cpu", "cuda"):
         return f"copy to device {device}"
     return None
 
 
 @lower(aten._to_copy.default, check=_to_copy_check)
-def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None,
-             non_blocking=False, memory_format=None):
+def _to_copy(
+    x,
+    *,
+    dtype=None,
+    layout=None,
+    device=None,
+    pin_memory=None,
+    non_blocking=False,
+    memory_format=None,
+):
     if dtype is None or dtype == x.dtype:
         return x
     if is_complex(x.dtype) and not is_complex(dtype):

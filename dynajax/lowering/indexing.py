@@ -30,7 +30,10 @@ def _index(x, indices):
     return x[_index_tuple(x, indices)]
 
 
-@lower(aten.index_put.default, check=lambda x, indices, values, accumulate=False: _bool_index_check(x, indices))
+@lower(
+    aten.index_put.default,
+    check=lambda x, indices, values, accumulate=False: _bool_index_check(x, indices),
+)
 def _index_put(x, indices, values, accumulate=False):
     idx = _index_tuple(x, indices)
     values = values.astype(x.dtype)

@@ -120,7 +120,10 @@ def _batch_stats(x, eps):
 
 def _bn_inplace_check(x, weight, bias, running_mean, running_var, training, *_):
     if training and running_mean is not None:
-        return "training mode updates running stats in place (functional graphs use the _functional variant)"
+        return (
+            "training mode updates running stats in place "
+            "(functional graphs use the _functional variant)"
+        )
     return None
 
 
@@ -184,16 +187,32 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
 _MODE_SUM, _MODE_MEAN, _MODE_MAX = 0, 1, 2
 
 
-def _embedding_bag_check(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
-                         sparse=False, per_sample_weights=None, include_last_offset=False,
-                         padding_idx=-1):
+def _embedding_bag_check(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=0,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
     if indices.ndim != 1 or offsets.ndim != 1:
         return "embedding_bag with indices or offsets that are not 1-D"
     return None
 
 
-def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_last_offset,
-                   padding_idx, bag_size_len):
+def _embedding_bag(
+    weight,
+    indices,
+    offsets,
+    mode,
+    per_sample_weights,
+    include_last_offset,
+    padding_idx,
+    bag_size_len,
+):
     """(output, offset2bag, bag_size, max_indices) with the values of PyTorch's CPU kernel.
 
     With include_last_offset, entries past the final offset (malformed input) belong to
@@ -246,19 +265,52 @@ def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_l
 
 
 @lower(aten._embedding_bag.default, check=_embedding_bag_check)
-def _embedding_bag_rule(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
-                        per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+def _embedding_bag_rule(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=0,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
     num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
-    return _embedding_bag(weight, indices, offsets, mode, per_sample_weights,
-                          include_last_offset, padding_idx, num_bags)
+    return _embedding_bag(
+        weight,
+        indices,
+        offsets,
+        mode,
+        per_sample_weights,
+        include_last_offset,
+        padding_idx,
+        num_bags,
+    )
 
 
 @lower(aten._embedding_bag_forward_only.default, check=_embedding_bag_check)
-def _embedding_bag_forward_only(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
-                                sparse=False, per_sample_weights=None, include_last_offset=False,
-                                padding_idx=-1):
-    return _embedding_bag(weight, indices, offsets, mode, per_sample_weights,
-                          include_last_offset, padding_idx, offsets.shape[0])
+def _embedding_bag_forward_only(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=0,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
+    return _embedding_bag(
+        weight,
+        indices,
+        offsets,
+        mode,
+        per_sample_weights,
+        include_last_offset,
+        padding_idx,
+        offsets.shape[0],
+    )
 
 
 def _embedding_bag_backward_check(grad, indices, *args, **kwargs):
@@ -268,8 +320,18 @@ def _embedding_bag_backward_check(grad, indices, *args, **kwargs):
     return None
 
 
-def _embedding_bag_grad(grad, indices, bag, bag_size, maximum_indices, num_weights,
-                        scale_grad_by_freq, mode, per_sample_weights, padding_idx):
+def _embedding_bag_grad(
+    grad,
+    indices,
+    bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    per_sample_weights,
+    padding_idx,
+):
     n = indices.shape[0]
     dim = grad.shape[-1]
     out = jnp.zeros((num_weights, dim), grad.dtype)
@@ -292,38 +354,79 @@ def _embedding_bag_grad(grad, indices, bag, bag_size, maximum_indices, num_weigh
 
 
 @lower(aten._embedding_bag_backward.default, check=_embedding_bag_backward_check)
-def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
-                            num_weights, scale_grad_by_freq, mode, sparse,
-                            per_sample_weights, padding_idx=-1):
+def _embedding_bag_backward(
+    grad,
+    indices,
+    offsets,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    sparse,
+    per_sample_weights,
+    padding_idx=-1,
+):
     if offset2bag.shape[0] == indices.shape[0]:
         bag = offset2bag
     else:  # the fast sum kernel returns no offset2bag: rebuild it from the offsets
         positions = jnp.arange(indices.shape[0], dtype=offsets.dtype)
         bag = jnp.searchsorted(offsets, positions, side="right") - 1
         bag = jnp.clip(bag, 0, max(grad.shape[0] - 1, 0))
-    return _embedding_bag_grad(grad, indices, bag, bag_size, maximum_indices, num_weights,
-                               scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+    return _embedding_bag_grad(
+        grad,
+        indices,
+        bag,
+        bag_size,
+        maximum_indices,
+        num_weights,
+        scale_grad_by_freq,
+        mode,
+        per_sample_weights,
+        padding_idx,
+    )
 
 
 @lower(aten._embedding_bag_dense_backward.default)
-def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
-                                  num_weights, scale_grad_by_freq, mode, per_sample_weights,
-                                  padding_idx=-1):
-    return _embedding_bag_grad(grad, indices, offset2bag, bag_size, maximum_indices,
-                               num_weights, scale_grad_by_freq, mode, per_sample_weights,
-                               padding_idx)
+def _embedding_bag_dense_backward(
+    grad,
+    indices,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    per_sample_weights,
+    padding_idx=-1,
+):
+    return _embedding_bag_grad(
+        grad,
+        indices,
+        offset2bag,
+        bag_size,
+        maximum_indices,
+        num_weights,
+        scale_grad_by_freq,
+        mode,
+        per_sample_weights,
+        padding_idx,
+    )
 
 
 @lower(aten._embedding_bag_per_sample_weights_backward.default)
-def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode,
-                                               padding_idx=-1):
+def _embedding_bag_per_sample_weights_backward(
+    grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1
+):
     # d out[bag(i)] / d psw[i] = weight[indices[i]]; padding entries get zero.
     if offset2bag.shape[0] == indices.shape[0]:
         bag = offset2bag
     else:
         positions = jnp.arange(indices.shape[0], dtype=offsets.dtype)
-        bag = jnp.clip(jnp.searchsorted(offsets, positions, side="right") - 1, 0,
-                       max(grad.shape[0] - 1, 0))
+        bag = jnp.clip(
+            jnp.searchsorted(offsets, positions, side="right") - 1, 0, max(grad.shape[0] - 1, 0)
+        )
     out = jnp.sum(grad[bag] * jnp.take(weight, indices, axis=0).astype(grad.dtype), axis=-1)
     if padding_idx >= 0:
         out = jnp.where(indices != padding_idx, out, 0)
@@ -342,8 +445,9 @@ def _rrelu_check(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generat
 
 
 @lower(aten.rrelu_with_noise_functional.default, check=_rrelu_check)
-def _rrelu_with_noise_functional(x, noise, lower=0.125, upper=1.0 / 3.0, training=False,
-                                 generator=None):
+def _rrelu_with_noise_functional(
+    x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None
+):
     # Evaluation mode: a leaky ReLU with the mean slope; noise is untouched.
     slope = as_dtype((lower + upper) / 2, x.dtype)
     return jnp.where(x > 0, x, x * slope), noise

@@ -28,7 +28,11 @@ def _view(x, size):
 
 @lower(aten.view.dtype)
 def _view_dtype(x, dtype):
-    return jax.lax.bitcast_convert_type(x, dtype) if np.dtype(dtype).itemsize == x.dtype.itemsize else _bitcast_resize(x, dtype)
+    return (
+        jax.lax.bitcast_convert_type(x, dtype)
+        if np.dtype(dtype).itemsize == x.dtype.itemsize
+        else _bitcast_resize(x, dtype)
+    )
 
 
 def _bitcast_resize(x, dtype):
@@ -60,9 +64,7 @@ def _transpose(x, dim0, dim1):
 @lower(aten.expand.default)
 def _expand(x, size, *, implicit=False):
     lead = len(size) - x.ndim
-    shape = tuple(
-        x.shape[i - lead] if (s == -1 and i >= lead) else s for i, s in enumerate(size)
-    )
+    shape = tuple(x.shape[i - lead] if (s == -1 and i >= lead) else s for i, s in enumerate(size))
     return jnp.broadcast_to(x, shape)
 
 

@@ -24,9 +24,7 @@ PREFIX = "jax_"
 
 def compute_op_count(nodes: object) -> int:
     """ATen ops in a set of nodes (getitem is bookkeeping, not an op)."""
-    return sum(
-        1 for n in nodes if n.op == "call_function" and n.target is not operator.getitem
-    )
+    return sum(1 for n in nodes if n.op == "call_function" and n.target is not operator.getitem)
 
 
 def partition(gm: torch.fx.GraphModule, min_block_size: int = 1) -> torch.fx.GraphModule:
