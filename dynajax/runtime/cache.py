@@ -102,30 +102,6 @@ class CompileStats:
         return text
 
 
-# XLA's CPU backend hands convolutions to its YNNPACK fusions by default. Measured here
-# (8x64x32x32 conv, 3x3): 9.9 ms with them, 4-5 ms without, PyTorch 3.5 ms; but a
-# 64x512x2048 matmul takes 0.95 ms with them and 1.6 ms without. So they are turned off
-# only for CPU programs that contain a convolution.
-_CONV_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-@functools.cache
-def _conv_cpu_options_accepted() -> bool:
-    probe = jax.jit(lambda a: a + 1).lower(jax.ShapeDtypeStruct((1,), "float32"))
-    try:
-        probe.compile(_CONV_CPU_OPTIONS)
-    except Exception:  # noqa: BLE001 - an XLA without this option: compile without it
-        return False
-    return True
-
-
-def compiler_options(lowered: jax.stages.Lowered, platform_name: str) -> dict[str, str]:
-    """XLA compiler options for one program (part of its cache key)."""
-    if platform_name != "cpu" or "stablehlo.convolution" not in lowered.as_text():
-        return {}
-    return dict(_CONV_CPU_OPTIONS) if _conv_cpu_options_accepted() else {}
-
-
 @functools.cache
 def _environment() -> str:
     """Everything besides the program that decides what XLA compiles it to."""
@@ -180,7 +156,6 @@ class ExecutableCache:
             _environment(),
             _device_key(platform_name),
             os.environ.get("XLA_FLAGS", ""),
-            repr(sorted(compiler_options(lowered, platform_name).items())),
             lowered.as_text(),
             # jit prunes unused arguments from the StableHLO, so the text alone would
             # give f(int32[3]) and f(float32[3]) -> ones(3) the same key, and the loaded
@@ -200,9 +175,9 @@ class ExecutableCache:
         platform_name: str | None = None,
     ) -> jax.stages.Compiled:
         """The executable of ``lowered``: loaded from the cache, or compiled and stored."""
-        platform_name = platform_name or jax.default_backend()
         if self.directory is None:
-            return self._compile(lowered, stats, platform_name)
+            return self._compile(lowered, stats)
+        platform_name = platform_name or jax.default_backend()
         key = self.key(lowered, platform_name)
         path = self.directory / f"{key}.bin"
         compiled, why = self._load(path, platform_name)
@@ -212,16 +187,14 @@ class ExecutableCache:
             return compiled
         stats.cache_misses[why] += 1
         log.debug("cache miss: %s (%s): %s", name, key[:16], why)
-        compiled = self._compile(lowered, stats, platform_name)
+        compiled = self._compile(lowered, stats)
         self._store(path, compiled, name)
         return compiled
 
     @staticmethod
-    def _compile(
-        lowered: jax.stages.Lowered, stats: CompileStats, platform_name: str
-    ) -> jax.stages.Compiled:
+    def _compile(lowered: jax.stages.Lowered, stats: CompileStats) -> jax.stages.Compiled:
         stats.xla_compiles += 1
-        return lowered.compile(compiler_options(lowered, platform_name) or None)
+        return lowered.compile()
 
     # -- entries ------------------------------------------------------------------------
 
