@@ -343,10 +343,17 @@ def _atan2(x, other):
     return jnp.arctan2(a, b)
 
 
-@lower(aten.hypot.default)
-def _hypot(x, other):
-    a, b = promote(x, other)
-    return jnp.hypot(a, b)
+def _promoted(fn):
+    """A binary rule: promote both operands to PyTorch's result type, then apply fn."""
+
+    def rule(x, other):
+        a, b = promote(x, other)
+        return fn(a, b)
+
+    return rule
+
+
+lower(aten.hypot.default)(_promoted(jnp.hypot))
 
 
 @lower(aten.copysign.Tensor, aten.copysign.Scalar)
@@ -355,28 +362,10 @@ def _copysign(x, other):
     return jnp.copysign(a, b)
 
 
-@lower(aten.maximum.default)
-def _maximum(x, other):
-    a, b = promote(x, other)
-    return jnp.maximum(a, b)  # propagates NaN, like PyTorch
-
-
-@lower(aten.minimum.default)
-def _minimum(x, other):
-    a, b = promote(x, other)
-    return jnp.minimum(a, b)
-
-
-@lower(aten.fmax.default)
-def _fmax(x, other):
-    a, b = promote(x, other)
-    return jnp.fmax(a, b)
-
-
-@lower(aten.fmin.default)
-def _fmin(x, other):
-    a, b = promote(x, other)
-    return jnp.fmin(a, b)
+lower(aten.maximum.default)(_promoted(jnp.maximum))  # propagates NaN, like PyTorch
+lower(aten.minimum.default)(_promoted(jnp.minimum))
+lower(aten.fmax.default)(_promoted(jnp.fmax))
+lower(aten.fmin.default)(_promoted(jnp.fmin))
 
 
 # ---------------------------------------------------------------------------------
@@ -384,17 +373,9 @@ def _fmin(x, other):
 # ---------------------------------------------------------------------------------
 
 
-def _bitwise(fn):
-    def rule(x, other):
-        a, b = promote(x, other)
-        return fn(a, b)
-
-    return rule
-
-
-lower(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar)(_bitwise(jnp.bitwise_and))
-lower(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar)(_bitwise(jnp.bitwise_or))
-lower(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar)(_bitwise(jnp.bitwise_xor))
+lower(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar)(_promoted(jnp.bitwise_and))
+lower(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar)(_promoted(jnp.bitwise_or))
+lower(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar)(_promoted(jnp.bitwise_xor))
 
 
 def _logical(fn):
@@ -413,14 +394,6 @@ lower(aten.logical_xor.default)(_logical(jnp.logical_xor))
 # ---------------------------------------------------------------------------------
 
 
-def _compare(fn):
-    def rule(x, other):
-        a, b = promote(x, other)
-        return fn(a, b)
-
-    return rule
-
-
 for _name, _fn in {
     "eq": jnp.equal,
     "ne": jnp.not_equal,
@@ -430,7 +403,7 @@ for _name, _fn in {
     "ge": jnp.greater_equal,
 }.items():
     _packet = getattr(aten, _name)
-    lower(_packet.Tensor, _packet.Scalar)(_compare(_fn))
+    lower(_packet.Tensor, _packet.Scalar)(_promoted(_fn))
 
 # ---------------------------------------------------------------------------------
 # Selection and clamping
@@ -645,22 +618,9 @@ def _ldexp(x, other):
     return a * jnp.exp2(b)
 
 
-@lower(aten.nextafter.default)
-def _nextafter(x, other):
-    a, b = promote(x, other)
-    return jnp.nextafter(a, b)
-
-
-@lower(aten.gcd.default)
-def _gcd(x, other):
-    a, b = promote(x, other)
-    return jnp.gcd(a, b)
-
-
-@lower(aten.lcm.default)
-def _lcm(x, other):
-    a, b = promote(x, other)
-    return jnp.lcm(a, b)
+lower(aten.nextafter.default)(_promoted(jnp.nextafter))
+lower(aten.gcd.default)(_promoted(jnp.gcd))
+lower(aten.lcm.default)(_promoted(jnp.lcm))
 
 
 def _shift(left):
