@@ -25,6 +25,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -198,6 +199,9 @@ def _run_chunk(chunk: list[Entry], log_path: Path, ops: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     log_path = Path(args.log)
+    # Every sample compiles afresh (workers inherit this): the persistent executable
+    # cache would only fill the disk with ~100k one-off programs.
+    os.environ.setdefault("DYNAJAX_CACHE_DIR", "")
     if args.worker:
         _work([tuple(e) for e in json.loads(args.entries)], log_path, args.worker)
         return 0
