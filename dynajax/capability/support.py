@@ -260,6 +260,13 @@ _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 
 def _is_host_scalar(node: torch.fx.Node, out: Any) -> bool:
     """Whether the node computes Python scalars or nothing (sizes, assertions)."""
+    if node.target is torch.ops.higher_order.with_effects:
+        # An effectful op threaded through an effect token: an error check such as
+        # ``_linalg_check_errors(info)`` after a JAX linalg partition. When the op
+        # returns nothing it only reads values on the host (to raise eager's own error
+        # message), so it stays in PyTorch without splitting tensor work away from JAX.
+        schema = getattr(node.args[1], "_schema", None) if len(node.args) > 1 else None
+        return schema is not None and len(schema.returns) == 0
     if "val" not in node.meta and node.op == "call_function":
         # No metadata: only ops whose schema returns nothing (_assert_scalar) qualify.
         schema = getattr(node.target, "_schema", None)
