@@ -30,6 +30,7 @@ from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, graph_report, snapshot_graph
 from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
 from dynajax.errors import OptionsError, UnsupportedNodesError
+from dynajax.lowering.fused import FUSED_KERNELS
 from dynajax.partition import PREFIX, partition
 from dynajax.passes import run_passes
 from dynajax.passes.decompositions import training_corrections
@@ -42,8 +43,12 @@ log = logging.getLogger("dynajax.backend")
 @functools.cache
 def decompositions() -> dict[Any, Callable[..., Any]]:
     """aot_autograd's decomposition table: PyTorch's core ATen decompositions, with
-    the corrections of ``passes.decompositions`` (a consistent attention backward)."""
-    return {**core_aten_decompositions(), **training_corrections()}
+    the corrections of ``passes.decompositions`` (a consistent attention backward),
+    less the fused kernels that our rules reproduce more exactly (``lowering.fused``)."""
+    table = {**core_aten_decompositions(), **training_corrections()}
+    for op in FUSED_KERNELS:
+        table.pop(op, None)
+    return table
 
 
 class Backend:

@@ -7,6 +7,7 @@ from dynajax.lowering import (  # noqa: F401
     elementwise,
     factorizations,
     fft,
+    fused,
     indexing,
     linalg,
     nn,

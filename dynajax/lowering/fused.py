@@ -1,0 +1,61 @@
+"""Pointwise ops that PyTorch runs as one fused CPU kernel, lowered whole.
+
+PyTorch's core decompositions rewrite these ops into a chain of simpler ops, and each
+op of the chain rounds its result to the tensor dtype. The fused kernels round
+differently: ``addcdiv`` computes in its opmath type (float32 for bfloat16 and
+float16) and rounds once; ``addr`` rounds after every multiply, but multiplies in the
+order ``(alpha * vec1) * vec2`` where the decomposition computes ``alpha * (vec1 *
+vec2)``. In bfloat16 either difference moves results by an ulp (0.0625 at magnitude
+8), which is a different answer. The backend keeps the ops in ``FUSED_KERNELS`` out
+of aot_autograd's decomposition table so these rules, which follow the kernels, see
+them (autograd still differentiates them with PyTorch's own formulas).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from dynajax.lowering.dtypes import as_dtype, is_integral, promote, result_type
+from dynajax.lowering.registry import lower
+
+aten = torch.ops.aten
+
+FUSED_KERNELS: tuple[torch._ops.OpOverload, ...] = (aten.addcdiv.default, aten.addr.default)
+
+
+def _opmath(dtype: np.dtype) -> np.dtype:
+    """The type PyTorch's CPU kernels compute half-precision values in."""
+    half = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+    return np.dtype(np.float32) if np.dtype(dtype) in half else np.dtype(dtype)
+
+
+def _addcdiv_check(x, t1, t2, *, value=1):
+    if is_integral(t1.dtype) and is_integral(t2.dtype):
+        return "integer addcdiv (eager raises: integer division is not supported)"
+    return None
+
+
+@lower(aten.addcdiv.default, check=_addcdiv_check)
+def _addcdiv(x, t1, t2, *, value=1):
+    dtype = result_type(x, t1, t2)
+    x, t1, t2 = promote(x, t1, t2, dtype=_opmath(dtype))
+    return (x + as_dtype(value, x.dtype) * (t1 / t2)).astype(dtype)
+
+
+@lower(aten.addr.default)
+def _addr(x, vec1, vec2, *, beta=1, alpha=1):
+    dtype = result_type(x, vec1, vec2)
+    x, vec1, vec2 = promote(x, vec1, vec2, dtype=dtype)
+    shape = jnp.broadcast_shapes(x.shape, (vec1.shape[0], vec2.shape[0]))
+    if dtype == np.bool_:
+        out = bool(alpha) & vec1[:, None] & vec2[None, :]
+        if beta:
+            out = out | x
+        return jnp.broadcast_to(out, shape)
+    # The kernel's order: (alpha * vec1) * vec2, each product rounded to the dtype.
+    out = (as_dtype(alpha, dtype) * vec1)[:, None] * vec2[None, :]
+    if beta != 0:  # beta == 0 ignores the input, NaN and inf included
+        out = as_dtype(beta, dtype) * x + out
+    return jnp.broadcast_to(out, shape)

@@ -1,0 +1,82 @@
+"""Fused pointwise kernels lowered whole (``dynajax/lowering/fused.py``): in bfloat16
+their rounding differs from the chain of ops the core decompositions would produce,
+so these compare bit for bit with eager, where the decomposed chain is an ulp off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynajax
+from tests.tolerances import assert_same
+
+
+def _compile(fn):
+    backend = dynajax.Backend()
+    return torch.compile(fn, backend=backend), backend
+
+
+def _ops_in_jax(backend: dynajax.Backend) -> set[str]:
+    report = dynajax.Report(backend.graphs)
+    assert report.fallbacks == [], str(report)
+    return {op for g in report.graphs for p in g.partitions for op in p.ops}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_addcdiv_rounds_once_like_the_kernel(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x, a = torch.randn(4096, dtype=dtype) * 8, torch.randn(4096, dtype=dtype)
+    b = torch.rand(4096, dtype=dtype) + 0.05
+    fn, backend = _compile(lambda x, a, b: torch.addcdiv(x, a, b))
+    assert torch.equal(fn(x, a, b), torch.addcdiv(x, a, b))
+    assert "aten.addcdiv.default" in _ops_in_jax(backend)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "beta", "alpha"),
+    [
+        (torch.bfloat16, 0.5, 1.3),
+        (torch.bfloat16, 1, 1),
+        (torch.float16, 2.0, -0.7),
+        (torch.float32, 0.5, 1.3),
+        (torch.int64, 2, 3),
+        (torch.bool, True, True),
+        (torch.bool, False, True),
+    ],
+)
+def test_addr_matches_the_kernel(dtype: torch.dtype, beta, alpha) -> None:
+    torch.manual_seed(0)
+    if dtype == torch.bool:
+        m, u, v = torch.rand(30, 40) > 0.5, torch.rand(30) > 0.5, torch.rand(40) > 0.5
+    elif dtype == torch.int64:
+        m, u, v = (torch.randint(-9, 9, s) for s in ((30, 40), (30,), (40,)))
+    else:
+        m, u, v = (torch.randn(s, dtype=dtype) for s in ((30, 40), (30,), (40,)))
+    fn, backend = _compile(lambda m, u, v: torch.addr(m, u, v, beta=beta, alpha=alpha))
+    got, want = fn(m, u, v), torch.addr(m, u, v, beta=beta, alpha=alpha)
+    if dtype == torch.float32:  # rounding errors of float32 products, within tolerance
+        assert_same(got, want)
+    else:  # each product rounded to the dtype, in the kernel's order: bit for bit
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+    assert "aten.addr.default" in _ops_in_jax(backend)
+
+
+def test_addr_with_beta_zero_ignores_nan_input() -> None:
+    m = torch.full((3, 4), float("nan"))
+    u, v = torch.randn(3), torch.randn(4)
+    fn, _ = _compile(lambda m, u, v: torch.addr(m, u, v, beta=0))
+    assert_same(fn(m, u, v), torch.addr(m, u, v, beta=0))
+    assert not fn(m, u, v).isnan().any()
+
+
+def test_addr_gradients_match_eager() -> None:
+    torch.manual_seed(0)
+    args = [torch.randn(s, requires_grad=True) for s in ((5, 6), (5,), (6,))]
+    fn, _ = _compile(lambda m, u, v: torch.addr(m, u, v, beta=0.5, alpha=2.0).sin().sum())
+    fn(*args).backward()
+    got = [a.grad.clone() for a in args]
+    for a in args:
+        a.grad = None
+    torch.addr(*args, beta=0.5, alpha=2.0).sin().sum().backward()
+    assert_same(got, [a.grad for a in args])
