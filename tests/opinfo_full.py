@@ -12,7 +12,10 @@ stays bounded over a long run (each compilation leaves some behind in torch), an
 sample that kills its worker is recorded as failing and the run goes on; ``--jobs N``
 runs N workers at once on a machine with cores to spare. Each sample's outcome is
 appended to a JSON-lines log as it finishes (``--log``), so a long run can be watched
-and, with ``--resume``, continued after an interruption. The
+and, with ``--resume``, continued after an interruption. The samples of one (op, dtype)
+are first compiled together (``opinfo_harness.run_samples``: about twice as fast); any
+batch that is not wholly clean, or that kills its worker, runs again sample by sample,
+so each recorded outcome and reason is that sample's own. The
 summary (``--json``) holds the per-dtype counts, the float32 in-JAX fraction, the top
 fallback reasons, failures not listed in ``tests/opinfo_expected_failures.py``, and
 listed expected failures that no longer fail.
@@ -47,8 +50,11 @@ from tests.opinfo_harness import (
     op_db,
     op_id,
     run_sample,
+    run_samples,
     samples,
 )
+
+BATCH = -1  # the sample index of a start marker for a whole batch (harness.run_samples)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -137,7 +143,8 @@ def _record(op: Any, dn: str, i: int, **outcome: Any) -> dict[str, Any]:
 def _work(entries: list[Entry], log_path: Path, token: str) -> None:
     """Worker process: runs the entries' samples not yet in the log, appending to it."""
     ops = {op_id(op): op for op in op_db()}
-    done, _ = _read_log(log_path)
+    done, starts = _read_log(log_path)
+    crashed = [s["start"] for s in starts if s.get("crashed")]
     with log_path.open("a") as log:
         for oid, dn, limit in entries:
             op = ops[oid]
@@ -146,9 +153,19 @@ def _work(entries: list[Entry], log_path: Path, token: str) -> None:
             except Exception as e:  # the database's own sample generator failed
                 print(f"{oid} {dn}: sample_inputs raised {type(e).__name__}: {e}", file=sys.stderr)
                 continue
-            for i, sample in enumerate(it):
-                if (oid, dn, i) in done:
-                    continue
+            todo = [(i, s) for i, s in enumerate(it) if (oid, dn, i) not in done]
+            if len(todo) > 1 and [oid, dn, BATCH] not in crashed:
+                # A marker first: if the batch kills the process, the parent finds it
+                # and the next worker runs these samples one by one.
+                log.write(json.dumps({"start": [oid, dn, BATCH], "token": token}) + "\n")
+                log.flush()
+                outcomes = run_samples(op, [s for _, s in todo])
+                for (i, _), outcome in zip(todo, outcomes, strict=True):
+                    rec = _record(op, dn, i, **dataclasses.asdict(outcome))
+                    log.write(json.dumps(rec) + "\n")
+                log.flush()
+                continue
+            for i, sample in todo:
                 # A marker first: if this sample kills the process, the parent finds it.
                 log.write(json.dumps({"start": [oid, dn, i], "token": token}) + "\n")
                 log.flush()
@@ -177,11 +194,15 @@ def _run_chunk(chunk: list[Entry], log_path: Path, ops: dict[str, Any]) -> None:
         if rc == 0:
             return
         done, starts = _read_log(log_path)
-        mine = [s["start"] for s in starts if s["token"] == token]
+        mine = [s["start"] for s in starts if s.get("token") == token]
         crashed = [m for m in mine if tuple(m) not in done]
         if not crashed:
             raise RuntimeError(f"worker exited with {rc} outside any sample: {cmd}")
         oid, dn, i = crashed[-1]
+        if i == BATCH:  # the next worker runs this batch's samples one by one
+            with log_path.open("a") as log:
+                log.write(json.dumps({"start": [oid, dn, BATCH], "crashed": True}) + "\n")
+            continue
         rec = _record(
             ops[oid],
             dn,

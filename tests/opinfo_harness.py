@@ -227,7 +227,66 @@ def run_sample(op: Any, sample: Any) -> Outcome:
         return _run_sample(op, sample)
 
 
-def _run_sample(op: Any, sample: Any) -> Outcome:
+def run_samples(op: Any, batch: list[Any]) -> list[Outcome]:
+    """The outcomes of several samples of one op, as ``run_sample`` would give them.
+
+    A fast path for the whole-database run: the samples that eager runs without an
+    error are first compiled together, as one function calling the op once per sample
+    (one Dynamo trace, one XLA program, instead of one of each per sample). When that
+    batch is wholly clean (no graph break, no fallback, no error, every output and
+    mutated input matching eager) every sample in it ran in JAX and matched, and that
+    is its outcome. Otherwise each sample runs again on its own, so that every
+    fallback reason and failure is the one of that sample alone.
+    """
+    with _quiet(), _unseeded_random_ops():
+        eager = [_eager_reference(op, s) for s in batch]
+        clean = [i for i, e in enumerate(eager) if e[1] is None]
+        outcomes: dict[int, Outcome] = {}
+        if len(clean) > 1:
+            outcomes.update(
+                _run_batch(op, [batch[i] for i in clean], [eager[i] for i in clean], clean)
+            )
+        return [outcomes.get(i) or _run_sample(op, s) for i, s in enumerate(batch)]
+
+
+def _run_batch(
+    op: Any, batch: list[Any], eager: list[tuple[Any, Any, Any, bool]], ids: list[int]
+) -> dict[int, Outcome]:
+    """{sample index: outcome} when the batch compiled together is clean, else {}."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend = dynajax.Backend()
+    compiled = torch.compile(
+        lambda calls: [op.op(*a, **k) for a, k in calls], backend=backend, dynamic=False
+    )
+    calls = [_arguments(s) for s in batch]
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    try:
+        actual = compiled(calls)
+    except Exception:
+        return {}
+    seconds = (time.perf_counter() - start) / len(batch)
+    if _graph_breaks() or dynajax.Report(backend.graphs).fallbacks:
+        return {}
+    out = {}
+    for i, got, call, (expected, _, eager_inputs, shape_only) in zip(
+        ids, actual, calls, eager, strict=True
+    ):
+        try:
+            if shape_only:
+                _structure(got, expected)
+            else:
+                assert_same(got, expected)
+                assert_same(_input_tensors(call), _input_tensors(eager_inputs), path="inputs")
+        except AssertionError:
+            return {}
+        out[i] = Outcome(JAX, shape_only=shape_only, seconds=seconds)
+    return out
+
+
+def _eager_reference(op: Any, sample: Any) -> tuple[Any, BaseException | None, Any, bool]:
+    """(result, exception, inputs after the call, compare by structure only)."""
     expected, eager_error, eager_inputs = _call_eager(op, sample, seed=0)
     shape_only = op.name in UNINITIALIZED
     if eager_error is None and not shape_only:
@@ -235,6 +294,11 @@ def _run_sample(op: Any, sample: Any) -> Outcome:
         # random: another suite checks its statistics; here only its structure.
         again, _, _ = _call_eager(op, sample, seed=1)
         shape_only = _differs(again, expected)
+    return expected, eager_error, eager_inputs, shape_only
+
+
+def _run_sample(op: Any, sample: Any) -> Outcome:
+    expected, eager_error, eager_inputs, shape_only = _eager_reference(op, sample)
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
