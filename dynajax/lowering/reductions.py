@@ -31,14 +31,22 @@ def _sum_dtype(x, dtype):
     return np.dtype(np.int64) if is_integral(x.dtype) else x.dtype
 
 
+def _summed(x, dtype, **kw):
+    # PyTorch's CPU sum accumulates half types in float32 and rounds once; jnp.sum
+    # with an explicit bfloat16 dtype would round after every addition.
+    out = _sum_dtype(x, dtype)
+    half = np.dtype(out) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+    return jnp.sum(x, dtype=np.float32 if half else out, **kw).astype(out)
+
+
 @lower(aten.sum.default)
 def _sum(x, *, dtype=None):
-    return jnp.sum(x, dtype=_sum_dtype(x, dtype))
+    return _summed(x, dtype)
 
 
 @lower(aten.sum.dim_IntList)
 def _sum_dim(x, dim, keepdim=False, *, dtype=None):
-    return jnp.sum(x, axis=axes(x, dim), keepdims=keepdim, dtype=_sum_dtype(x, dtype))
+    return _summed(x, dtype, axis=axes(x, dim), keepdims=keepdim)
 
 
 @lower(aten.prod.default)

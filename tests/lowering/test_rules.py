@@ -785,6 +785,20 @@ SEMANTICS = [
         lambda: (randn(3), randn(3), torch.empty(3)),
         ("aten.atan2.default",),
     ),
+    # Half-precision sums accumulate in float32 and round once, like PyTorch's kernel
+    # (summing in bfloat16 drifts by many ulps over 512 terms).
+    Case(
+        "sum-dim-accumulates-in-float32-bfloat16",
+        lambda x: x.sum(0),
+        lambda: (randn(512, 8, dtype=torch.bfloat16),),
+        ("aten.sum.dim_IntList",),
+    ),
+    Case(
+        "sum-accumulates-in-float32-float16",
+        lambda x: x.sum(),
+        lambda: (randn(4096, dtype=torch.float16),),
+        ("aten.sum.dim_IntList",),  # what aot_autograd makes of a full sum
+    ),
 ]
 
 CASES = (
