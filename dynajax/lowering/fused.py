@@ -1,18 +1,21 @@
-"""Pointwise ops that PyTorch runs as one fused CPU kernel, lowered whole.
+"""Ops that PyTorch runs as one CPU kernel whose rounding its decomposition misses.
 
-PyTorch's core decompositions rewrite these ops into a chain of simpler ops, and each
-op of the chain rounds its result to the tensor dtype. The fused kernels round
-differently: ``addcdiv`` computes in its opmath type (float32 for bfloat16 and
-float16) and rounds once; ``addr`` rounds after every multiply, but multiplies in the
-order ``(alpha * vec1) * vec2`` where the decomposition computes ``alpha * (vec1 *
-vec2)``. In bfloat16 either difference moves results by an ulp (0.0625 at magnitude
-8), which is a different answer. The backend keeps the ops in ``FUSED_KERNELS`` out
-of aot_autograd's decomposition table so these rules, which follow the kernels, see
-them (autograd still differentiates them with PyTorch's own formulas).
+PyTorch's core decompositions rewrite these ops into chains of simpler ops that round
+differently from the kernels: ``addcdiv`` computes in its opmath type (float32 for
+bfloat16 and float16) and rounds once, where the chain rounds after each op;
+``addr`` rounds after every multiply, but in the order ``(alpha * vec1) * vec2``
+where the decomposition computes ``alpha * (vec1 * vec2)``; ``linalg_cross`` rounds
+each product and the difference to the input dtype, where the decomposition computes
+in float32 and rounds once. In bfloat16 each difference moves results by an ulp
+(0.0625 at magnitude 8), which is a different answer. The backend keeps the ops in
+``FUSED_KERNELS`` out of aot_autograd's decomposition table so that these rules, which
+follow the kernels, see them (autograd still differentiates them with PyTorch's own
+formulas).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -22,7 +25,11 @@ from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
 
-FUSED_KERNELS: tuple[torch._ops.OpOverload, ...] = (aten.addcdiv.default, aten.addr.default)
+FUSED_KERNELS: tuple[torch._ops.OpOverload, ...] = (
+    aten.addcdiv.default,
+    aten.addr.default,
+    aten.linalg_cross.default,
+)
 
 
 def _opmath(dtype: np.dtype) -> np.dtype:
@@ -59,3 +66,21 @@ def _addr(x, vec1, vec2, *, beta=1, alpha=1):
     if beta != 0:  # beta == 0 ignores the input, NaN and inf included
         out = as_dtype(beta, dtype) * x + out
     return jnp.broadcast_to(out, shape)
+
+
+@lower(aten.linalg_cross.default)
+def _linalg_cross(x, y, dim=-1):
+    x, y = promote(x, y)
+    shape = jnp.broadcast_shapes(x.shape, y.shape)
+    x, y = jnp.broadcast_to(x, shape), jnp.broadcast_to(y, shape)
+    axis = dim % len(shape)
+
+    def part(a, i):
+        return jax.lax.index_in_dim(a, i, axis, keepdims=True)
+
+    # Each product and difference rounded to the dtype, as the kernel does.
+    out = [
+        part(x, (i + 1) % 3) * part(y, (i + 2) % 3) - part(x, (i + 2) % 3) * part(y, (i + 1) % 3)
+        for i in range(3)
+    ]
+    return jnp.concatenate(out, axis=axis)
