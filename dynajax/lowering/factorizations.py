@@ -1,5 +1,5 @@
-"""Dense factorizations and solvers: LU (det, slogdet, solve, inverse), Cholesky,
-triangular solves.
+"""Dense factorizations and solvers: LU (det, slogdet, solve, inverse, linalg.lu),
+Cholesky (and its inverse), triangular solves.
 
 Only the factorizations whose results are unique are lowered. LU with partial
 pivoting is (up to exact ties between pivot candidates) the same algorithm in LAPACK
@@ -8,8 +8,8 @@ too; pivots are converted to LAPACK's 1-based convention. ``info`` follows LAPAC
 1-based index of the first zero pivot (getrf) or of the first leading minor that is
 not positive definite (potrf), 0 on success.
 
-Eigen-, QR and singular value decompositions are not lowered: their vectors are
-defined only up to sign (or phase), and XLA may pick another one than LAPACK.
+QR, singular value and eigen decompositions, whose vectors are defined only up to
+sign, live in ``decompositions.py``.
 """
 
 from __future__ import annotations
@@ -261,3 +261,46 @@ def _linalg_cholesky_ex(A, *, upper=False, check_errors=False):
     ok = jnp.all(jnp.isfinite(L), axis=(-2, -1))
     info = jnp.where(ok, 0, _cholesky_info(A)).astype(np.int32)
     return (jnp.conj(jnp.swapaxes(L, -1, -2)) if upper else L), info
+
+
+@lower(aten.cholesky.default, check=_square_check)
+def _cholesky(A, upper=False):
+    # Eager raises when A is not positive definite; here the factor holds NaN instead
+    # (an op with its own error check cannot raise from inside XLA).
+    L, _ = _linalg_cholesky_ex(A, upper=upper)
+    return L
+
+
+@lower(aten.cholesky_inverse.default, check=_square_check)
+def _cholesky_inverse(L, upper=False):
+    # (L L^H)^-1 = L^-H L^-1, or (U^H U)^-1 = U^-1 U^-H; LAPACK's potri reads only the
+    # factor's triangle.
+    n = L.shape[-1]
+    if n == 0:
+        return L
+    eye = jnp.broadcast_to(jnp.eye(n, dtype=L.dtype), L.shape)
+    inv = jax.lax.linalg.triangular_solve(L, eye, left_side=True, lower=not upper)
+    if upper:
+        return inv @ _adjoint(inv)
+    return _adjoint(inv) @ inv
+
+
+def _lu_check(A, *, pivot=True):
+    if not pivot:
+        return "linalg.lu with pivot=False (PyTorch's CPU kernel has no unpivoted LU)"
+    return _square_check(A)
+
+
+@lower(aten.linalg_lu.default, check=_lu_check)
+def _linalg_lu(A, *, pivot=True):
+    m, n = A.shape[-2:]
+    k = min(m, n)
+    if k == 0:
+        P = jnp.broadcast_to(jnp.eye(m, dtype=A.dtype), (*A.shape[:-2], m, m))
+        return (
+            P,
+            jnp.zeros((*A.shape[:-2], m, 0), A.dtype),
+            jnp.zeros((*A.shape[:-2], 0, n), A.dtype),
+        )
+    lu, pivots, _, _ = _lu(A)
+    return _lu_unpack(lu, pivots)

@@ -4,6 +4,7 @@ from dynajax.lowering import (  # noqa: F401
     attention,
     conv_pool,
     creation,
+    decompositions,
     elementwise,
     factorizations,
     fft,

@@ -51,6 +51,26 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
     return (_scale(bias, beta) + prod).astype(result_type(bias, a))
 
 
+@lower(aten.addbmm.default)
+def _addbmm(bias, b1, b2, *, beta=1, alpha=1):
+    # beta * bias + alpha * sum_b b1[b] @ b2[b]. PyTorch's kernel runs one addmm per
+    # batch into the result; half precision rounds the result after each of them
+    # (accumulating in float32 within each), which is reproduced step by step.
+    dtype = result_type(bias, b1)
+    out = jnp.broadcast_to(bias, (b1.shape[1], b2.shape[2])).astype(dtype)
+    if np.dtype(dtype) in (np.float16, jnp.bfloat16):
+        acc = jnp.zeros(out.shape, np.float32) if beta == 0 else out.astype(np.float32) * beta
+        for i in range(b1.shape[0]):
+            prod = jnp.matmul(b1[i], b2[i], preferred_element_type=np.float32)
+            acc = (acc + prod * alpha).astype(dtype).astype(np.float32)
+        return acc.astype(dtype)
+    out = jnp.zeros_like(out) if beta == 0 else _scale(out, beta)
+    if b1.shape[0] == 0:
+        return out
+    prod = jnp.sum(_matmul(b1, b2), axis=0, dtype=dtype)
+    return (out + _scale(prod, alpha)).astype(dtype)
+
+
 # ---------------------------------------------------------------------------------
 # Pairwise distances
 # ---------------------------------------------------------------------------------
