@@ -1,0 +1,313 @@
+"""Decompositions (QR, SVD, eigen, LU, Cholesky, pseudo-inverse) against eager PyTorch.
+
+Each case compiles one small function with dynajax, compares it with eager
+(``tests.tolerances.assert_same``: vectors included, so a sign convention that differs
+from PyTorch's MKL fails), and checks that the op ran in a JAX partition. The refused
+cases check that the node falls back with its reason instead.
+
+    pytest -q tests/lowering/test_decompositions.py -k qr
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import dynajax
+from tests.tolerances import assert_same
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.cholesky is deprecated:UserWarning")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    fn: Callable[..., Any]
+    inputs: Callable[[], tuple[Any, ...]]
+    ops: tuple[str, ...]  # ATen overloads that must run in JAX
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def spd(*shape, dtype=torch.float64):
+    """Hermitian positive definite matrices."""
+    a = torch.randn(*shape, dtype=dtype)
+    return a @ a.mH + shape[-1] * torch.eye(shape[-1], dtype=dtype)
+
+
+def hermitian(*shape, dtype=torch.float64):
+    a = torch.randn(*shape, dtype=dtype)
+    return a + a.mH
+
+
+def low_rank(m, n, r, dtype=torch.float64):
+    return torch.randn(m, r, dtype=dtype) @ torch.randn(r, n, dtype=dtype)
+
+
+def hermitian_low_rank(n, r, dtype=torch.float64):
+    x = torch.randn(n, r, dtype=dtype)
+    return x @ x.mH
+
+
+C64, F64 = torch.complex64, torch.float64
+QR = "aten.linalg_qr.default"
+SVD = "aten._linalg_svd.default"
+EIGH = "aten._linalg_eigh.default"
+
+CASES = [
+    # QR and Householder reflectors
+    Case("qr-reduced-tall-float32", torch.linalg.qr, lambda: (randn(6, 4),), (QR,)),
+    Case("qr-reduced-wide-float64", torch.linalg.qr, lambda: (randn(3, 5, dtype=F64),), (QR,)),
+    Case(
+        "qr-complete-tall-batched-complex64",
+        lambda a: torch.linalg.qr(a, mode="complete"),
+        lambda: (randn(2, 5, 3, dtype=C64),),
+        (QR,),
+    ),
+    Case("qr-r-float32", lambda a: torch.linalg.qr(a, mode="r")[1], lambda: (randn(4, 4),), (QR,)),
+    Case(
+        "qr-complete-empty-columns-float32",
+        lambda a: torch.linalg.qr(a, mode="complete"),
+        lambda: (randn(3, 0),),
+        (QR,),
+    ),
+    Case(
+        "geqrf-wide-float64",
+        torch.geqrf,
+        lambda: (randn(2, 3, 5, dtype=F64),),
+        ("aten.geqrf.default",),
+    ),
+    Case(
+        "householder_product-complex64",
+        lambda a: torch.linalg.householder_product(*torch.geqrf(a)),
+        lambda: (randn(5, 3, dtype=C64),),
+        ("aten.linalg_householder_product.default",),
+    ),
+    Case(
+        "ormqr-left-transpose-float64",
+        lambda a, c: torch.ormqr(*torch.geqrf(a), c, left=True, transpose=True),
+        lambda: (randn(5, 3, dtype=F64), randn(5, 2, dtype=F64)),
+        ("aten.ormqr.default",),
+    ),
+    Case(
+        "ormqr-right-complex64",
+        lambda a, c: torch.ormqr(*torch.geqrf(a), c, left=False),
+        lambda: (randn(2, 4, 4, dtype=C64), randn(2, 3, 4, dtype=C64)),
+        ("aten.ormqr.default",),
+    ),
+    # Singular values (values only, whatever the dtype) and complex SVD
+    Case("svdvals-batched-float32", torch.linalg.svdvals, lambda: (randn(3, 4, 6),), (SVD,)),
+    Case(
+        "svdvals-empty-float64", torch.linalg.svdvals, lambda: (randn(2, 0, 3, dtype=F64),), (SVD,)
+    ),
+    Case(
+        "svd-reduced-wide-complex64",
+        lambda a: torch.linalg.svd(a, full_matrices=False),
+        lambda: (randn(2, 3, 5, dtype=C64),),
+        (SVD,),
+    ),
+    Case("svd-full-tall-complex64", torch.linalg.svd, lambda: (randn(6, 4, dtype=C64),), (SVD,)),
+    Case("matrix_rank-float64", torch.linalg.matrix_rank, lambda: (low_rank(5, 6, 2),), (SVD,)),
+    Case(
+        "matrix_rank-atol-float32",
+        lambda a: torch.linalg.matrix_rank(a, atol=1.0),
+        lambda: (randn(4, 4),),
+        (SVD,),
+    ),
+    Case("cond-float32", torch.linalg.cond, lambda: (randn(2, 4, 4),), (SVD,)),
+    Case(
+        "nuclear-norm-float64",
+        lambda a: torch.linalg.matrix_norm(a, "nuc"),
+        lambda: (randn(5, 3, dtype=F64),),
+        (SVD,),
+    ),
+    # Eigenvalues
+    Case(
+        "eigvalsh-lower-float32",
+        torch.linalg.eigvalsh,
+        lambda: (hermitian(3, 4, 4, dtype=torch.float32),),
+        (EIGH,),
+    ),
+    Case(
+        "eigvalsh-upper-reads-upper-triangle-complex64",
+        lambda a: torch.linalg.eigvalsh(a, UPLO="U"),
+        lambda: (randn(4, 4, dtype=C64),),
+        (EIGH,),
+    ),
+    Case(
+        "matrix_rank-hermitian-float64",
+        lambda a: torch.linalg.matrix_rank(a, hermitian=True),
+        lambda: (hermitian_low_rank(5, 2),),
+        (EIGH,),
+    ),
+    Case(
+        "eig-complex64",
+        torch.linalg.eig,
+        lambda: (randn(2, 5, 5, dtype=C64),),
+        ("aten.linalg_eig.default",),
+    ),
+    Case(
+        "eigvals-complex64",
+        torch.linalg.eigvals,
+        lambda: (randn(4, 4, dtype=C64),),
+        ("aten.linalg_eig.default",),
+    ),
+    # Pseudo-inverse (independent of the vectors' signs)
+    Case(
+        "pinv-wide-float32",
+        torch.linalg.pinv,
+        lambda: (randn(3, 5),),
+        ("aten.linalg_pinv.atol_rtol_tensor",),
+    ),
+    Case(
+        "pinv-singular-rtol-float64",
+        lambda a: torch.linalg.pinv(a, rtol=1e-3),
+        lambda: (low_rank(5, 5, 3),),
+        ("aten.linalg_pinv.atol_rtol_tensor",),
+    ),
+    Case(
+        "pinv-hermitian-atol-float64",
+        lambda a: torch.linalg.pinv(a, atol=0.5, hermitian=True),
+        lambda: (hermitian(2, 4, 4),),
+        ("aten.linalg_pinv.atol_rtol_tensor",),
+    ),
+    Case("pinverse-empty-float32", torch.pinverse, lambda: (randn(0, 3),), ()),
+    # LU, Cholesky
+    Case(
+        "lu-tall-batched-float64",
+        torch.linalg.lu,
+        lambda: (randn(2, 5, 3, dtype=F64),),
+        ("aten.linalg_lu.default",),
+    ),
+    Case(
+        "lu-wide-complex64",
+        torch.linalg.lu,
+        lambda: (randn(3, 5, dtype=C64),),
+        ("aten.linalg_lu.default",),
+    ),
+    Case(
+        "cholesky-lower-float64",
+        torch.cholesky,
+        lambda: (spd(2, 4, 4),),
+        ("aten.cholesky.default",),
+    ),
+    Case(
+        "cholesky-upper-complex64",
+        lambda a: torch.cholesky(a, upper=True),
+        lambda: (spd(4, 4, dtype=C64),),
+        ("aten.cholesky.default",),
+    ),
+    Case(
+        "cholesky_inverse-lower-float64",
+        torch.cholesky_inverse,
+        lambda: (torch.linalg.cholesky(spd(4, 4)),),
+        ("aten.cholesky_inverse.default",),
+    ),
+    Case(
+        "cholesky_inverse-upper-reads-triangle-complex64",
+        lambda u: torch.cholesky_inverse(u, upper=True),
+        lambda: (
+            torch.linalg.cholesky(spd(3, 3, dtype=C64), upper=True)
+            + torch.tril(randn(3, 3, dtype=C64), -1),
+        ),
+        ("aten.cholesky_inverse.default",),
+    ),
+    # addbmm
+    Case(
+        "addbmm-beta0-ignores-nan-float32",
+        lambda b, x, y: torch.addbmm(b, x, y, beta=0, alpha=2),
+        lambda: (torch.full((3, 4), float("nan")), randn(5, 3, 2), randn(5, 2, 4)),
+        ("aten.addbmm.default",),
+    ),
+    Case(
+        "addbmm-broadcast-bias-float64",
+        lambda b, x, y: torch.addbmm(b, x, y, beta=0.5, alpha=-1.5),
+        lambda: (randn(4, dtype=F64), randn(3, 2, 6, dtype=F64), randn(3, 6, 4, dtype=F64)),
+        ("aten.addbmm.default",),
+    ),
+    Case(
+        "addbmm-float16",
+        lambda b, x, y: torch.addbmm(b, x, y, alpha=0.5),
+        lambda: tuple(randn(*s).half() for s in ((3, 4), (6, 3, 5), (6, 5, 4))),
+        ("aten.addbmm.default",),
+    ),
+    Case(
+        "addbmm-int64",
+        lambda b, x, y: torch.addbmm(b, x, y, beta=2, alpha=3),
+        lambda: tuple(torch.randint(-5, 5, s) for s in ((2, 3), (4, 2, 5), (4, 5, 3))),
+        ("aten.addbmm.default",),
+    ),
+]
+
+
+def _partition_ops(backend: dynajax.Backend) -> set[str]:
+    return {op for p in dynajax.Report(backend.graphs).partitions for op in p.ops}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_decomposition(case: Case):
+    torch.manual_seed(0)
+    inputs = case.inputs()
+    expected = case.fn(*[t.clone() for t in inputs])
+    backend = dynajax.Backend()
+    actual = torch.compile(case.fn, backend=backend, fullgraph=True)(*inputs)
+    assert_same(actual, expected)
+    assert dynajax.Report(backend.graphs).fallbacks == []
+    missing = set(case.ops) - _partition_ops(backend)
+    assert not missing, f"{sorted(missing)} did not run in a JAX partition"
+
+
+# ---------------------------------------------------------------------------------
+# Refused: the vectors' signs differ between PyTorch's MKL and XLA's LAPACK
+# ---------------------------------------------------------------------------------
+
+REFUSED = [
+    ("svd-vectors-float32", torch.linalg.svd, lambda: (randn(3, 5),), SVD, "real singular vectors"),
+    (
+        "eigh-vectors-complex64",
+        torch.linalg.eigh,
+        lambda: (hermitian(4, 4, dtype=C64),),
+        EIGH,
+        "eigenvectors",
+    ),
+    (
+        "eig-real-float64",
+        torch.linalg.eig,
+        lambda: (randn(4, 4, dtype=F64),),
+        "aten.linalg_eig.default",
+        "real",
+    ),
+    (
+        "svd-driver-float32",
+        lambda a: torch.linalg.svd(a, driver="gesvd"),
+        lambda: (randn(3, 3, dtype=C64),),
+        SVD,
+        "driver",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "fn,inputs,op,reason", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED]
+)
+def test_refused(fn, inputs, op, reason):
+    torch.manual_seed(0)
+    args = inputs()
+    backend = dynajax.Backend()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    try:
+        expected = fn(*args)
+    except RuntimeError:  # eager rejects it too (driver= on CPU)
+        with pytest.raises(RuntimeError):
+            compiled(*args)
+        return
+    assert_same(compiled(*args), expected)
+    refused = [f for f in dynajax.Report(backend.graphs).fallbacks if str(f.target) == op]
+    assert refused, f"{op} was not refused"
+    assert all(reason in f.detail for f in refused)
