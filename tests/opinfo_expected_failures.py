@@ -18,10 +18,6 @@ _DYNAMO_ADDCDIV = (
     "Without value= the op reaches dynajax whole and matches (lowering/fused.py)"
 )
 
-_UPSTREAM_PINV = (
-    "PyTorch's aot_autograd (aot_eager too) returns a wrong first-call result for complex "
-    "linalg_pinv; the node itself runs in eager PyTorch"
-)
 _GRID_HALF = (
     "differs from PyTorch's CPU kernel beyond the half-precision tolerance at a few "
     "points (its rounding of intermediate coordinates is not matched yet)"
@@ -46,10 +42,8 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("grid_sampler_2d", "", "float16"): _GRID_HALF,
     ("kthvalue", "", "int32"): _TIES,
     ("kthvalue", "", "int64"): _TIES,
-    ("linalg.pinv", "", "complex64"): _UPSTREAM_PINV,
     ("masked.var", "", "bfloat16"): _MASKED_VAR_BF16,
     ("nn.functional.grid_sample", "", "bfloat16"): _GRID_HALF,
-    ("pinverse", "", "complex64"): _UPSTREAM_PINV,
     ("polygamma", "polygamma_n_0", "float32"): _POLYGAMMA_F32,
     ("polygamma", "polygamma_n_1", "float32"): _POLYGAMMA_F32,
     ("polygamma", "polygamma_n_2", "float32"): _POLYGAMMA_F32,
