@@ -22,6 +22,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from dynajax.capability.layout import node_layout
 from dynajax.capability.verdict import (
     META_KEY,
     Reason,
@@ -33,7 +34,7 @@ from dynajax.capability.verdict import (
 )
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.interpreter import jax_literal
-from dynajax.lowering.registry import Rule, get_rule
+from dynajax.lowering.registry import LAYOUT_KEY, Rule, get_rule
 
 log = logging.getLogger("dynajax.capability")
 
@@ -208,6 +209,9 @@ class CapabilityChecker:
             return self._refuse(node, Reason.CHECK_REFUSED, "output is not a tensor")
         args = _abstract(node.args)
         kwargs = {k: _abstract(v) for k, v in node.kwargs.items()}
+        if rule.needs_layout:
+            # Rules that address storage see eager's layout; lowering reads it back.
+            node.meta[LAYOUT_KEY] = kwargs["layout"] = node_layout(node)
         expected = _abstract(out)
         key = (node.target, _freeze(args), _freeze(kwargs), _freeze(expected))
         if key not in self._cache:

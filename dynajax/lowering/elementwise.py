@@ -513,17 +513,22 @@ def _polar(abs, angle):
     return jax.lax.complex(a * jnp.cos(t), a * jnp.sin(t))
 
 
-@lower(aten.view_as_real.default)
+@lower(aten.view_as_real.default, aten.view_as_real_copy.default)
 def _view_as_real(x):
     return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
 
 
-@lower(aten.view_as_complex.default)
+@lower(aten.view_as_complex.default, aten.view_as_complex_copy.default)
 def _view_as_complex(x):
     return jax.lax.complex(x[..., 0], x[..., 1])
 
 
-@lower(aten.conj_physical.default, aten._conj.default)
+@lower(
+    aten.conj_physical.default,
+    aten._conj_physical.default,
+    aten._conj.default,
+    aten._conj_copy.default,
+)
 def _conj_physical(x):
     return jnp.conj(x) if is_complex(x.dtype) else x
 

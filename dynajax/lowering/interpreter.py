@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from dynajax.lowering.dtypes import TORCH_TO_JAX
-from dynajax.lowering.registry import get_rule
+from dynajax.lowering.registry import LAYOUT_KEY, get_rule
 
 
 def jax_literal(value: Any) -> Any:
@@ -40,6 +40,7 @@ class JaxInterpreter(torch.fx.Interpreter):
         super().__init__(gm, garbage_collect_values=False)
         self._key = key
         self._random_index = 0
+        self._node: torch.fx.Node | None = None
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is operator.getitem:
@@ -51,7 +52,13 @@ class JaxInterpreter(torch.fx.Interpreter):
         if rule.needs_key:
             kwargs["key"] = jax.random.fold_in(self._key, self._random_index)
             self._random_index += 1
+        if rule.needs_layout:  # decided by the capability pass (capability/layout.py)
+            kwargs["layout"] = self._node.meta[LAYOUT_KEY]
         return rule.fn(*args, **kwargs)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self._node = n
+        return super().run_node(n)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         raise AssertionError("get_attr nodes never enter a JAX partition")

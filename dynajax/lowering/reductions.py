@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.dtypes import as_dtype, is_floating, is_integral
+from dynajax.lowering.dtypes import as_dtype, is_floating, is_integral, promote
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -284,6 +284,19 @@ def _linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     else:
         out = jnp.sum(a**ord, axis=ax, keepdims=keepdim) ** (1.0 / ord)
     return out.astype(out_dtype)
+
+
+def _dist_check(x, y, p=2):
+    if is_integral(x.dtype) or is_integral(y.dtype):
+        return "dist of integer tensors (PyTorch raises)"
+    return None
+
+
+@lower(aten.dist.default, check=_dist_check)
+def _dist(x, y, p=2):
+    # PyTorch: norm(x - y, p), the difference rounded to the promoted dtype first.
+    x, y = promote(x, y)
+    return _linalg_vector_norm(x - y, p)
 
 
 # ---------------------------------------------------------------------------------

@@ -32,19 +32,54 @@ class Rule:
         fn: the JAX implementation; returns a JAX array or a tuple of them.
         check: optional validator of argument values; None means "accept all".
         needs_key: the rule takes a ``key=`` keyword with a fresh JAX PRNG key.
+        needs_layout: the rule and its check take a ``layout=`` keyword, a
+            ``NodeLayout`` with eager PyTorch's memory layout of the node's first
+            argument and of its output (ops that address storage, like as_strided).
     """
 
     op: torch._ops.OpOverload
     fn: Callable[..., Any]
     check: Check | None = None
     needs_key: bool = False
+    needs_layout: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where eager PyTorch keeps a tensor's elements in its storage.
+
+    Attributes:
+        stride: the stride of each dim, in elements.
+        storage_offset: the storage position of element ``[0, ..., 0]``.
+        unknown: None when eager's layout is known to be this one, else why it is not
+            (the fake tensor's strides may not be what the eager kernel makes).
+    """
+
+    stride: tuple[int, ...]
+    storage_offset: int
+    unknown: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLayout:
+    """The layouts a ``needs_layout`` rule sees: its first argument's and its output's."""
+
+    input: Layout
+    output: Layout
+
+
+# node.meta key of the NodeLayout the capability pass decided (read again by lowering).
+LAYOUT_KEY = "dynajax_layout"
 
 
 _TABLE: dict[torch._ops.OpOverload, Rule] = {}
 
 
 def lower(
-    *ops: torch._ops.OpOverload, check: Check | None = None, needs_key: bool = False
+    *ops: torch._ops.OpOverload,
+    check: Check | None = None,
+    needs_key: bool = False,
+    needs_layout: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Registers the decorated function as the JAX rule of each of ``ops``."""
     for op in ops:
@@ -55,7 +90,7 @@ def lower(
         for op in ops:
             if op in _TABLE:
                 raise ValueError(f"{op} already has a JAX rule ({_TABLE[op].fn.__qualname__})")
-            _TABLE[op] = Rule(op, fn, check, needs_key)
+            _TABLE[op] = Rule(op, fn, check, needs_key, needs_layout)
         return fn
 
     return register

@@ -250,3 +250,22 @@ def _unfold(x, dimension, size, step):
     idx = np.arange(windows)[:, None] * step + np.arange(size)[None, :]
     out = jnp.take(x, jnp.asarray(idx), axis=d)  # axis d -> (windows, size)
     return jnp.moveaxis(out, d + 1, -1)
+
+
+# ---------------------------------------------------------------------------------
+# View-copy variants (what functionalization emits for views in some modes): a JAX
+# value is never a view, so each is its view op's rule.
+# ---------------------------------------------------------------------------------
+
+lower(aten.view_copy.default, aten._reshape_copy.default)(_view)
+lower(aten.view_copy.dtype)(_view_dtype)
+lower(aten.permute_copy.default)(_permute)
+lower(aten.unbind_copy.int)(_unbind)
+lower(aten.select_copy.int)(_select)
+lower(aten.slice_copy.Tensor)(_slice)
+lower(aten.split_copy.Tensor)(_split)
+
+
+@lower(aten.detach_copy.default)
+def _detach_copy(x):
+    return x

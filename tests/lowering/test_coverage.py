@@ -45,10 +45,6 @@ REFUSED: dict[str, str] = {
     "aten.sym_stride.int": _SYMBOLIC,
     "aten.sym_numel.default": _SYMBOLIC,
     "aten.sym_storage_offset.default": _SYMBOLIC,
-    "aten.as_strided.default": (
-        "addresses the input's storage through its strides and offset; a rule sees "
-        "only shape and dtype, and a JAX value has no storage layout to honour"
-    ),
     "aten.resize_.default": (
         "resizes a tensor's storage in place; a functional JAX value has no storage, and "
         "functionalization leaves resize_ only on graph inputs, which PyTorch owns"
