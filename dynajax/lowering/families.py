@@ -17,4 +17,5 @@ from dynajax.lowering import (  # noqa: F401
     resample,
     shape,
     sorting,
+    special,
 )
