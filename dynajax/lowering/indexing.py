@@ -324,6 +324,7 @@ def _gather_flat(x, idx):
 @lower(
     aten.as_strided.default,
     aten.as_strided_copy.default,
+    aten._reshape_alias_copy.default,  # as_strided at the input's own offset
     check=_as_strided_check,
     needs_layout=True,
 )

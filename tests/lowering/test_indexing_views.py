@@ -118,6 +118,12 @@ AS_STRIDED_CASES = [
         (AS_STRIDED,),
     ),
     Case(
+        "_reshape_alias_copy-of-transposed-input-float32",
+        lambda x: torch.ops.aten._reshape_alias_copy.default(x.t(), [3, 2], [1, 3]),
+        lambda: (arange(2, 3),),
+        ("aten._reshape_alias_copy.default",),
+    ),
+    Case(
         "as_strided_scatter-contiguous-float32",
         lambda x, src: torch.as_strided_scatter(x, src, (2, 2), (1, 3), 1),
         lambda: (arange(3, 3), -arange(2, 2) - 1),
