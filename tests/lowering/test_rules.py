@@ -767,10 +767,6 @@ NONCORE = [
         lambda x: x.clone().fill_diagonal_(0.0),
         lambda: (randn(4, 5),),
         ("aten.as_strided.default", "aten.as_strided_scatter.default"),
-        xfail=(
-            "functionalized fill_diagonal_ is as_strided/as_strided_scatter on the base, "
-            "which need the input's strides; rules see only shape and dtype (refused)"
-        ),
     ),
 ]
 
