@@ -582,7 +582,8 @@ def _hurwitz_zeta(s, q):
     s, q = jnp.broadcast_arrays(s, q)
     pole = (q <= 0) & (q == jnp.floor(q))  # Cephes: zeta(s, q) = inf there
     q, acc = jax.lax.while_loop(shifting, shift, (q, jnp.zeros_like(q)))
-    return jnp.where(pole, jnp.inf, acc + jax.scipy.special.zeta(s, q))
+    out = jnp.where(pole, jnp.inf, acc + jax.scipy.special.zeta(s, q))
+    return jnp.where(s < 1, jnp.nan, out)  # Cephes: s < 1 is a domain error before poles
 
 
 lower(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar)(
@@ -595,12 +596,13 @@ lower(aten.igammac.default)(_float_binary(jax.scipy.special.gammaincc))
 @lower(aten.polygamma.default)
 def _polygamma(n, x):
     x = as_dtype(x, float_result_type(x))
-    if n == 0:
-        return jax.scipy.special.digamma(x)
+    if n == 0:  # (float16/bfloat16: PyTorch computes in float32 and rounds once)
+        wide = np.float32 if x.dtype in (np.float16, jnp.bfloat16) else x.dtype
+        return jax.scipy.special.digamma(x.astype(wide)).astype(x.dtype)
     # PyTorch: (-1)^(n+1) n! zeta(n + 1, x). Near the poles (negative integers) the
-    # series cancels badly, so single precision is summed in double.
+    # series cancels badly, so single and half precision are summed in double.
     scale = (1.0 if n % 2 else -1.0) * float(np.prod(np.arange(1, n + 1, dtype=np.float64)))
-    acc = x.astype(np.float64) if x.dtype == np.float32 else x
+    acc = x if x.dtype == np.float64 else x.astype(np.float64)
     return (scale * _hurwitz_zeta(jnp.asarray(n + 1, acc.dtype), acc)).astype(x.dtype)
 
 
