@@ -16,7 +16,9 @@ methods that are accurate over their whole range:
 Where PyTorch's own answer hinges on a rounding it makes in the input dtype (the phase
 ``x - pi/4`` of the large-argument Bessel forms, ``2/3 (-x)^(3/2) + pi/4`` for Airy),
 the same rounding is made here in the same dtype, so results agree at large |x| even in
-float32, where that phase is only good to a fraction of a radian.
+float32, where that phase is only good to a fraction of a radian. In float64 PyTorch's
+J, Y and Ai kernels are themselves off by up to 3e-6 in narrow windows (see
+``_float32_check``), so those three families run in JAX for float32 only.
 
 The polynomials take a per-element degree ``n`` and follow PyTorch's kernels step by step
 in the result dtype: the degree is truncated to int64 (NaN, inf and |n| >= 2^63 become
@@ -26,6 +28,11 @@ switch to trigonometric closed forms, and the rest runs the three-term recurrenc
 ``lax.while_loop`` bounded by the largest degree that still iterates. One difference is
 deliberate: for x = NaN and n >= 2, PyTorch's U, V, W, Legendre, Laguerre and shifted
 kernels return an uninitialised value (whatever the previous element left); here NaN.
+Known limits: the trigonometric closed forms take acos, cos, sin correctly rounded, while
+glibc before 2.41 has float32 acosf an ulp off for ~8% of arguments, an error that the
+degree multiplies: float32 Chebyshev values of degree n > ~40 with |x| < 1 can differ
+from eager beyond tolerance (float64 agrees). And, as in PyTorch, the loop runs n - 1
+steps for Laguerre/Legendre inside (-1, 1), so a huge degree takes as long as eager's.
 """
 
 from __future__ import annotations
