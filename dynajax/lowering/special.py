@@ -500,11 +500,11 @@ def _parity(k, even, odd):
 
 def _chebyshev(kind: str, shifted: bool):
     """Chebyshev T, U, V, W of x, or of y = 2x - 1 for the shifted ones."""
-    closed_above = {"T": 6, "U": 8, "V": 8, "W": 8}[kind] if not shifted else 6
-    if shifted and kind == "W":
-        closed_above = 4
+    # PyTorch switches to the closed form for degrees above these (inside (-1, 1)).
+    closed_above = {"T": 6, "U": 6, "V": 6, "W": 4} if shifted else {"T": 6, "U": 8, "V": 8, "W": 8}
+    closed_above = closed_above[kind]
 
-    def poly(x, n, k):
+    def poly(x, k):
         one = jnp.ones_like(x)
         y = x + x - 1 if shifted else x
         ay = jnp.abs(y)
@@ -554,7 +554,7 @@ def _chebyshev(kind: str, shifted: bool):
     return poly
 
 
-def _hermite_h(x, n, k):
+def _hermite_h(x, k):
     one = jnp.ones_like(x)
     limit = _HERMITE_LIMIT[np.dtype(x.dtype)]
     run = (k >= 2) & (k <= limit)
@@ -566,7 +566,7 @@ def _hermite_h(x, n, k):
     return jnp.where(k < 0, 0, out)
 
 
-def _hermite_he(x, n, k):
+def _hermite_he(x, k):
     one = jnp.ones_like(x)
     limit = _HERMITE_LIMIT[np.dtype(x.dtype)]
     run = (k >= 2) & (k <= limit)
@@ -576,7 +576,7 @@ def _hermite_he(x, n, k):
     return jnp.where(k < 0, 0, out)
 
 
-def _laguerre_l(x, n, k):
+def _laguerre_l(x, k):
     one = jnp.ones_like(x)
     run = (k >= 2) & (x != 0)
     step = lambda i, p, q: _divide((i + i + (1 - x)) * q - i * p, i + 1)  # noqa: E731
@@ -585,7 +585,7 @@ def _laguerre_l(x, n, k):
     return jnp.where(k < 0, 0, jnp.where(x == 0, one, out))
 
 
-def _legendre_p(x, n, k):
+def _legendre_p(x, k):
     one = jnp.ones_like(x)
     ends = jnp.abs(x) == 1
     run = (k >= 2) & ~ends
@@ -600,7 +600,7 @@ def _polynomial(fn):
     def rule(x, n):
         dt = float_result_type(x, n)
         x, n = jnp.broadcast_arrays(as_dtype(x, dt), as_dtype(n, dt))
-        return fn(x, n, _degree(n)).astype(dt)
+        return fn(x, _degree(n)).astype(dt)
 
     return rule
 
