@@ -33,6 +33,11 @@ _MASKED_VAR_BF16 = (
     "of the decomposed masked variance is not matched yet (not analyzed)"
 )
 
+_LOGSPACE_BF16 = (
+    "20 of 401 samples differ from eager by up to 4 bfloat16 ulps (512 at ~1e5); the "
+    "core decomposition's rounding differs from the kernel's (not analyzed yet)"
+)
+
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("addcdiv", "", "bfloat16"): _DYNAMO_ADDCDIV,
     ("argsort", "", "bfloat16"): _TIES,
@@ -42,6 +47,7 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("grid_sampler_2d", "", "float16"): _GRID_HALF,
     ("kthvalue", "", "int32"): _TIES,
     ("kthvalue", "", "int64"): _TIES,
+    ("logspace", "", "bfloat16"): _LOGSPACE_BF16,
     ("masked.var", "", "bfloat16"): _MASKED_VAR_BF16,
     ("nn.functional.grid_sample", "", "bfloat16"): _GRID_HALF,
     ("polygamma", "polygamma_n_0", "float32"): _POLYGAMMA_F32,

@@ -7,7 +7,10 @@ bfloat16 and float16) and rounds once, where the chain rounds after each op;
 where the decomposition computes ``alpha * (vec1 * vec2)``; ``linalg_cross`` rounds
 each product and the difference to the input dtype, where the decomposition computes
 in float32 and rounds once. In bfloat16 each difference moves results by an ulp
-(0.0625 at magnitude 8), which is a different answer. The backend keeps the ops in
+(0.0625 at magnitude 8), which is a different answer. ``linspace`` into an integer
+dtype truncates per SIMD vector of the CPU (its values depend on AVX2 vs AVX-512);
+its decomposition computes in float32 and truncates once, an off-by-one in some
+elements, so here the integer case is refused (it runs in PyTorch). The backend keeps the ops in
 ``FUSED_KERNELS`` out of aot_autograd's decomposition table so that these rules, which
 follow the kernels, see them (autograd still differentiates them with PyTorch's own
 formulas).
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.dtypes import as_dtype, is_integral, promote, result_type
+from dynajax.lowering.dtypes import as_dtype, default_float, is_integral, promote, result_type
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -29,6 +32,10 @@ FUSED_KERNELS: tuple[torch._ops.OpOverload, ...] = (
     aten.addcdiv.default,
     aten.addr.default,
     aten.linalg_cross.default,
+    aten.linspace.default,
+    aten.linspace.Tensor_Tensor,
+    aten.linspace.Tensor_Scalar,
+    aten.linspace.Scalar_Tensor,
 )
 
 
@@ -84,3 +91,41 @@ def _linalg_cross(x, y, dim=-1):
         for i in range(3)
     ]
     return jnp.concatenate(out, axis=axis)
+
+
+def _linspace_dtype(start, end, dtype):
+    if dtype is not None:
+        return np.dtype(dtype)
+    if isinstance(start, complex) or isinstance(end, complex):
+        return np.dtype(np.complex128 if default_float() == np.float64 else np.complex64)
+    return default_float()
+
+
+def _linspace_check(start, end, steps, *, dtype=None, **_):
+    if is_integral(_linspace_dtype(start, end, dtype)):
+        return (
+            "integer linspace: PyTorch's kernel truncates per SIMD vector, so its values "
+            "depend on the CPU's vector width"
+        )
+    return None
+
+
+@lower(
+    aten.linspace.default,
+    aten.linspace.Tensor_Tensor,
+    aten.linspace.Tensor_Scalar,
+    aten.linspace.Scalar_Tensor,
+    check=_linspace_check,
+)
+def _linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None):
+    dtype = _linspace_dtype(start, end, dtype)
+    acc = _opmath(dtype)
+    if steps == 1:
+        return jnp.full((1,), start, dtype)
+    first, last = jnp.asarray(start).astype(acc), jnp.asarray(end).astype(acc)
+    step = (last - first) / (steps - 1)
+    idx = jnp.arange(steps)
+    # The kernel's two halves: from the start up to the middle, from the end after it.
+    forward = first + step * idx.astype(acc)
+    backward = last - step * (steps - 1 - idx).astype(acc)
+    return jnp.where(idx < steps // 2, forward, backward).astype(dtype)

@@ -97,3 +97,15 @@ def test_linalg_cross_rounds_each_product_like_the_kernel(dtype: torch.dtype) ->
         assert got.dtype == want.dtype
         assert torch.equal(got, want)
     assert "aten.linalg_cross.default" in _ops_in_jax(backend)
+
+
+def test_integer_linspace_runs_in_pytorch_and_float_linspace_in_jax() -> None:
+    # linspace(0, 7, 50) into int64: the float32 decomposition truncated 3.9999998 to 3
+    # where the kernel gives 4; the integer case is refused and runs eagerly.
+    fn, backend = _compile(lambda: torch.linspace(0, 7, 50, dtype=torch.int64))
+    assert torch.equal(fn(), torch.linspace(0, 7, 50, dtype=torch.int64))
+    (fallback,) = dynajax.Report(backend.graphs).fallbacks
+    assert fallback.target == "aten.linspace.default" and "integer" in fallback.detail
+    fn, backend = _compile(lambda: torch.linspace(-2.5, 4.0, 33))
+    assert_same(fn(), torch.linspace(-2.5, 4.0, 33))
+    assert "aten.linspace.default" in _ops_in_jax(backend)
