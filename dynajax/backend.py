@@ -43,7 +43,8 @@ log = logging.getLogger("dynajax.backend")
 @functools.cache
 def decompositions() -> dict[Any, Callable[..., Any]]:
     """aot_autograd's decomposition table: PyTorch's core ATen decompositions, with
-    the corrections of ``passes.decompositions`` (a consistent attention backward),
+    the corrections of ``passes.decompositions`` (a consistent attention backward,
+    torch.cholesky with its error check),
     less the fused kernels that our rules reproduce more exactly (``lowering.fused``)."""
     table = {**core_aten_decompositions(), **training_corrections()}
     for op in FUSED_KERNELS:

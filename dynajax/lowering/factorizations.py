@@ -263,12 +263,9 @@ def _linalg_cholesky_ex(A, *, upper=False, check_errors=False):
     return (jnp.conj(jnp.swapaxes(L, -1, -2)) if upper else L), info
 
 
-@lower(aten.cholesky.default, check=_square_check)
-def _cholesky(A, upper=False):
-    # Eager raises when A is not positive definite; here the factor holds NaN instead
-    # (an op with its own error check cannot raise from inside XLA).
-    L, _ = _linalg_cholesky_ex(A, upper=upper)
-    return L
+# aten.cholesky has no rule: it raises on a matrix that is not positive definite, which
+# XLA cannot; passes/decompositions.py rewrites it to linalg_cholesky_ex plus the host
+# error check.
 
 
 @lower(aten.cholesky_inverse.default, check=_square_check)

@@ -75,10 +75,21 @@ def _flash_attention_for_cpu_backward(
     return grad_q.to(dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
+def _cholesky(a: torch.Tensor, upper: bool = False) -> torch.Tensor:
+    """``torch.cholesky`` raises inside its kernel when ``a`` is not positive definite.
+    As ``linalg_cholesky_ex`` (a JAX rule) plus the effectful ``_linalg_check_errors``
+    (run on the host after the partition) it raises eager's own error, message
+    included, where a JAX rule for the whole op could only return NaN."""
+    factor, info = aten.linalg_cholesky_ex.default(a, upper=upper)
+    aten._linalg_check_errors.default(info, "cholesky", is_matrix=a.dim() == 2)
+    return factor
+
+
 def training_corrections() -> dict[Any, Callable[..., Any]]:
     """Entries that replace or extend PyTorch's core ATen decompositions."""
     return {
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
             _flash_attention_for_cpu_backward
         ),
+        aten.cholesky.default: _cholesky,
     }
