@@ -621,8 +621,12 @@ def _frexp(x):
 
 @lower(aten.ldexp.Tensor)
 def _ldexp(x, other):
-    a, b = promote(x, other, dtype=float_result_type(x, other))
-    return a * jnp.exp2(b)
+    # PyTorch: x * pow(2, other), the power rounded to the dtype first; XLA's
+    # half-precision exp2 is less accurate than that rounding, so take it in float32.
+    dt = float_result_type(x, other)
+    a, b = promote(x, other, dtype=dt)
+    wide = np.float32 if np.dtype(dt).itemsize == 2 and not is_complex(dt) else dt
+    return a * jnp.exp2(b.astype(wide)).astype(dt)
 
 
 lower(aten.nextafter.default)(_promoted(jnp.nextafter))

@@ -795,6 +795,13 @@ SEMANTICS = [
         lambda: (randn(4096, dtype=torch.float16),),
         ("aten.sum.dim_IntList",),  # what aot_autograd makes of a full sum
     ),
+    # ldexp with a fractional bfloat16 exponent: 2**e is rounded to bfloat16 first.
+    Case(
+        "ldexp-fractional-exponent-bfloat16",
+        torch.ldexp,
+        lambda: (randn(64, dtype=torch.bfloat16), randn(64, dtype=torch.bfloat16) * 6),
+        ("aten.ldexp.Tensor",),
+    ),
 ]
 
 CASES = (
