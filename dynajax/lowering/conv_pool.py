@@ -319,8 +319,9 @@ def _max_pool_backward(grad, x, indices, nd):
     lead = x.shape[: x.ndim - nd]
     rows = int(np.prod(lead, dtype=np.int64))
     spatial = int(np.prod(x.shape[x.ndim - nd :], dtype=np.int64))
-    g = grad.reshape(rows, -1)
-    idx = indices.reshape(rows, -1)
+    cells = int(np.prod(grad.shape[grad.ndim - nd :], dtype=np.int64))
+    g = grad.reshape(rows, cells)  # explicit sizes: an empty batch reshapes too
+    idx = indices.reshape(rows, cells)
     out = jnp.zeros((rows, spatial), grad.dtype).at[jnp.arange(rows)[:, None], idx].add(g)
     return out.reshape(x.shape)
 
@@ -471,3 +472,111 @@ def _conv_tbc(x, weight, bias, pad=0):
         1,
     )
     return jnp.transpose(out, (2, 0, 1))
+
+
+# ---------------------------------------------------------------------------------
+# Fractional max pooling
+# ---------------------------------------------------------------------------------
+
+
+def _fractional_check(nd):
+    def check(x, kernel_size, output_size, random_samples):
+        if not is_floating(x.dtype):
+            return f"fractional max pooling of {np.dtype(x.dtype).name} (no CPU kernel)"
+        if x.ndim not in (nd + 1, nd + 2):
+            return f"fractional_max_pool{nd}d of a {x.ndim}-D input (eager raises)"
+        spatial = x.shape[x.ndim - nd :]
+        # The 3-D kernel demands a strictly smaller span than the input, the 2-D one not.
+        limit = [n - 1 if nd == 3 else n for n in spatial]
+        for n, m, k in zip(limit, output_size, kernel_size, strict=True):
+            if m + k - 1 > n or m < 1 or k < 1:
+                return "fractional max pooling window too large for the input (eager raises)"
+        return None
+
+    return check
+
+
+def _fractional_starts(sample, n, m, k):
+    """Window starts along one axis, (N, C, m), as PyTorch's generate_intervals:
+    floor((i + u) * alpha) - floor(u * alpha) with alpha = (n - k) / (m - 1), and the
+    last window flush with the end of the input. Computed in the sample's dtype, as the
+    kernel does (its scalar_t)."""
+    dtype = sample.dtype
+    last = jnp.full((*sample.shape, 1), n - k, np.int64)
+    if m == 1:
+        return last
+    alpha = jnp.asarray(np.float64(n - k) / np.float64(m - 1), dtype)
+    i = jnp.arange(m - 1, dtype=dtype)
+    u = sample[..., None]
+    first = ((i + u) * alpha).astype(np.int64) - (u * alpha).astype(np.int64)
+    return jnp.concatenate([first, last], axis=-1)
+
+
+def _fractional_max_pool(x, kernel_size, output_size, random_samples, nd):
+    """(values, flat spatial indices) of max pooling over pseudo-random windows.
+
+    ``random_samples`` (N, C, nd) in [0, 1) places the windows of each plane (the
+    functional form draws it with torch.rand; here it is an input). Sample j drives
+    axis nd-1-j for 2-D (width first) and axis j for 3-D (time first), as the CPU
+    kernels read them. Within a window the first maximum wins, and any NaN wins (the
+    last one), as the kernels compare ``val > max || isnan(val)``.
+    """
+    unbatched = x.ndim == nd + 1
+    if unbatched:
+        x = x[None]
+    n, c = x.shape[:2]
+    spatial = x.shape[2:]
+    samples = random_samples.astype(x.dtype)
+    order = [nd - 1 - a for a in range(nd)] if nd == 2 else list(range(nd))
+    flat = jnp.zeros((n, c) + (1,) * (2 * nd), np.int64)
+    stride = 1
+    for a in reversed(range(nd)):
+        starts = _fractional_starts(
+            samples[:, :, order[a]], spatial[a], output_size[a], kernel_size[a]
+        )
+        pos = starts[..., None] + jnp.arange(kernel_size[a])  # (N, C, m_a, k_a)
+        shape = [n, c] + [1] * (2 * nd)
+        shape[2 + a] = output_size[a]
+        shape[2 + nd + a] = kernel_size[a]
+        flat = flat + (pos * stride).reshape(shape)
+        stride *= spatial[a]
+    window = int(np.prod(kernel_size))
+    flat = jnp.broadcast_to(flat, (n, c, *output_size, *kernel_size)).reshape(
+        n, c, *output_size, window
+    )
+    # Explicit sizes (no -1): an empty batch must reshape too.
+    vals = jnp.take_along_axis(
+        x.reshape(n, c, int(np.prod(spatial))),
+        flat.reshape(n, c, int(np.prod(output_size)) * window),
+        axis=-1,
+    ).reshape(flat.shape)
+    peak = jnp.max(vals, axis=-1, keepdims=True)
+    pos = jnp.argmax(vals == peak, axis=-1)
+    nan = jnp.isnan(vals)
+    last_nan = window - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
+    pos = jnp.where(jnp.any(nan, axis=-1), last_nan, pos)
+    values = jnp.take_along_axis(vals, pos[..., None], axis=-1)[..., 0]
+    indices = jnp.take_along_axis(flat, pos[..., None], axis=-1)[..., 0]
+    if unbatched:
+        values, indices = values[0], indices[0]
+    return values, indices
+
+
+@lower(aten.fractional_max_pool2d.default, check=_fractional_check(2))
+def _fractional_max_pool2d(x, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(x, kernel_size, output_size, random_samples, 2)
+
+
+@lower(aten.fractional_max_pool3d.default, check=_fractional_check(3))
+def _fractional_max_pool3d(x, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(x, kernel_size, output_size, random_samples, 3)
+
+
+@lower(aten.fractional_max_pool2d_backward.default)
+def _fractional_max_pool2d_backward(grad, x, kernel_size, output_size, indices):
+    return _max_pool_backward(grad, x, indices, 2)
+
+
+@lower(aten.fractional_max_pool3d_backward.default)
+def _fractional_max_pool3d_backward(grad, x, kernel_size, output_size, indices):
+    return _max_pool_backward(grad, x, indices, 3)

@@ -271,3 +271,72 @@ def _native_dropout(x, p, train, *, key):
     keep = _uniform(key, x.shape, np.float32) >= p
     # PyTorch's order (input * mask) * scale, so dropped infinities give NaN as in eager.
     return (x * keep.astype(x.dtype)) * jnp.asarray(1.0 / (1.0 - p), x.dtype), keep
+
+
+# ---------------------------------------------------------------------------------
+# Sampling from given weights: multinomial
+# ---------------------------------------------------------------------------------
+
+
+def _multinomial_check(probs, num_samples, replacement=False, *, generator=None):
+    if generator is not None:
+        return _generator_check(generator=generator)
+    if not is_floating(probs.dtype):
+        return f"multinomial of {np.dtype(probs.dtype).name} weights (eager raises)"
+    if probs.ndim not in (1, 2):
+        return "multinomial of weights that are not 1-D or 2-D (eager raises)"
+    if num_samples <= 0:
+        return "multinomial of num_samples <= 0 (eager raises)"
+    if not replacement and num_samples > probs.shape[-1]:
+        return "multinomial without replacement of more samples than categories (eager raises)"
+    return None
+
+
+@lower(aten.multinomial.default, check=_multinomial_check, needs_key=True)
+def _multinomial(probs, num_samples, replacement=False, *, generator=None, key):
+    """Category indices drawn in proportion to each row's (unnormalized) weights.
+
+    Gumbel-max: argmax(log w + g) with g standard Gumbel is category i with probability
+    w_i / sum(w); the top k of the same perturbed logits are k draws without
+    replacement (PyTorch's CPU kernel uses the equivalent exponential race,
+    top k of w / q with q ~ Exp(1)). Zero weights are never drawn. Weights that are
+    negative, infinite or NaN make eager raise; they are not checked here (values).
+    """
+    wide = np.float64 if probs.dtype == np.float64 else np.float32
+    rows = probs.reshape(-1, probs.shape[-1]).astype(wide)
+    logits = jnp.log(rows)
+    with _sequential():
+        if replacement:
+            shape = (rows.shape[0], num_samples, rows.shape[1])
+            g = jax.random.gumbel(key, shape, wide)
+            idx = jnp.argmax(logits[:, None, :] + g, axis=-1)
+        else:
+            g = jax.random.gumbel(key, rows.shape, wide)
+            _, idx = jax.lax.top_k(logits + g, num_samples)
+    return idx.astype(np.int64).reshape(*probs.shape[:-1], num_samples)
+
+
+# ---------------------------------------------------------------------------------
+# Randomized leaky ReLU
+# ---------------------------------------------------------------------------------
+
+
+@lower(aten.rrelu_with_noise_functional.default, check=_generator_check, needs_key=True)
+def _rrelu_with_noise_functional(
+    x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None, *, key
+):
+    """(output, noise): the functional form of rrelu_with_noise_.
+
+    Training, as PyTorch's CPU kernel: each element x <= 0 gets its own slope drawn
+    uniformly from [lower, upper] (output x * slope, noise slope); the others pass
+    through (noise 1; NaN compares false, so NaN passes through too). Evaluation: a
+    leaky ReLU with the mean slope, noise returned untouched.
+    """
+    if not training:
+        slope = jnp.asarray((lower + upper) / 2, x.dtype)
+        return jnp.where(x > 0, x, x * slope), noise
+    wide = np.float64 if x.dtype == np.float64 else np.float32
+    with _sequential():
+        r = jax.random.uniform(key, x.shape, wide, lower, upper).astype(x.dtype)
+    neg = x <= 0
+    return jnp.where(neg, x * r, x), jnp.where(neg, r, jnp.ones_like(r)).astype(noise.dtype)

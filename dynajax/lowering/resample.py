@@ -135,6 +135,89 @@ def _upsample_linear_vec(x, output_size, align_corners, scale_factors):
     )
 
 
+def _area_scale(n_in, n_out, align_corners, scale, acc):
+    """UpSample.h: area_pixel_compute_scale, in the kernel's scalar type."""
+    if align_corners:
+        return acc.type(n_in - 1) / acc.type(n_out - 1) if n_out > 1 else acc.type(0)
+    if scale is not None and scale > 0:
+        return acc.type(1.0 / scale)
+    return acc.type(n_in) / acc.type(n_out)
+
+
+def _aa_weights(n_in, n_out, align_corners, scale, acc):
+    """Source indices, weights and tap mask, each (n_out, K), of antialiased linear resampling.
+
+    As the CPU kernel (``_compute_weights_aa``): a triangle filter stretched by the
+    scale when downsampling (support scale instead of 1), centred on each output pixel
+    centre; the taps inside the input are renormalized to sum to one. Float32 inputs
+    keep the kernel's float32 scalars, with its double-precision steps in between.
+    """
+    s = _area_scale(n_in, n_out, align_corners, scale, acc)
+    support = acc.type(s) if s >= 1.0 else acc.type(1.0)  # interp_size 2 -> 1 * scale
+    width = int(math.ceil(support)) * 2 + 1
+    invscale = float(acc.type(1.0 / float(s))) if s >= 1.0 else 1.0
+    idx = np.zeros((n_out, width), np.int64)
+    wts = np.zeros((n_out, width), acc)
+    used = np.zeros((n_out, width), bool)
+    for i in range(n_out):
+        center = acc.type(float(s) * (i + 0.5))
+        lo = max(int(float(center - support) + 0.5), 0)
+        size = min(int(float(center + support) + 0.5), n_in) - lo
+        size = min(max(size, 0), width)
+        w = np.zeros(width, acc)
+        for j in range(size):
+            t = float(acc.type(j + lo) - center) + 0.5
+            w[j] = acc.type(max(0.0, 1.0 - abs(float(acc.type(t * invscale)))))
+        total = acc.type(0)
+        for j in range(size):
+            total = acc.type(total + w[j])
+        if total != 0:
+            w[:size] = (w[:size] / total).astype(acc)
+        idx[i, :size] = lo + np.arange(size)
+        idx[i, size:] = lo  # past the window: any valid index, masked out
+        used[i, :size] = True
+        wts[i] = w
+    return np.minimum(idx, n_in - 1), wts, used
+
+
+def _upsample_aa_check(x, output_size, align_corners, scales_h=None, scales_w=None):
+    if x.dtype not in (np.float32, np.float64):
+        return (
+            f"antialiased interpolation of {np.dtype(x.dtype).name} "
+            "(the CPU kernel's float32/float64 paths only)"
+        )
+    if x.ndim == 4 and output_size[1] == 1 and x.shape[2] != output_size[0]:
+        # PyTorch's CPU kernel then fills every output row with the input's first row
+        # (its vertical pass mis-strides a width-1 result); eager keeps that answer.
+        return "antialiased resize to width 1 and a new height (PyTorch's CPU kernel misreads it)"
+    return None
+
+
+@lower(aten._upsample_bilinear2d_aa.default, check=_upsample_aa_check)
+def _upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
+    """Antialiased bilinear resize (``antialias=True``), separable as the CPU kernel:
+    width first, then height; an axis whose size does not change is left as is."""
+    acc = np.dtype(x.dtype)
+    out = x
+    for axis, n_out, scale in ((3, output_size[1], scales_w), (2, output_size[0], scales_h)):
+        n_in = x.shape[axis]
+        if n_out == n_in:
+            continue
+        idx, wts, used = _aa_weights(n_in, n_out, align_corners, scale, acc)
+        taps = jnp.take(out, jnp.asarray(idx.reshape(-1)), axis=axis)
+        shape = list(out.shape)
+        shape[axis : axis + 1] = list(idx.shape)
+        taps = taps.reshape(shape)
+        bshape = [1] * len(shape)
+        bshape[axis : axis + 2] = list(wts.shape)
+        # Taps past a window are not read (an infinity there must not make NaN).
+        terms = jnp.where(
+            jnp.asarray(used).reshape(bshape), taps * jnp.asarray(wts).reshape(bshape), 0
+        )
+        out = jnp.sum(terms, axis=axis + 1)
+    return out.astype(x.dtype)
+
+
 # ---------------------------------------------------------------------------------
 # Grid sampling
 # ---------------------------------------------------------------------------------
@@ -207,4 +290,97 @@ def _grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
         + tap(y1i, x0i) * (wy1 * wx0)[:, None]
         + tap(y1i, x1i) * (wy1 * wx1)[:, None]
     )
+    return out.astype(x.dtype)
+
+
+def _grid_sampler_3d_check(x, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode not in (_BILINEAR, _NEAREST):
+        return "grid_sampler_3d with bicubic interpolation (eager raises)"
+    return _float_check(x)
+
+
+def _rounding(dtype):
+    """Rounds float32 values to ``dtype``'s precision after each step, as scalar C++ code
+    on c10::Half / c10::BFloat16 does (an explicit XLA op, so no excess precision)."""
+    if dtype == np.float16:
+        return np.dtype(np.float32), lambda v: jax.lax.reduce_precision(v, 5, 10)
+    if dtype == jnp.bfloat16:
+        return np.dtype(np.float32), lambda v: jax.lax.reduce_precision(v, 8, 7)
+    return np.dtype(dtype), lambda v: v
+
+
+def _scalar_source_coord(coord, size, padding_mode, align_corners, r):
+    """GridSampler.h's scalar compute_coordinates, every step rounded by ``r``: unnormalize,
+    clip or reflect (a NaN clips to size - 1, as std::min/max order it), then
+    safe_downgrade_to_int_range (non-finite or huge -> -100, outside)."""
+    if align_corners:
+        coord = r(r(r(coord + 1) / 2) * (size - 1))
+    else:
+        coord = r(r(r(r(coord + 1) * size) - 1) / 2)
+
+    def clip(v):
+        return jnp.where(jnp.isnan(v), size - 1, jnp.clip(v, 0, size - 1)).astype(v.dtype)
+
+    if padding_mode == _BORDER:
+        coord = clip(coord)
+    elif padding_mode == _REFLECTION:
+        twice_low, twice_high = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+        if twice_low == twice_high:
+            coord = jnp.zeros_like(coord)
+        else:
+            lo = twice_low / 2
+            span = (twice_high - twice_low) / 2
+            coord = r(jnp.abs(r(coord - lo)))
+            extra = r(jnp.fmod(coord, span))
+            flips = jnp.floor(r(coord / span))
+            coord = jnp.where(jnp.fmod(flips, 2) == 0, r(extra + lo), r(r(span - extra) + lo))
+        coord = clip(coord)
+    ok = jnp.isfinite(coord) & (jnp.abs(coord) < 2.0**31 - 1)
+    return jnp.where(ok, coord, jnp.asarray(-100, coord.dtype))
+
+
+@lower(aten.grid_sampler_3d.default, check=_grid_sampler_3d_check)
+def _grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
+    """Volumetric grid sampling (GridSampler.cpp's 3-D kernel): grid[..., (x, y, z)]
+    address (W, H, D); trilinear weights over the 8 neighbours, or the nearest voxel
+    (round half to even); zeros outside the input unless padding clamps or reflects.
+
+    The kernel is scalar code in the input's own type: half-precision inputs round
+    after every operation, so here every step is rounded to the input's precision
+    too, in the kernel's order (weights as x * y * z products, taps summed tnw, tne,
+    ..., bse).
+    """
+    n, c, d, h, w = x.shape
+    acc, r = _rounding(x.dtype)
+    xa = x.astype(acc)
+    ix, iy, iz = (
+        _scalar_source_coord(grid[..., k].astype(acc), size, padding_mode, align_corners, r)
+        for k, size in enumerate((w, h, d))
+    )
+
+    def tap(zi, yi, xi):
+        """x[n, :, zi, yi, xi] for every output position, and whether it is inside."""
+        inside = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h) & (zi >= 0) & (zi < d)
+        zc, yc, xc = jnp.clip(zi, 0, d - 1), jnp.clip(yi, 0, h - 1), jnp.clip(xi, 0, w - 1)
+        vals = jax.vmap(lambda img, zz, yy, xx: img[:, zz, yy, xx])(xa, zc, yc, xc)
+        return vals, inside[:, None]
+
+    if interpolation_mode == _NEAREST:
+        vals, inside = tap(*(jnp.round(v).astype(np.int64) for v in (iz, iy, ix)))
+        return jnp.where(inside, vals, 0).astype(x.dtype)
+    x0, y0, z0 = jnp.floor(ix), jnp.floor(iy), jnp.floor(iz)
+    wx = (r(x0 + 1 - ix), r(ix - x0))
+    wy = (r(y0 + 1 - iy), r(iy - y0))
+    wz = (r(z0 + 1 - iz), r(iz - z0))
+    xi = (x0.astype(np.int64), x0.astype(np.int64) + 1)
+    yi = (y0.astype(np.int64), y0.astype(np.int64) + 1)
+    zi = (z0.astype(np.int64), z0.astype(np.int64) + 1)
+    out = jnp.zeros((n, c, *grid.shape[1:4]), acc)
+    for a in (0, 1):
+        for b in (0, 1):
+            for e in (0, 1):
+                weight = r(r(wx[e] * wy[b]) * wz[a])[:, None]
+                vals, inside = tap(zi[a], yi[b], xi[e])
+                # Taps outside add nothing (the kernel skips them: no inf * 0).
+                out = jnp.where(inside, r(out + r(vals * weight)), out)
     return out.astype(x.dtype)
