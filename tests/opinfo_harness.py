@@ -52,6 +52,15 @@ UNINITIALIZED = frozenset(
     {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 )
 
+# Ops whose values depend on the generator by construction, but so weakly on small
+# samples that two eager seeds can agree (fractional pooling's window offsets take a
+# few values; a few draws without replacement from few categories): compared by
+# structure always, since the compiled program draws from another stream. Their
+# statistics are tested in tests/training/test_random.py.
+RANDOM_BY_DESIGN = frozenset(
+    {"nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d", "multinomial"}
+)
+
 JAX, FALLBACK, FAILING = "jax", "fallback", "failing"
 
 
@@ -288,7 +297,7 @@ def _run_batch(
 def _eager_reference(op: Any, sample: Any) -> tuple[Any, BaseException | None, Any, bool]:
     """(result, exception, inputs after the call, compare by structure only)."""
     expected, eager_error, eager_inputs = _call_eager(op, sample, seed=0)
-    shape_only = op.name in UNINITIALIZED
+    shape_only = op.name in UNINITIALIZED or op.name in RANDOM_BY_DESIGN
     if eager_error is None and not shape_only:
         # A result that changes with the seed (or between two identical calls) is
         # random: another suite checks its statistics; here only its structure.
