@@ -265,3 +265,131 @@ def test_more_distributions_in_one_graph() -> None:
     assert geometric.min() == 1 and abs(geometric.mean().item() - 1 / 0.3) < 0.03
     assert abs(poisson.mean().item() - 2) < 0.02 and abs(poisson.var().item() - 2) < 0.05
     assert_all_in_jax(backend, "inference")
+
+
+# ---------------------------------------------------------------------------------
+# multinomial, rrelu's slopes, fractional max pooling's windows, dropout variants
+# ---------------------------------------------------------------------------------
+
+
+def _seeded_twice(fn: Callable, *args, seed: int = 0):
+    """(backend, first, same-seed repeat, next call) of a compiled ``fn``."""
+    backend = dynajax.Backend()
+    compiled = torch.compile(fn, backend=backend)
+    torch.manual_seed(seed)
+    first = compiled(*args)
+    following = compiled(*args)
+    torch.manual_seed(seed)
+    again = compiled(*args)
+    return backend, first, again, following
+
+
+def _assert_ops_in_jax(backend: dynajax.Backend, *ops: str) -> None:
+    present = {k for g in backend.graphs for p in g.partitions for k in p.ops}
+    missing = set(ops) - present
+    assert not missing, f"{sorted(missing)} not in a JAX partition ({sorted(present)})"
+
+
+def test_multinomial_with_replacement_draws_in_proportion_to_the_weights() -> None:
+    weights = torch.tensor([[0.0, 1.0, 2.0, 7.0], [5.0, 0.0, 0.0, 5.0]])
+    backend, first, again, following = _seeded_twice(
+        lambda w: torch.multinomial(w, 50_000, replacement=True), weights
+    )
+    assert first.dtype == torch.int64 and first.shape == (2, 50_000)
+    assert torch.equal(first, again) and not torch.equal(first, following)
+    for row, w in zip(first, weights, strict=True):
+        freq = torch.bincount(row, minlength=4).double() / row.numel()
+        assert (freq - w.double() / w.sum()).abs().max() < 0.01, freq
+        assert (freq[w == 0] == 0).all(), "a zero-weight category was drawn"
+    assert_all_in_jax(backend, "inference")
+    _assert_ops_in_jax(backend, "aten.multinomial.default")
+
+
+def test_multinomial_without_replacement_draws_distinct_categories_by_weight() -> None:
+    """Each row holds distinct categories, zero weights never appear while others are
+    left, and the first two draws follow sequential sampling without replacement:
+    P(first = i) = p_i, P(second = j) = sum_i p_i p_j / (1 - p_i)."""
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0], dtype=torch.float64)
+    rows = 40_000
+    backend, first, again, following = _seeded_twice(
+        lambda w: torch.multinomial(w, 3), p.expand(rows, 5).contiguous()
+    )
+    assert torch.equal(first, again) and not torch.equal(first, following)
+    assert first.shape == (rows, 3)
+    assert (first.sort(dim=1).values.diff(dim=1) != 0).all(), "a category drawn twice"
+    assert (first != 4).all(), "a zero-weight category drawn while others were left"
+    f0 = torch.bincount(first[:, 0], minlength=5).double() / rows
+    f1 = torch.bincount(first[:, 1], minlength=5).double() / rows
+    second = torch.stack([(p * p[j] / (1 - p)).sum() - p[j] ** 2 / (1 - p[j]) for j in range(5)])
+    assert (f0 - p).abs().max() < 0.01, f0
+    assert (f1 - second).abs().max() < 0.01, (f1, second)
+    assert_all_in_jax(backend, "inference")
+    _assert_ops_in_jax(backend, "aten.multinomial.default")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rrelu_training_draws_uniform_slopes_for_non_positive_inputs(dtype) -> None:
+    lower, upper = 0.1, 0.4
+    x = torch.cat([-torch.rand(N // 2) - 0.5, torch.rand(N // 2) + 0.5]).to(dtype)
+    x[0] = 0.0  # zero is "non-positive": it gets a slope too (output 0)
+    backend, first, again, following = _seeded_twice(
+        lambda v: torch.ops.aten.rrelu_with_noise_functional(
+            v, torch.zeros_like(v), lower, upper, True
+        ),
+        x,
+    )
+    out, noise = first
+    assert torch.equal(out, again[0]) and torch.equal(noise, again[1])
+    assert not torch.equal(noise, following[1])
+    neg, pos = noise[: N // 2].double(), noise[N // 2 :]
+    assert (pos == 1).all() and torch.equal(out[N // 2 :], x[N // 2 :])
+    # Slopes are drawn in [lower, upper] and then rounded to the dtype, as in eager.
+    lo, hi = (torch.tensor(v, dtype=dtype).item() for v in (lower, upper))
+    assert lo <= neg.min() and neg.max() <= hi
+    assert abs(neg.mean().item() - (lower + upper) / 2) < 0.005
+    assert abs(neg.std().item() - (upper - lower) / 12**0.5) < 0.005
+    torch.testing.assert_close(out[: N // 2], x[: N // 2] * noise[: N // 2])
+    assert_all_in_jax(backend, "inference")
+    _assert_ops_in_jax(backend, "aten.rrelu_with_noise_functional.default")
+
+
+def test_rrelu_module_in_training_mode_matches_its_noise() -> None:
+    """F.rrelu(training=True) compiled: negative inputs scaled by slopes in range, the
+    positive ones untouched; gradients are the slopes (the forward's noise)."""
+    x = (torch.randn(64, 64) * 2).requires_grad_()
+    backend = dynajax.Backend()
+    torch.manual_seed(0)
+    out = torch.compile(lambda v: F.rrelu(v, 0.2, 0.3, training=True), backend=backend)(x)
+    out.sum().backward()
+    slope = torch.where(x > 0, torch.ones_like(x), out / x).detach()
+    neg = x.detach() <= 0
+    assert (slope[neg] >= 0.2 - 1e-6).all() and (slope[neg] <= 0.3 + 1e-6).all()
+    torch.testing.assert_close(x.grad, slope)
+    assert_all_in_jax(backend, "forward")
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_fractional_max_pool_windows_are_random_and_the_values_their_maxima(nd: int) -> None:
+    """The random offsets come from torch.rand in the graph: seeded, fresh per call.
+    The input increases with the flat index, so each window's maximum is its last
+    element and the indices show where the windows start: along the last axis the
+    second window must start at different positions in different planes, within
+    the range the offsets allow: with alpha = (15 - 2) / 4 = 3.25 it starts at
+    floor((1 + u) * alpha) - floor(u * alpha), 3 or 4."""
+    pool = F.fractional_max_pool2d if nd == 2 else F.fractional_max_pool3d
+    spatial = (15,) * nd
+    planes = (8, 64)
+    x = torch.arange(math.prod(spatial), dtype=torch.float32).reshape(spatial)
+    x = x.expand(*planes, *spatial).contiguous()
+    backend, first, again, following = _seeded_twice(
+        lambda v: pool(v, 2, output_size=(5,) * nd, return_indices=True), x
+    )
+    values, indices = first
+    assert torch.equal(indices, again[1]) and not torch.equal(indices, following[1])
+    flat = x.flatten(start_dim=2)
+    gathered = flat.gather(2, indices.flatten(start_dim=2)).view_as(values)
+    assert torch.equal(values, gathered)
+    start = indices[..., 1] % 15 - 1  # the second window of the last axis
+    assert set(start.flatten().tolist()) == {3, 4}
+    assert_all_in_jax(backend, "inference")
+    _assert_ops_in_jax(backend, f"aten.fractional_max_pool{nd}d.default")
