@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.dtypes import default_float, is_floating
+from dynajax.lowering.dtypes import default_float, is_complex, is_floating
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -49,6 +49,33 @@ def _generator_check(*args, generator=None, **kwargs):
     if generator is not None:
         return "an explicit torch.Generator (dynajax seeds from the default generator only)"
     return None
+
+
+def _kind(dtype) -> str:
+    d = np.dtype(dtype)
+    if d == np.bool_:
+        return "bool"
+    return "complex" if is_complex(d) else "float" if is_floating(d) else "int"
+
+
+def _kinds_check(*kinds: str):
+    """A check accepting tensors of the given kinds (float, complex, int, bool) only:
+    eager raises for the others (exponential_ of an int tensor, bernoulli_ of a complex
+    one), and so must the compiled program. Explicit generators are refused too."""
+
+    def check(x, *args, generator=None, **kwargs):
+        if generator is not None or any(isinstance(a, torch.Generator) for a in args):
+            return _generator_check(generator=True)
+        kind = _kind(x.dtype)
+        if kind not in kinds:
+            return f"a {np.dtype(x.dtype).name} tensor (eager raises)"
+        return None
+
+    return check
+
+
+_FLOAT_OR_COMPLEX = _kinds_check("float", "complex")
+_FLOAT = _kinds_check("float")
 
 
 def _float_dtype(dtype, like=None):
@@ -61,9 +88,16 @@ def _sequential():
     return jax.threefry_partitionable(False)
 
 
+def _real_part_dtype(dtype):
+    return np.dtype(np.float64) if dtype == np.complex128 else np.dtype(np.float32)
+
+
 def _uniform(key, shape, dtype, low=0.0, high=1.0):
     # Sample in at least float32 so half-precision results have full resolution, then
     # clamp below ``high`` (rounding to half precision could otherwise reach it).
+    if is_complex(dtype):  # as PyTorch: real and imaginary parts each uniform
+        u = _uniform(key, (*shape, 2), _real_part_dtype(dtype), low, high)
+        return jax.lax.complex(u[..., 0], u[..., 1]).astype(dtype)
     wide = np.float64 if dtype == np.float64 else np.float32
     with _sequential():
         u = jax.random.uniform(key, tuple(shape), wide, low, high)
@@ -72,6 +106,9 @@ def _uniform(key, shape, dtype, low=0.0, high=1.0):
 
 
 def _normal(key, shape, dtype):
+    if is_complex(dtype):  # as PyTorch: unit variance, each part N(0, 1/2)
+        z = _normal(key, (*shape, 2), _real_part_dtype(dtype)) * np.sqrt(0.5)
+        return jax.lax.complex(z[..., 0], z[..., 1]).astype(dtype)
     wide = np.float64 if dtype == np.float64 else np.float32
     with _sequential():
         return jax.random.normal(key, tuple(shape), wide).astype(dtype)
@@ -150,19 +187,22 @@ def _randperm(n, *, dtype=np.int64, layout=None, device=None, pin_memory=None, k
 # ---------------------------------------------------------------------------------
 
 
-@lower(aten.uniform.default, check=_generator_check, needs_key=True)
+@lower(aten.uniform.default, check=_FLOAT_OR_COMPLEX, needs_key=True)
 def _uniform_op(x, low=0.0, high=1.0, *, generator=None, key):
     return _uniform(key, x.shape, x.dtype, low, high)
 
 
-@lower(aten.normal_functional.default, check=_generator_check, needs_key=True)
+@lower(aten.normal_functional.default, check=_FLOAT_OR_COMPLEX, needs_key=True)
 def _normal_functional(x, mean=0.0, std=1.0, *, generator=None, key):
+    # A complex tensor gets N(mean, std^2 / 2) in each part (PyTorch fills its real view
+    # with std / sqrt(2)): the mean shifts the imaginary part too.
+    shift = complex(mean, mean) if is_complex(x.dtype) else mean
     return (
-        _normal(key, x.shape, x.dtype) * jnp.asarray(std, x.dtype) + jnp.asarray(mean, x.dtype)
+        _normal(key, x.shape, x.dtype) * jnp.asarray(std, x.dtype) + jnp.asarray(shift, x.dtype)
     ).astype(x.dtype)
 
 
-@lower(aten.normal.Tensor_float, check=_generator_check, needs_key=True)
+@lower(aten.normal.Tensor_float, check=_FLOAT_OR_COMPLEX, needs_key=True)
 def _normal_tensor_float(mean, std=1.0, *, generator=None, key):
     return (mean + _normal(key, mean.shape, mean.dtype) * jnp.asarray(std, mean.dtype)).astype(
         mean.dtype
@@ -176,7 +216,7 @@ def _normal_float_tensor(mean, std, *, generator=None, key):
     )
 
 
-@lower(aten.normal.Tensor_Tensor, check=_generator_check, needs_key=True)
+@lower(aten.normal.Tensor_Tensor, check=_FLOAT_OR_COMPLEX, needs_key=True)
 def _normal_tensor_tensor(mean, std, *, generator=None, key):
     shape = jnp.broadcast_shapes(mean.shape, std.shape)
     dtype = jnp.result_type(mean.dtype, std.dtype)
@@ -193,38 +233,38 @@ def _normal_float_float(
     )
 
 
-@lower(aten.bernoulli.p, check=_generator_check, needs_key=True)
+@lower(aten.bernoulli.p, check=_kinds_check("float", "int", "bool"), needs_key=True)
 def _bernoulli_p(x, p=0.5, *, generator=None, key):
     return (_uniform(key, x.shape, np.float32) < p).astype(x.dtype)
 
 
-@lower(aten.bernoulli.default, check=_generator_check, needs_key=True)
+@lower(aten.bernoulli.default, check=_FLOAT, needs_key=True)
 def _bernoulli(x, *, generator=None, key):
     wide = np.float64 if x.dtype == np.float64 else np.float32
     return (_uniform(key, x.shape, wide) < x.astype(wide)).astype(x.dtype)
 
 
-@lower(aten.bernoulli.Tensor, check=_generator_check, needs_key=True)
+@lower(aten.bernoulli.Tensor, check=_kinds_check("float", "int", "bool"), needs_key=True)
 def _bernoulli_tensor(x, p, *, generator=None, key):
     wide = np.float64 if p.dtype == np.float64 else np.float32
     u = _uniform(key, x.shape, wide)
     return (u < jnp.broadcast_to(p, x.shape).astype(wide)).astype(x.dtype)
 
 
-@lower(aten.log_normal.default, check=_generator_check, needs_key=True)
+@lower(aten.log_normal.default, check=_FLOAT, needs_key=True)
 def _log_normal(x, mean=1.0, std=2.0, *, generator=None, key):
     wide = np.float64 if x.dtype == np.float64 else np.float32
     return jnp.exp(_normal(key, x.shape, wide) * std + mean).astype(x.dtype)
 
 
-@lower(aten.cauchy.default, check=_generator_check, needs_key=True)
+@lower(aten.cauchy.default, check=_FLOAT, needs_key=True)
 def _cauchy(x, median=0.0, sigma=1.0, *, generator=None, key):
     wide = np.float64 if x.dtype == np.float64 else np.float32
     u = _uniform(key, x.shape, wide)
     return (median + sigma * jnp.tan(np.pi * (u - 0.5))).astype(x.dtype)
 
 
-@lower(aten.geometric.default, check=_generator_check, needs_key=True)
+@lower(aten.geometric.default, check=_kinds_check("float", "int"), needs_key=True)
 def _geometric(x, p, *, generator=None, key):
     # Trials up to and including the first success: ceil(log(u) / log(1 - p)), u in (0, 1].
     wide = np.float64 if x.dtype == np.float64 else np.float32
@@ -232,14 +272,14 @@ def _geometric(x, p, *, generator=None, key):
     return jnp.ceil(jnp.log(u) / jnp.log1p(-p)).astype(x.dtype)
 
 
-@lower(aten.poisson.default, check=_generator_check, needs_key=True)
+@lower(aten.poisson.default, check=_FLOAT, needs_key=True)
 def _poisson(rates, generator=None, *, key):
     with _sequential():
         counts = jax.random.poisson(key, rates, rates.shape, np.int64)
     return counts.astype(rates.dtype)
 
 
-@lower(aten.exponential.default, check=_generator_check, needs_key=True)
+@lower(aten.exponential.default, check=_FLOAT, needs_key=True)
 def _exponential(x, lambd=1.0, *, generator=None, key):
     wide = np.float64 if x.dtype == np.float64 else np.float32
     u = _uniform(key, x.shape, wide)

@@ -187,8 +187,9 @@ def _upsample_aa_check(x, output_size, align_corners, scales_h=None, scales_w=No
             "(the CPU kernel's float32/float64 paths only)"
         )
     if x.ndim == 4 and output_size[1] == 1 and x.shape[2] != output_size[0]:
-        # PyTorch's CPU kernel then fills every output row with the input's first row
-        # (its vertical pass mis-strides a width-1 result); eager keeps that answer.
+        # PyTorch's CPU kernel then fills every output row with the first row of the
+        # width-resized image (its vertical pass misreads a width-1 image); left to
+        # eager, so the compiled answer stays eager's.
         return "antialiased resize to width 1 and a new height (PyTorch's CPU kernel misreads it)"
     return None
 

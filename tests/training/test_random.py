@@ -393,3 +393,77 @@ def test_fractional_max_pool_windows_are_random_and_the_values_their_maxima(nd: 
     assert set(start.flatten().tolist()) == {3, 4}
     assert_all_in_jax(backend, "inference")
     _assert_ops_in_jax(backend, f"aten.fractional_max_pool{nd}d.default")
+
+
+def test_complex_samplers_draw_both_parts_as_pytorch() -> None:
+    """Complex randn/randn_like: each part N(0, 1/2); rand_like and uniform_: each part
+    uniform; normal_(mean, std): each part N(mean, std^2 / 2) (the mean shifts both)."""
+
+    def sample(z):
+        return (
+            torch.randn(N, dtype=torch.complex64),
+            torch.randn_like(z),
+            torch.rand_like(z),
+            z.clone().uniform_(-1.0, 3.0),
+            z.clone().normal_(2.0, 3.0),
+        )
+
+    z = torch.zeros(N, dtype=torch.complex64)
+    backend, first, again, following = _seeded_twice(sample, z)
+    for a, b, c in zip(first, again, following, strict=True):
+        assert a.dtype == torch.complex64 and torch.equal(a, b) and not torch.equal(a, c)
+    randn, randn_like, rand_like, uniform, normal = first
+    for t in (randn, randn_like):
+        for part in (t.real, t.imag):
+            _mean_std(0.0, 0.5**0.5, 0.01)(part)
+        assert abs((t.real * t.imag).double().mean().item()) < 0.01  # independent parts
+    for part in (rand_like.real, rand_like.imag):
+        _check_rand(part)
+    for part in (uniform.real, uniform.imag):
+        assert -1 <= part.min() and part.max() < 3
+        _mean_std(1.0, 4 / 12**0.5, 0.02)(part)
+    for part in (normal.real, normal.imag):
+        _mean_std(2.0, 3 * 0.5**0.5, 0.03)(part)
+    assert_all_in_jax(backend, "inference")
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_channel_dropout_drops_whole_channels(nd: int) -> None:
+    """dropout2d/3d: each (sample, channel) is kept, scaled by 1/(1-p), or zeroed whole;
+    a fraction p of channels is dropped."""
+    p = 0.3
+    drop = F.dropout2d if nd == 2 else F.dropout3d
+    x = torch.ones(400, 100, *(3,) * nd)
+    backend, first, again, following = _seeded_twice(lambda v: drop(v, p, training=True), x)
+    assert torch.equal(first, again) and not torch.equal(first, following)
+    per_channel = first.flatten(start_dim=2)
+    kept = per_channel[:, :, 0] != 0
+    assert (per_channel == per_channel[:, :, :1]).all(), "a channel partly dropped"
+    assert abs(kept.double().mean().item() - (1 - p)) < 0.01
+    torch.testing.assert_close(per_channel[kept], torch.full_like(per_channel[kept], 1 / (1 - p)))
+    assert_all_in_jax(backend, "inference")
+
+
+# SELU's alpha, as alpha_dropout uses it.
+_ALPHA = 1.7580993408473766
+
+
+@pytest.mark.parametrize("feature", [False, True], ids=["alpha_dropout", "feature_alpha_dropout"])
+def test_alpha_dropout_keeps_zero_mean_and_unit_variance(feature: bool) -> None:
+    """alpha_dropout sets dropped units to the SELU saturation value and rescales with
+    a, b so that standard-normal input keeps mean 0 and variance 1: kept units become
+    a x + alpha a p, dropped ones alpha a (p - 1). The feature form drops whole
+    channels."""
+    p = 0.2
+    a = 1 / ((_ALPHA**2 * p + 1) * (1 - p)) ** 0.5
+    drop = F.feature_alpha_dropout if feature else F.alpha_dropout
+    x = torch.randn(2000, 100, 4) if feature else torch.randn(N)
+    backend, first, again, following = _seeded_twice(lambda v: drop(v, p, training=True), x)
+    assert torch.equal(first, again) and not torch.equal(first, following)
+    _mean_std(0.0, 1.0, 0.02)(first)
+    dropped = torch.isclose(first, torch.tensor(_ALPHA * a * (p - 1)), rtol=0, atol=1e-6)
+    assert abs(dropped.double().mean().item() - p) < 0.01
+    torch.testing.assert_close(first[~dropped], a * x[~dropped] + _ALPHA * a * p)
+    if feature:
+        assert (dropped == dropped[:, :, :1]).all(), "a channel partly dropped"
+    assert_all_in_jax(backend, "inference")
