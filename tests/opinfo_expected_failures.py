@@ -38,6 +38,12 @@ _LOGSPACE_BF16 = (
     "core decomposition's rounding differs from the kernel's (not analyzed yet)"
 )
 
+_CONV_TRANSPOSE = (
+    "a few output elements (0.1-0.4%) differ from PyTorch's CPU kernel beyond the "
+    "tolerance (float32 5e-5 absolute, bfloat16 0.375): the accumulation order or "
+    "precision of XLA's transposed convolution is not matched yet (not analyzed)"
+)
+
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("addcdiv", "", "bfloat16"): _DYNAMO_ADDCDIV,
     ("argsort", "", "bfloat16"): _TIES,
@@ -48,7 +54,12 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("kthvalue", "", "int32"): _TIES,
     ("kthvalue", "", "int64"): _TIES,
     ("logspace", "", "bfloat16"): _LOGSPACE_BF16,
+    ("logspace", "tensor_overload", "bfloat16"): _LOGSPACE_BF16,
     ("masked.var", "", "bfloat16"): _MASKED_VAR_BF16,
+    ("nn.functional.conv_transpose2d", "", "bfloat16"): _CONV_TRANSPOSE,
+    ("nn.functional.conv_transpose3d", "", "bfloat16"): _CONV_TRANSPOSE,
+    ("nn.functional.conv_transpose3d", "", "float16"): _CONV_TRANSPOSE,
+    ("nn.functional.conv_transpose3d", "", "float32"): _CONV_TRANSPOSE,
     ("nn.functional.grid_sample", "", "bfloat16"): _GRID_HALF,
     ("polygamma", "polygamma_n_0", "float32"): _POLYGAMMA_F32,
     ("polygamma", "polygamma_n_1", "float32"): _POLYGAMMA_F32,

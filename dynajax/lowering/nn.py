@@ -171,7 +171,8 @@ def _batch_norm_no_stats(x, weight, bias, training, momentum, eps):
 
 @lower(aten.native_group_norm.default)
 def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
-    xf = x.astype(_stat_dtype(x)).reshape(N, group, -1)
+    # Explicit sizes: with N == 0 a -1 in the reshape would be ambiguous.
+    xf = x.astype(_stat_dtype(x)).reshape(N, group, (C // group) * HxW)
     mean = jnp.mean(xf, axis=-1)
     var = jnp.var(xf, axis=-1)
     rstd = jax.lax.rsqrt(var + eps)

@@ -802,6 +802,12 @@ SEMANTICS = [
         lambda: (randn(64, dtype=torch.bfloat16), randn(64, dtype=torch.bfloat16) * 6),
         ("aten.ldexp.Tensor",),
     ),
+    Case(
+        "native_group_norm-empty-batch-float32",
+        lambda x, w, b: torch.native_group_norm(x, w, b, 0, 2, 1, 1, 1e-5),
+        lambda: (torch.randn(0, 2), randn(2), randn(2)),
+        ("aten.native_group_norm.default",),
+    ),
 ]
 
 CASES = (
