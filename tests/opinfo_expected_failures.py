@@ -18,11 +18,6 @@ _DYNAMO_ADDCDIV = (
     "Without value= the op reaches dynajax whole and matches (lowering/fused.py)"
 )
 
-_GRID_HALF = (
-    "differs from PyTorch's CPU kernel beyond the half-precision tolerance at a few "
-    "points (its rounding of intermediate coordinates is not matched yet)"
-)
-
 _POLYGAMMA_F32 = (
     "near a pole PyTorch's float32 kernel loses precision (x=-7.9506: 412.7526 where the "
     "float64 value is 412.7442); the rule sums in float64 and is off from eager by 2e-5"
@@ -49,8 +44,6 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("argsort", "", "bfloat16"): _TIES,
     ("argsort", "", "bool"): _TIES,
     ("argsort", "", "float16"): _TIES,
-    ("grid_sampler_2d", "", "bfloat16"): _GRID_HALF,
-    ("grid_sampler_2d", "", "float16"): _GRID_HALF,
     ("kthvalue", "", "int32"): _TIES,
     ("kthvalue", "", "int64"): _TIES,
     ("logspace", "", "bfloat16"): _LOGSPACE_BF16,
@@ -60,7 +53,6 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("nn.functional.conv_transpose3d", "", "bfloat16"): _CONV_TRANSPOSE,
     ("nn.functional.conv_transpose3d", "", "float16"): _CONV_TRANSPOSE,
     ("nn.functional.conv_transpose3d", "", "float32"): _CONV_TRANSPOSE,
-    ("nn.functional.grid_sample", "", "bfloat16"): _GRID_HALF,
     ("polygamma", "polygamma_n_0", "float32"): _POLYGAMMA_F32,
     ("polygamma", "polygamma_n_1", "float32"): _POLYGAMMA_F32,
     ("polygamma", "polygamma_n_2", "float32"): _POLYGAMMA_F32,

@@ -233,64 +233,79 @@ def _grid_sampler_check(x, grid, interpolation_mode, padding_mode, align_corners
     return _float_check(x)
 
 
-def _reflect(coord, twice_low, twice_high):
+def _rounding(dtype):
+    """(compute dtype, rounding): float32 values rounded to ``dtype``'s precision after
+    each step, as C++ arithmetic on c10::Half / c10::BFloat16 (scalar or vectorized)
+    does; an explicit XLA op, so the compiler keeps no excess precision."""
+    if dtype == np.float16:
+        return np.dtype(np.float32), lambda v: jax.lax.reduce_precision(v, 5, 10)
+    if dtype == jnp.bfloat16:
+        return np.dtype(np.float32), lambda v: jax.lax.reduce_precision(v, 8, 7)
+    return np.dtype(dtype), lambda v: v
+
+
+def _reflect(coord, twice_low, twice_high, r):
+    """GridSampler.h: reflect_coordinates, every step rounded by ``r``."""
     if twice_low == twice_high:
         return jnp.zeros_like(coord)
     lo = twice_low / 2
     span = (twice_high - twice_low) / 2
-    coord = jnp.abs(coord - lo)
-    extra = jnp.fmod(coord, span)
-    flips = jnp.floor(coord / span)
-    return jnp.where(jnp.fmod(flips, 2) == 0, extra + lo, span - extra + lo)
+    coord = r(jnp.abs(r(coord - lo)))
+    extra = r(jnp.fmod(coord, span))
+    flips = jnp.floor(r(coord / span))
+    return jnp.where(jnp.fmod(flips, 2) == 0, r(extra + lo), r(r(span - extra) + lo))
 
 
-def _source_coord(coord, size, padding_mode, align_corners):
-    """GridSampler.h: grid_sampler_compute_source_index."""
-    if align_corners:
-        coord = (coord + 1) / 2 * (size - 1)
-    else:
-        coord = ((coord + 1) * size - 1) / 2
+def _reflect_bounds(size, align_corners):
+    return (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+
+
+def _vector_source_coord(coord, size, padding_mode, align_corners, r):
+    """GridSamplerKernel.cpp's vectorized ComputeLocation, every step rounded by ``r``:
+    (coord + 1) * scale (- 0.5 without align_corners), scale = (size - 1) / 2 or size / 2,
+    then clip or reflect."""
+    scale = r(jnp.asarray((size - 1) / 2 if align_corners else size / 2, coord.dtype))
+    coord = r(r(coord + 1) * scale)
+    if not align_corners:
+        coord = r(coord - 0.5)
     if padding_mode == _BORDER:
         coord = jnp.clip(coord, 0, size - 1)
     elif padding_mode == _REFLECTION:
-        coord = (
-            _reflect(coord, 0, 2 * (size - 1))
-            if align_corners
-            else _reflect(coord, -1, 2 * size - 1)
-        )
-        coord = jnp.clip(coord, 0, size - 1)
+        coord = jnp.clip(_reflect(coord, *_reflect_bounds(size, align_corners), r), 0, size - 1)
     return coord
 
 
 @lower(aten.grid_sampler_2d.default, check=_grid_sampler_check)
 def _grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
+    """Bilinear or nearest sampling of x at grid[..., (x, y)] (GridSamplerKernel.cpp's
+    vectorized kernel): half-precision inputs round after every step as its
+    Vectorized<Half/BFloat16> arithmetic does, in its order (weights s*e, s*w, n*e,
+    n*w; taps summed nw, ne, sw, se)."""
     n, c, h, w = x.shape
-    acc = _opmath(x.dtype)
-    ix = _source_coord(grid[..., 0].astype(acc), w, padding_mode, align_corners)
-    iy = _source_coord(grid[..., 1].astype(acc), h, padding_mode, align_corners)
+    acc, r = _rounding(x.dtype)
+    xa = x.astype(acc)
+    ix = _vector_source_coord(grid[..., 0].astype(acc), w, padding_mode, align_corners, r)
+    iy = _vector_source_coord(grid[..., 1].astype(acc), h, padding_mode, align_corners, r)
 
     def tap(yi, xi):
         """x[n, :, yi, xi] for every output position; zero outside the input."""
         inside = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h)
         yc, xc = jnp.clip(yi, 0, h - 1), jnp.clip(xi, 0, w - 1)
-        vals = jax.vmap(lambda img, yy, xx: img[:, yy, xx])(x.astype(acc), yc, xc)  # (n, c, ho, wo)
-        return vals * inside[:, None].astype(acc)
+        vals = jax.vmap(lambda img, yy, xx: img[:, yy, xx])(xa, yc, xc)  # (n, c, ho, wo)
+        return jnp.where(inside[:, None], vals, jnp.zeros((), acc))
 
     if interpolation_mode == _NEAREST:
         # nearbyint: round half to even, like jnp.round.
         out = tap(jnp.round(iy).astype(np.int64), jnp.round(ix).astype(np.int64))
         return out.astype(x.dtype)
     x0, y0 = jnp.floor(ix), jnp.floor(iy)
-    x1, y1 = x0 + 1, y0 + 1
-    wx1, wy1 = ix - x0, iy - y0
-    wx0, wy0 = x1 - ix, y1 - iy
-    x0i, x1i, y0i, y1i = (v.astype(np.int64) for v in (x0, x1, y0, y1))
-    out = (
-        tap(y0i, x0i) * (wy0 * wx0)[:, None]
-        + tap(y0i, x1i) * (wy0 * wx1)[:, None]
-        + tap(y1i, x0i) * (wy1 * wx0)[:, None]
-        + tap(y1i, x1i) * (wy1 * wx1)[:, None]
-    )
+    tw, tn = r(ix - x0), r(iy - y0)  # distances to the west and north neighbours
+    te, ts = r(1 - tw), r(1 - tn)
+    x0i, y0i = x0.astype(np.int64), y0.astype(np.int64)
+    out = r(tap(y0i, x0i) * r(ts * te)[:, None])
+    out = r(out + r(tap(y0i, x0i + 1) * r(ts * tw)[:, None]))
+    out = r(out + r(tap(y0i + 1, x0i) * r(tn * te)[:, None]))
+    out = r(out + r(tap(y0i + 1, x0i + 1) * r(tn * tw)[:, None]))
     return out.astype(x.dtype)
 
 
@@ -298,16 +313,6 @@ def _grid_sampler_3d_check(x, grid, interpolation_mode, padding_mode, align_corn
     if interpolation_mode not in (_BILINEAR, _NEAREST):
         return "grid_sampler_3d with bicubic interpolation (eager raises)"
     return _float_check(x)
-
-
-def _rounding(dtype):
-    """Rounds float32 values to ``dtype``'s precision after each step, as scalar C++ code
-    on c10::Half / c10::BFloat16 does (an explicit XLA op, so no excess precision)."""
-    if dtype == np.float16:
-        return np.dtype(np.float32), lambda v: jax.lax.reduce_precision(v, 5, 10)
-    if dtype == jnp.bfloat16:
-        return np.dtype(np.float32), lambda v: jax.lax.reduce_precision(v, 8, 7)
-    return np.dtype(dtype), lambda v: v
 
 
 def _scalar_source_coord(coord, size, padding_mode, align_corners, r):
@@ -325,17 +330,7 @@ def _scalar_source_coord(coord, size, padding_mode, align_corners, r):
     if padding_mode == _BORDER:
         coord = clip(coord)
     elif padding_mode == _REFLECTION:
-        twice_low, twice_high = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
-        if twice_low == twice_high:
-            coord = jnp.zeros_like(coord)
-        else:
-            lo = twice_low / 2
-            span = (twice_high - twice_low) / 2
-            coord = r(jnp.abs(r(coord - lo)))
-            extra = r(jnp.fmod(coord, span))
-            flips = jnp.floor(r(coord / span))
-            coord = jnp.where(jnp.fmod(flips, 2) == 0, r(extra + lo), r(r(span - extra) + lo))
-        coord = clip(coord)
+        coord = clip(_reflect(coord, *_reflect_bounds(size, align_corners), r))
     ok = jnp.isfinite(coord) & (jnp.abs(coord) < 2.0**31 - 1)
     return jnp.where(ok, coord, jnp.asarray(-100, coord.dtype))
 

@@ -174,6 +174,29 @@ GRID3D = [
     _grid3d("nearest", "border", False, torch.float16),
 ]
 
+
+def _grid2d(mode, padding, align, dtype):
+    def inputs():
+        x = randn(2, 3, 7, 9, dtype=dtype)
+        grid = (torch.rand(2, 5, 6, 2) * 2.6 - 1.3).to(dtype)
+        return x, grid
+
+    return Case(
+        f"grid_sample2d-{mode}-{padding}-{'align' if align else 'noalign'}-{str(dtype)[6:]}",
+        lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align),
+        inputs,
+        ("aten.grid_sampler_2d.default",),
+    )
+
+
+# Half precision in 2-D: the vectorized kernel's per-step rounding, reproduced.
+GRID3D += [
+    _grid2d("bilinear", padding, align, dtype)
+    for padding in ("zeros", "border", "reflection")
+    for align in (False, True)
+    for dtype in (torch.bfloat16, torch.float16)
+] + [_grid2d("nearest", "reflection", False, torch.bfloat16)]
+
 # ---------------------------------------------------------------------------------
 # Antialiased bilinear resizing
 # ---------------------------------------------------------------------------------
