@@ -39,6 +39,12 @@ _CONV_TRANSPOSE = (
     "precision of XLA's transposed convolution is not matched yet (not analyzed)"
 )
 
+_INSTANCE_NORM_BF16 = (
+    "one element of 72 is a bfloat16 ulp off eager (0.024 where 0.02 is allowed) in "
+    "samples 4 and 5: the rounding of the decomposed instance norm's intermediates is "
+    "not matched yet (not analyzed)"
+)
+
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("addcdiv", "", "bfloat16"): _DYNAMO_ADDCDIV,
     ("argsort", "", "bfloat16"): _TIES,
@@ -53,6 +59,7 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("nn.functional.conv_transpose3d", "", "bfloat16"): _CONV_TRANSPOSE,
     ("nn.functional.conv_transpose3d", "", "float16"): _CONV_TRANSPOSE,
     ("nn.functional.conv_transpose3d", "", "float32"): _CONV_TRANSPOSE,
+    ("nn.functional.instance_norm", "", "bfloat16"): _INSTANCE_NORM_BF16,
     ("polygamma", "polygamma_n_0", "float32"): _POLYGAMMA_F32,
     ("polygamma", "polygamma_n_1", "float32"): _POLYGAMMA_F32,
     ("polygamma", "polygamma_n_2", "float32"): _POLYGAMMA_F32,
