@@ -18,6 +18,13 @@ _DYNAMO_ADDCDIV = (
     "Without value= the op reaches dynajax whole and matches (lowering/fused.py)"
 )
 
+_ATTENTION_ROUNDING = (
+    "a few deterministic samples (dropout 0) with outputs of magnitude ~1e3 differ from "
+    "eager by about one ulp of the dtype (float32: 3e-5 relative; half: 0.5-6 at ~800): "
+    "the decomposed attention (linear, bmm, softmax) rounds in another order than "
+    "PyTorch's fused CPU kernels; both are about as far from the float64 result"
+)
+
 _POLYGAMMA_F32 = (
     "near a pole PyTorch's float32 kernel loses precision (x=-7.9506: 412.7526 where the "
     "float64 value is 412.7442); the rule sums in float64 and is off from eager by 2e-5"
@@ -67,6 +74,10 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("nn.functional.conv_transpose3d", "", "float32"): _CONV_TRANSPOSE,
     ("nn.functional.instance_norm", "", "bfloat16"): _INSTANCE_NORM_BF16,
     ("nn.functional.soft_margin_loss", "", "float16"): _EXCESS_PRECISION_F16,
+    ("nn.functional.multi_head_attention_forward", "", "bfloat16"): _ATTENTION_ROUNDING,
+    ("nn.functional.multi_head_attention_forward", "", "float16"): _ATTENTION_ROUNDING,
+    ("nn.functional.multi_head_attention_forward", "", "float32"): _ATTENTION_ROUNDING,
+    ("nn.functional.scaled_dot_product_attention", "", "float32"): _ATTENTION_ROUNDING,
     ("polygamma", "polygamma_n_0", "float32"): _POLYGAMMA_F32,
     ("polygamma", "polygamma_n_1", "float32"): _POLYGAMMA_F32,
     ("polygamma", "polygamma_n_2", "float32"): _POLYGAMMA_F32,
