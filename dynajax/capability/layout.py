@@ -19,18 +19,32 @@ under dynamic shapes) is marked unknown, with the reason; rules refuse it.
 
     x (input, stride (3, 1))  -> permute -> as_strided     layout known (view of input)
     x -> mul (stride (1, 3))  -> as_strided                unknown: 'mul' not contiguous
+
+When such an op runs in eager PyTorch instead (refused, or listed in ``fallback_ops``),
+its argument must reach it in eager's storage too, while a JAX result is a fresh
+row-major array and a view computed in JAX is a compact copy. ``keep_eager_storage``
+keeps the views between the op and the tensor that owns the storage in eager PyTorch,
+so that they alias it, and copies that tensor into the strides of its fake tensor when
+it is not a graph input and not row-major:
+
+    x -> jax(mul) -> as_strided          (reads mul's row-major JAX result: wrong)
+    x -> jax(mul) -> empty_strided(1, 3) + copy -> as_strided           (eager's storage)
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from dynajax.lowering.registry import Layout, NodeLayout
+from dynajax.capability.verdict import META_KEY, Reason, Unsupported
+from dynajax.lowering.registry import Layout, NodeLayout, get_rule
+
+aten = torch.ops.aten
 
 # aot_autograd's descriptors of graph inputs that are the user's own tensors, whose
 # layout Dynamo guards (node.meta["desc"] of a placeholder).
@@ -107,3 +121,100 @@ def _dense_row_major(t: torch.Tensor) -> bool:
             return False
         expected *= int(size)
     return True
+
+
+def _reads_storage(node: torch.fx.Node) -> bool:
+    """An op that addresses its first argument's storage, kept in eager PyTorch."""
+    verdict = node.meta.get(META_KEY)
+    if node.op != "call_function" or verdict is None or verdict.supported:
+        return False
+    rule = get_rule(node.target)
+    return rule is not None and rule.needs_layout
+
+
+def _storage_chain(node: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+    """The views (and getitems of multi-output views) from ``node``'s first argument
+    back to the tensor that owns their storage, and that tensor."""
+    chain: list[torch.fx.Node] = []
+    cur = node.args[0] if node.args else None
+    while isinstance(cur, torch.fx.Node) and cur.op == "call_function":
+        producer = cur
+        if cur.target is operator.getitem and isinstance(cur.args[0], torch.fx.Node):
+            producer = cur.args[0]
+        if not _is_view(producer.target) or not isinstance(producer.args[0], torch.fx.Node):
+            break
+        chain += [cur] if producer is cur else [cur, producer]
+        cur = producer.args[0]
+    return chain, cur if isinstance(cur, torch.fx.Node) else None
+
+
+def _needs_restride(val: Any) -> bool:
+    """Whether a fresh row-major tensor would not have ``val``'s layout, and a copy
+    into ``empty_strided(val.shape, val.stride())`` would (dense, concrete, offset 0)."""
+    if not isinstance(val, torch.Tensor) or _dense_row_major(val):
+        return False
+    dims = (*val.shape, *val.stride(), val.storage_offset())
+    if not all(is_concrete_int(d) for d in dims) or int(val.storage_offset()) != 0:
+        return False
+    # Non-overlapping and dense: some permutation of the dims is row-major.
+    expected = 1
+    for size, stride in sorted(
+        ((int(n), int(st)) for n, st in zip(val.shape, val.stride(), strict=True) if n != 1),
+        key=lambda d: d[1],
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def keep_eager_storage(
+    gm: torch.fx.GraphModule, refuse: Callable[[torch.fx.Node, Reason, str], Unsupported]
+) -> list[Unsupported]:
+    """Gives each eager op that reads storage (see the module docstring) its argument
+    in eager's storage layout; returns the verdicts of the nodes it kept in eager."""
+    refused: list[Unsupported] = []
+    for node in list(gm.graph.nodes):
+        if not _reads_storage(node):
+            continue
+        chain, owner = _storage_chain(node)
+        for view in chain:
+            if view.meta[META_KEY].supported:
+                view.meta[META_KEY] = refuse(
+                    view,
+                    Reason.EAGER_STORAGE,
+                    f"a view of the storage that '{node.name}' reads in PyTorch",
+                )
+                refused.append(view.meta[META_KEY])
+        if owner is None or owner.op == "placeholder":
+            continue
+        val = owner.meta.get("val")
+        if not _needs_restride(val):
+            continue
+        user = chain[-1] if chain else node
+        with gm.graph.inserting_after(owner):
+            empty = gm.graph.call_function(
+                aten.empty_strided.default,
+                (list(val.shape), list(val.stride())),
+                {"dtype": val.dtype, "device": val.device},
+            )
+        with gm.graph.inserting_after(empty):
+            copy = gm.graph.call_function(aten.copy.default, (empty, owner))
+        with val.fake_mode:
+            empty.meta["val"] = torch.empty_strided(
+                val.shape, val.stride(), dtype=val.dtype, device=val.device
+            )
+            copy.meta["val"] = aten.copy.default(empty.meta["val"], val)
+        for new in (empty, copy):
+            new.meta["stack_trace"] = owner.meta.get("stack_trace")
+            new.meta[META_KEY] = refuse(
+                new,
+                Reason.EAGER_STORAGE,
+                f"'{owner.name}' in eager's strides {tuple(val.stride())} for '{node.name}'",
+            )
+            refused.append(new.meta[META_KEY])
+        user.replace_input_with(owner, copy)
+    if refused:
+        gm.graph.lint()
+        gm.recompile()
+    return refused

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dynajax.capability.layout import node_layout
+from dynajax.capability.layout import keep_eager_storage, node_layout
 from dynajax.capability.verdict import (
     META_KEY,
     Reason,
@@ -139,7 +139,9 @@ class CapabilityChecker:
         self._cache: dict[Any, tuple[Reason, str] | None] = {}
 
     def annotate(self, gm: torch.fx.GraphModule) -> list[Unsupported]:
-        """Stores a verdict in ``node.meta`` for every call_function node of ``gm``.
+        """Stores a verdict in ``node.meta`` for every call_function node of ``gm``
+        (and, for ops kept in eager that read storage, adds the nodes that give them
+        eager's storage: ``layout.keep_eager_storage``).
 
         Returns the Unsupported verdicts of the nodes that are fallbacks (tensor work
         kept in PyTorch; HOST_SCALAR bookkeeping is left out).
@@ -152,6 +154,8 @@ class CapabilityChecker:
             node.meta[META_KEY] = verdict
             if not verdict.supported and verdict.reason.is_fallback:
                 refused.append(verdict)
+        # Eager ops that read storage (as_strided) get it as eager would have it.
+        refused += keep_eager_storage(gm, self._refuse)
         return refused
 
     def decide(self, node: torch.fx.Node) -> Verdict:

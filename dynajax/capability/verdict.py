@@ -27,6 +27,7 @@ class Reason(enum.Enum):
     BLOCK_TOO_SMALL = "its JAX partition is smaller than min_block_size"
     USER_FALLBACK = "listed in fallback_ops"
     HOST_SCALAR = "computes Python scalars or assertions on the host, not tensors"
+    EAGER_STORAGE = "an op in eager PyTorch reads this value's storage (as_strided)"
 
     @property
     def is_fallback(self) -> bool:
@@ -39,8 +40,11 @@ class Reason(enum.Enum):
 
     @property
     def is_choice(self) -> bool:
-        """Whether the user asked for this fallback (strict mode accepts these)."""
-        return self in (Reason.USER_FALLBACK, Reason.BLOCK_TOO_SMALL)
+        """Whether the user asked for this fallback (strict mode accepts these).
+
+        EAGER_STORAGE nodes only follow another node into eager PyTorch: strict mode
+        objects to that node, when it is not the user's choice."""
+        return self in (Reason.USER_FALLBACK, Reason.BLOCK_TOO_SMALL, Reason.EAGER_STORAGE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,8 +33,8 @@ class Case:
     ops: tuple[str, ...]  # ATen overloads that must run in JAX
 
 
-def _compile(fn, inputs):
-    backend = dynajax.Backend()
+def _compile(fn, inputs, **options):
+    backend = dynajax.Backend(**options)
     actual = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
     return actual, dynajax.Report(backend.graphs)
 
@@ -177,14 +177,56 @@ def test_as_strided_outside_the_input_is_refused():
     assert "holds no element of the input" in _refusal(report, AS_STRIDED)
 
 
+def _eager_storage(report) -> dict[str, str]:
+    return {
+        f.target: f.detail for f in report.fallbacks if f.reason == Reason.EAGER_STORAGE
+    }
+
+
 def test_as_strided_of_noncontiguous_computed_tensor_is_refused():
     # The fake tensor of x.t() * 2 says strides (1, 3), as eager's kernel makes them, but
-    # a computed tensor's layout is not guaranteed, so the rule does not rely on it.
+    # a computed tensor's layout is not guaranteed, so the rule does not rely on it. In
+    # eager, as_strided then reads the product's storage in those strides: the JAX
+    # result (row-major) is copied into them first.
     def fn(x):
         return torch.as_strided(x.t() * 2, (2, 2), (1, 2), 1)
 
-    _, report = _compile(fn, (arange(3, 3),))
+    x = arange(3, 3)
+    actual, report = _compile(fn, (x,))
+    assert_same(actual, fn(x))
     assert "no known eager layout" in _refusal(report, AS_STRIDED)
+    copies = _eager_storage(report)
+    assert set(copies) == {"aten.empty_strided.default", "aten.copy.default"}
+    assert "strides (1, 3)" in copies["aten.copy.default"]
+
+
+def test_as_strided_in_eager_reads_views_of_a_computed_tensor_in_eager():
+    # slice and transpose between the product and as_strided stay in eager, so that they
+    # alias the (re-strided) product's storage as in eager; as_strided reads outside the
+    # slice's elements, into the rest of that storage.
+    def fn(x):
+        y = (x.t() * 2)[1:].t()
+        return torch.as_strided(y, (2, 3), (1, 4), 0) + 1
+
+    x = arange(3, 4)
+    actual, report = _compile(fn, (x,))
+    assert_same(actual, fn(x))
+    kept = _eager_storage(report)
+    assert {"aten.slice.Tensor", "aten.permute.default", "aten.copy.default"} <= set(kept)
+
+
+def test_as_strided_in_fallback_ops_reads_the_inputs_storage():
+    # Listed by the user, as_strided runs in eager: the views of the graph input before
+    # it must too, or it would read a compact JAX copy of the view instead of x's storage.
+    def fn(x):
+        return torch.as_strided(x.t()[1:], (2, 2), (1, 3), 2) * 3
+
+    x = arange(3, 4)
+    actual, report = _compile(fn, (x,), fallback_ops=["aten.as_strided"])
+    assert_same(actual, fn(x))
+    kept = _eager_storage(report)
+    assert {"aten.slice.Tensor", "aten.permute.default"} <= set(kept)
+    assert "aten.copy.default" not in kept  # the graph input owns eager's storage
 
 
 def test_as_strided_scatter_with_overlapping_writes_is_refused():
