@@ -1,7 +1,8 @@
-"""Matrix products."""
+"""Matrix products, pairwise distances, and the matrix exponential."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -134,3 +135,30 @@ def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     c = jnp.expand_dims(i3, tuple(expand3)) if expand3 else i3
     out = a * b * c
     return jnp.sum(out, axis=tuple(sumdim)) if sumdim else out
+
+
+# ---------------------------------------------------------------------------------
+# Matrix exponential
+# ---------------------------------------------------------------------------------
+
+
+def _matrix_exp_check(A):
+    dtype = np.dtype(A.dtype)
+    if dtype in (np.float64, np.complex128):
+        return None
+    if dtype in (np.float32, np.complex64):
+        return (
+            f"matrix_exp in {dtype.name}: XLA's Pade approximant and PyTorch's degree-18 "
+            "Taylor scheme round differently, and scaling and squaring amplifies that past "
+            "the dtype's precision for matrices of large norm (float64 is lowered)"
+        )
+    return f"matrix_exp of {dtype.name}"
+
+
+@lower(aten.linalg_matrix_exp.default, check=_matrix_exp_check)
+def _linalg_matrix_exp(A):
+    if A.size == 0:
+        return A
+    # In float64 both approximations are accurate to a few ulps, and scaling and
+    # squaring keeps them within the test tolerance of each other.
+    return jax.scipy.linalg.expm(A)

@@ -218,6 +218,27 @@ CASES = [
         ),
         ("aten.cholesky_inverse.default",),
     ),
+    # matrix exponential (float64; float32 is refused, below)
+    Case(
+        "matrix_exp-large-norm-float64",
+        torch.linalg.matrix_exp,
+        lambda: (
+            randn(3, 5, 5, dtype=F64) * torch.tensor([0.01, 2.0, 30.0], dtype=F64)[:, None, None],
+        ),
+        ("aten.linalg_matrix_exp.default",),
+    ),
+    Case(
+        "matrix_exp-complex128",
+        torch.matrix_exp,
+        lambda: (randn(4, 4, dtype=torch.complex128) * 3,),
+        ("aten.linalg_matrix_exp.default",),
+    ),
+    Case(
+        "matrix_exp-empty-float64",
+        torch.linalg.matrix_exp,
+        lambda: (randn(2, 0, 0, dtype=F64),),
+        ("aten.linalg_matrix_exp.default",),
+    ),
     # addbmm
     Case(
         "addbmm-beta0-ignores-nan-float32",
@@ -282,6 +303,13 @@ REFUSED = [
         lambda: (randn(4, 4, dtype=F64),),
         "aten.linalg_eig.default",
         "real",
+    ),
+    (
+        "matrix_exp-float32",
+        torch.linalg.matrix_exp,
+        lambda: (randn(4, 4) * 20,),
+        "aten.linalg_matrix_exp.default",
+        "Taylor",
     ),
     (
         "svd-driver-float32",
