@@ -37,6 +37,10 @@ def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_
     stride, padding, dilation = (
         list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation)
     )
+    # Half-precision inputs accumulate in float32, as PyTorch's CPU kernels do. Its
+    # convolutions round once, bias included (oneDNN, or a GEMM into the bias); its
+    # transposed convolutions round the sum before adding the bias (col2im, then add).
+    acc = np.float32 if np.dtype(x.dtype) in (np.float16, jnp.bfloat16) else x.dtype
     if not transposed:
         out = jax.lax.conv_general_dilated(
             x,
@@ -46,17 +50,19 @@ def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_
             rhs_dilation=dilation,
             dimension_numbers=_spec(nd),
             feature_group_count=groups,
-            preferred_element_type=x.dtype,
+            preferred_element_type=acc,
         )
     else:
-        out = _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups, nd)
+        out = _conv_transpose(
+            x, weight, stride, padding, dilation, output_padding, groups, nd, acc
+        ).astype(x.dtype)
     if bias is not None:
-        out = out + bias.reshape((1, -1) + (1,) * nd)
+        out = out + bias.reshape((1, -1) + (1,) * nd).astype(out.dtype)
     out = out.astype(x.dtype)
     return out[0] if unbatched else out
 
 
-def _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups, nd):
+def _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups, nd, acc):
     # A transposed convolution is the gradient of a convolution: dilate the input by
     # the stride, pad by dilation*(k-1)-padding, and convolve with the flipped kernel
     # whose in/out channels are swapped (per group).
@@ -82,7 +88,7 @@ def _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups
         rhs_dilation=dilation,
         dimension_numbers=_spec(nd),
         feature_group_count=groups,
-        preferred_element_type=x.dtype,
+        preferred_element_type=acc,
     )
 
 

@@ -109,3 +109,35 @@ def test_integer_linspace_runs_in_pytorch_and_float_linspace_in_jax() -> None:
     fn, backend = _compile(lambda: torch.linspace(-2.5, 4.0, 33))
     assert_same(fn(), torch.linspace(-2.5, 4.0, 33))
     assert "aten.linspace.default" in _ops_in_jax(backend)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "steps"),
+    [
+        (torch.bfloat16, 2),  # 10 ** bf16(4.3) = 20480; 10 ** 4.3 rounds to 19968
+        (torch.bfloat16, 7),
+        (torch.bfloat16, 1),  # a single step reads the unrounded start
+        (torch.int64, 9),  # start and end truncated, exponents in float64
+        (torch.float64, 6),
+    ],
+)
+def test_logspace_rounds_start_and_end_like_the_kernel(dtype: torch.dtype, steps: int) -> None:
+    def logspace():
+        return torch.logspace(4.3, -3.7, steps, base=3.0 if steps == 7 else 10.0, dtype=dtype)
+
+    fn, backend = _compile(logspace)
+    got, want = fn(), logspace()
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want), (got, want)
+    assert "aten.logspace.default" in _ops_in_jax(backend)
+
+
+def test_logspace_with_tensor_bounds_matches_the_kernel() -> None:
+    start, end = torch.tensor(0.0), torch.tensor(1.2)
+
+    def fn(s, e):
+        return torch.logspace(s, e, 4, dtype=torch.bfloat16)
+
+    compiled, backend = _compile(fn)
+    assert torch.equal(compiled(start, end), fn(start, end))
+    assert "aten.logspace.Tensor_Tensor" in _ops_in_jax(backend)

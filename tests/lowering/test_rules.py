@@ -955,3 +955,32 @@ def test_rule_direct(case: DirectCase):
         out = rule.fn(*jargs)
     actual = tuple(to_torch(o) for o in out) if isinstance(out, tuple) else to_torch(out)
     assert_same(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_half_convolution_rounds_once_with_its_bias(dtype: torch.dtype, transposed: bool):
+    # The products sum to 2**k + 1, which rounds to 2**k in the dtype (ties to even);
+    # with the bias 1 the exact result 2**k + 2 is representable. PyTorch's CPU
+    # convolution accumulates in float32 and rounds once, bias included: 2**k + 2. Its
+    # transposed convolution rounds the sum first (2**k), then adds the bias (2**k + 1,
+    # rounded to 2**k again). The tolerance table would hide one ulp: compared exactly.
+    k = 8 if dtype == torch.bfloat16 else 11
+    x = torch.ones(1, 1, 1, 2, dtype=dtype)
+    w = torch.tensor([2.0**k, 1.0], dtype=dtype).reshape(1, 1, 1, 2)
+    b = torch.ones(1, dtype=dtype)
+
+    def fn(x, w, b):
+        if transposed:  # output (0, 0, 0, 1) sums x[0] * w[1] + x[1] * w[0]
+            return F.conv_transpose2d(x, w, b)
+        return F.conv2d(x, w, b)
+
+    expected = fn(x, w, b)
+    backend = dynajax.Backend()
+    actual = torch.compile(fn, backend=backend, fullgraph=True)(x, w, b)
+    assert dynajax.Report(backend.graphs).fallbacks == []
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    if transposed:
+        assert expected.flatten()[1].item() == 2.0**k
+    else:
+        assert expected.flatten()[-1].item() == 2.0**k + 2
