@@ -15,10 +15,11 @@ appended to a JSON-lines log as it finishes (``--log``), so a long run can be wa
 and, with ``--resume``, continued after an interruption. The samples of one (op, dtype)
 are first compiled together (``opinfo_harness.run_samples``: about twice as fast); any
 batch that is not wholly clean, or that kills its worker, runs again sample by sample,
-so each recorded outcome and reason is that sample's own. The
-summary (``--json``) holds the per-dtype counts, the float32 in-JAX fraction, the top
-fallback reasons, failures not listed in ``tests/opinfo_expected_failures.py``, and
-listed expected failures that no longer fail.
+so each recorded outcome and reason is that sample's own. The summary (``--json``)
+holds the per-dtype counts (with, apart, the samples matched by the criteria of
+``tests/opinfo_accuracy.py`` rather than within the tolerance), the float32 in-JAX
+fraction, the top fallback reasons, failures not listed in
+``tests/opinfo_expected_failures.py``, and listed expected failures that no longer fail.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 
+from tests.opinfo_accuracy import FLOAT64, TIES
 from tests.opinfo_expected_failures import EXPECTED_FAILURES
 from tests.opinfo_harness import (
     DTYPES,
@@ -55,6 +57,8 @@ from tests.opinfo_harness import (
 )
 
 BATCH = -1  # the sample index of a start marker for a whole batch (harness.run_samples)
+DYNAMO = "dynamo"  # counts of fallbacks that are Dynamo graph breaks alone
+DYNAMO_BREAK = "dynamo graph break:"  # how harness._classify words those reasons
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -270,6 +274,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     seen_triples: set[tuple[str, str, str]] = set()
     for r in records:
         counts[r["dtype"]][r["status"]] += 1
+        if r.get("accuracy"):  # matched by opinfo_accuracy's criteria, not within tolerance
+            counts[r["dtype"]][r["accuracy"]] += 1
+        if r["status"] == FALLBACK and all(
+            part.startswith(DYNAMO_BREAK) for part in r["detail"].split("; ")
+        ):  # Dynamo ran the op eagerly itself: dynajax never saw it
+            counts[r["dtype"]][DYNAMO] += 1
         key = (r["name"], r["variant"], r["dtype"])
         seen_triples.add(key)
         if r["status"] == FALLBACK:
@@ -281,10 +291,16 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         k for k in EXPECTED_FAILURES if k in seen_triples and k not in failing_triples
     )
     f32 = counts.get("float32", collections.Counter())
-    f32_total = sum(f32.values())
+    f32_total = f32[JAX] + f32[FALLBACK] + f32[FAILING]
     return {
-        "counts": {d: {s: c[s] for s in (JAX, FALLBACK, FAILING)} for d, c in counts.items()},
+        "counts": {
+            d: {s: c[s] for s in (JAX, FALLBACK, FAILING, DYNAMO, TIES, FLOAT64)}
+            for d, c in counts.items()
+        },
         "float32_in_jax_fraction": round(f32[JAX] / f32_total, 4) if f32_total else None,
+        "float32_in_jax_fraction_of_samples_reaching_dynajax": (
+            round(f32[JAX] / (f32_total - f32[DYNAMO]), 4) if f32_total > f32[DYNAMO] else None
+        ),
         "samples": len(records),
         "top_fallback_reasons": reasons.most_common(40),
         "new_failures": [[*k, v] for k, v in sorted(new_failures.items())],
@@ -293,18 +309,31 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = [f"{'dtype':<12}{'in JAX':>9}{'fallback':>10}{'failing':>9}{'total':>8}"]
-    tot = collections.Counter()
-    for d, c in summary["counts"].items():
-        n = sum(c.values())
-        tot.update(c)
-        lines.append(f"{d:<12}{c[JAX]:>9}{c[FALLBACK]:>10}{c[FAILING]:>9}{n:>8}")
+    lines = [
+        f"{'dtype':<12}{'in JAX':>9}{'fallback':>10}{'failing':>9}{'total':>8}"
+        f"{'dynamo':>8}{'ties':>7}{'float64':>9}"
+    ]
+    tot: collections.Counter[str] = collections.Counter()
+    for d, c in [*summary["counts"].items(), ("all", tot)]:
+        if d != "all":
+            tot.update(c)
+        n = c[JAX] + c[FALLBACK] + c[FAILING]
+        lines.append(
+            f"{d:<12}{c[JAX]:>9}{c[FALLBACK]:>10}{c[FAILING]:>9}{n:>8}"
+            f"{c[DYNAMO]:>8}{c[TIES]:>7}{c[FLOAT64]:>9}"
+        )
     lines.append(
-        f"{'all':<12}{tot[JAX]:>9}{tot[FALLBACK]:>10}{tot[FAILING]:>9}{sum(tot.values()):>8}"
+        "dynamo: fallbacks where Dynamo broke the graph and ran the op itself (dynajax never "
+        "saw it); ties, float64: samples in JAX or via fallback that differ from eager as "
+        "tests/opinfo_accuracy.py accepts (a valid index among tied values; a result at "
+        "least as close to the float64 one as eager's)"
     )
     frac = summary["float32_in_jax_fraction"]
     if frac is not None:
         lines.append(f"float32 samples in JAX: {100 * frac:.1f}%")
+    reaching = summary.get("float32_in_jax_fraction_of_samples_reaching_dynajax")
+    if reaching is not None:
+        lines.append(f"  of those Dynamo hands to dynajax: {100 * reaching:.1f}%")
     lines.append("")
     lines.append("top fallback reasons (samples):")
     lines += [f"  {n:>6}  {r}" for r, n in summary["top_fallback_reasons"][:20]]
