@@ -178,9 +178,7 @@ def test_as_strided_outside_the_input_is_refused():
 
 
 def _eager_storage(report) -> dict[str, str]:
-    return {
-        f.target: f.detail for f in report.fallbacks if f.reason == Reason.EAGER_STORAGE
-    }
+    return {f.target: f.detail for f in report.fallbacks if f.reason == Reason.EAGER_STORAGE}
 
 
 def test_as_strided_of_noncontiguous_computed_tensor_is_refused():
