@@ -1,5 +1,7 @@
 """Imports every op-family module so that their rules register in the table."""
 
+import importlib.util
+
 from dynajax.lowering import (  # noqa: F401
     attention,
     conv_pool,
@@ -19,3 +21,7 @@ from dynajax.lowering import (  # noqa: F401
     sorting,
     special,
 )
+
+# Ops that only some torch releases define.
+if importlib.util.find_spec("torch.nn.modules.linear_cross_entropy") is not None:
+    from dynajax.lowering import chunked_loss  # noqa: F401
