@@ -88,6 +88,10 @@ def zero_copy_array(t: torch.Tensor) -> jax.Array | None:
         view = to_jax(t)
         arr = jax.device_put(view, cpu_device(), may_alias=True)
     else:
+        if not t.is_contiguous():
+            # DLPack would keep the strides as a layout the executable was not
+            # compiled for; to_jax makes a row-major copy instead.
+            return None
         try:
             arr = jax.dlpack.from_dlpack(t)
         except (RuntimeError, TypeError, ValueError, BufferError):

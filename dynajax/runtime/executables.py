@@ -40,6 +40,18 @@ from dynajax.runtime.cache import CompileStats, ExecutableCache
 log = logging.getLogger("dynajax.shapes")
 
 
+# torch.get_float32_matmul_precision() -> JAX's precision for float32 dots and
+# convolutions. PyTorch's default, "highest", multiplies float32 in float32; JAX's own
+# default on a GPU is TF32 (on the CPU both are float32), which eager never uses unless
+# asked to ("high"). The setting is part of the lowered program, so of the cache key.
+_MATMUL_PRECISION = {"highest": "highest", "high": "tensorfloat32", "medium": "bfloat16"}
+
+
+def matmul_precision() -> str:
+    """JAX's name for PyTorch's current float32 matmul precision."""
+    return _MATMUL_PRECISION.get(torch.get_float32_matmul_precision(), "highest")
+
+
 class Executables:
     """Compiles and keeps the executables of one partition.
 
@@ -113,7 +125,8 @@ class Executables:
             for a in arrays
         ]
         fn = with_statics(self.fn, len(self.placeholders), statics, self.needs_seed)
-        lowered = jax.jit(fn).lower(*avals)
+        with jax.default_matmul_precision(matmul_precision()):
+            lowered = jax.jit(fn).lower(*avals)
         shapes = ", ".join(str(list(a.shape)) for a in avals)
         return self.cache.compile(
             lowered, self.stats, name=f"{self.name}({shapes})", platform_name=self.platform_name

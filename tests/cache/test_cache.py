@@ -191,3 +191,24 @@ def test_dynamic_shapes_share_the_cache(tmp_path) -> None:
         stats = dynajax.Report(backend.graphs).compile_stats
         assert stats.cache_hits == expected_hits and stats.xla_compiles == 3 - expected_hits
     assert "compiles: 0 XLA compile(s), 3 cache hit(s)" in str(dynajax.Report(backend.graphs))
+
+
+def test_float32_matmul_precision_is_part_of_the_program(tmp_path) -> None:
+    # PyTorch's default "highest" lowers float32 products at JAX's HIGHEST precision
+    # (JAX's own default is TF32 on a GPU); "high" allows TF32 and is another program.
+    x = torch.randn(4, 4)
+
+    def mm(x):
+        return x @ x
+
+    assert torch.get_float32_matmul_precision() == "highest"
+    _, first = _run(tmp_path, mm, x)
+    _, again = _run(tmp_path, mm, x)
+    assert again.cache_hits == 1
+    torch.set_float32_matmul_precision("high")
+    try:
+        _, high = _run(tmp_path, mm, x)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert high.cache_hits == 0 and high.xla_compiles == 1, high
+    assert len(_entries(tmp_path)) == 2
