@@ -13,6 +13,7 @@ variants) are in ``tests/training/test_random.py``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -308,12 +309,16 @@ NORM_LOSS = [
         ),
         ("aten._batch_norm_with_update_functional.default",),
     ),
-    _lce("mean"),
-    _lce("sum", weight=False),
-    _lce("mean", ignore_index=-100, bias=False),
-    _lce("none"),
-    _lce("none", weight=False, ignore_index=-100),
 ]
+# The chunked linear_cross_entropy exists from torch 2.13 on.
+if importlib.util.find_spec("torch.nn.modules.linear_cross_entropy_options") is not None:
+    NORM_LOSS += [
+        _lce("mean"),
+        _lce("sum", weight=False),
+        _lce("mean", ignore_index=-100, bias=False),
+        _lce("none"),
+        _lce("none", weight=False, ignore_index=-100),
+    ]
 
 CASES = FRACTIONAL + GRID3D + ANTIALIAS + NORM_LOSS
 
