@@ -334,11 +334,36 @@ def _cummin(x, dim):
     return _cum_extreme(x, dim, jnp.less_equal)
 
 
+def _log_add_exp_complex(acc, x):
+    # PyTorch's complex step: log1p(exp(min - max)) + max, ordered by real part (ties:
+    # x is the min); the imaginary part is carried from max, not wrapped to (-pi, pi].
+    nan = jnp.isnan(acc.real) | jnp.isnan(acc.imag) | jnp.isnan(x.real) | jnp.isnan(x.imag)
+    acc_is_min = acc.real < x.real
+    lo, hi = jnp.where(acc_is_min, acc, x), jnp.where(acc_is_min, x, acc)
+    general = jnp.log1p(jnp.exp(lo - hi)) + hi
+    both_inf = ~jnp.isfinite(lo.real) & (lo.real == hi.real)
+    inf_case = jnp.where(lo.real < 0, lo, jnp.log(jnp.exp(lo) + jnp.exp(hi)))
+    out = jnp.where(both_inf, inf_case, general)
+    return jnp.where(nan, jnp.asarray(complex(np.nan, np.nan), out.dtype), out)
+
+
 @lower(aten.logcumsumexp.default)
 def _logcumsumexp(x, dim):
     if x.ndim == 0:
         return x
-    return jax.lax.cumlogsumexp(x, axis=dim % x.ndim)
+    axis = dim % x.ndim
+    if not jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jax.lax.cumlogsumexp(x, axis=axis)
+    # Complex: PyTorch's sequential scan, whose imaginary parts are not wrapped.
+    moved = jnp.moveaxis(x, axis, 0)
+
+    def step(acc, xi):
+        acc = _log_add_exp_complex(acc, xi)
+        return acc, acc
+
+    init = jnp.full(moved.shape[1:], complex(-np.inf, 0), x.dtype)
+    _, out = jax.lax.scan(step, init, moved)
+    return jnp.moveaxis(out, 0, axis)
 
 
 # ---------------------------------------------------------------------------------
@@ -364,6 +389,14 @@ def _histc(x, bins=100, min=0, max=0):
         same = lo == hi
         lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
     inside = (flat >= lo) & (flat <= hi)
-    idx = ((flat - lo) * bins / (hi - lo)).astype(np.int64)
+
+    def rounded(v):  # each step rounded to the dtype, as the kernel computes half types
+        if np.dtype(x.dtype) not in (np.dtype(np.float16), np.dtype(jnp.bfloat16)):
+            return v
+        info = jnp.finfo(x.dtype)
+        return jax.lax.reduce_precision(v, info.nexp, info.nmant)
+
+    step = rounded(rounded(flat - lo) * jnp.asarray(bins, x.dtype))
+    idx = rounded(step / rounded(hi - lo)).astype(np.int64)
     idx = jnp.clip(jnp.where(flat == hi, bins - 1, idx), 0, bins - 1)
     return jnp.zeros((bins,), x.dtype).at[idx].add(inside.astype(x.dtype))

@@ -8,6 +8,8 @@ would also reverse the order of ties).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,8 +159,9 @@ def _search(sorted_seq, values, right, out_int32):
         out = jnp.searchsorted(seq, vals, side=side)
     else:  # one sorted row per leading index, matched with values' leading dims
         lead = seq.shape[:-1]
+        rows = math.prod(lead)  # explicit: reshape(-1, 0) is ambiguous for empty rows
         flat = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(
-            seq.reshape(-1, seq.shape[-1]), vals.reshape(-1, vals.shape[-1])
+            seq.reshape(rows, seq.shape[-1]), vals.reshape(rows, vals.shape[-1])
         )
         out = flat.reshape(*lead, vals.shape[-1])
     return out.astype(np.int32 if out_int32 else np.int64)

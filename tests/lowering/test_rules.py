@@ -542,6 +542,12 @@ NONCORE = [
         ("aten.searchsorted.Tensor",),
     ),
     Case(
+        "searchsorted-batched-empty-rows-and-values-float32",
+        lambda s, v, s2, v2: (torch.searchsorted(s, v), torch.searchsorted(s2, v2)),
+        lambda: (torch.empty(3, 0), randn(3, 4), randn(2, 5).sort().values, torch.empty(2, 0)),
+        ("aten.searchsorted.Tensor",),
+    ),
+    Case(
         "rrelu-eval-grad-float32",
         lambda x: F.rrelu(x, training=False),
         lambda: (randn(4, 5),),
