@@ -542,6 +542,13 @@ NONCORE = [
         ("aten.searchsorted.Tensor",),
     ),
     Case(
+        # imaginary parts add up past pi: PyTorch does not wrap them
+        "logcumsumexp-complex64-unwrapped-phase",
+        lambda x: torch.logcumsumexp(x, dim=1),
+        lambda: (torch.complex(randn(3, 6), torch.rand(3, 6) * 3 + 2),),
+        ("aten.logcumsumexp.default",),
+    ),
+    Case(
         "searchsorted-batched-empty-rows-and-values-float32",
         lambda s, v, s2, v2: (torch.searchsorted(s, v), torch.searchsorted(s2, v2)),
         lambda: (torch.empty(3, 0), randn(3, 4), randn(2, 5).sort().values, torch.empty(2, 0)),
