@@ -14,13 +14,6 @@ _DYNAMO_ADDCDIV = (
     "Without value= the op reaches dynajax whole and matches (lowering/fused.py)"
 )
 
-_ATTENTION_HALF = (
-    "a few samples differ from eager by more than the tolerance and are farther from the "
-    "float64 result than eager (4.2 against 3.3 at magnitude ~100, bfloat16): PyTorch's "
-    "fused CPU attention accumulates in float32, while the decomposed attention rounds "
-    "its products and softmax to the half dtype (not matched yet)"
-)
-
 _CONV_TRANSPOSE3D_F32 = (
     "one output element of 2744 in samples 8 and 9 is 2.3e-5 from eager (1e-5 allowed) "
     "and farther from the float64 result than eager: XLA's transposed convolution (an "
@@ -38,6 +31,4 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("addcdiv", "", "bfloat16"): _DYNAMO_ADDCDIV,
     ("histc", "", "float16"): _HISTC_F16,
     ("nn.functional.conv_transpose3d", "", "float32"): _CONV_TRANSPOSE3D_F32,
-    ("nn.functional.multi_head_attention_forward", "", "bfloat16"): _ATTENTION_HALF,
-    ("nn.functional.multi_head_attention_forward", "", "float16"): _ATTENTION_HALF,
 }

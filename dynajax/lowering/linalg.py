@@ -46,10 +46,18 @@ def _scale(x, s):
 
 @lower(aten.addmm.default, aten.baddbmm.default, aten.addmv.default)
 def _addmm(bias, a, b, *, beta=1, alpha=1):
+    dtype = result_type(bias, a)
+    if np.dtype(dtype) in (np.float16, jnp.bfloat16):
+        # PyTorch's CPU kernels (oneDNN) accumulate half-precision products in float32
+        # and add the scaled bias before the one rounding to the half dtype.
+        acc = _scale(jnp.matmul(a, b, preferred_element_type=np.float32), alpha)
+        if beta != 0:
+            acc = acc + _scale(bias.astype(np.float32), beta)
+        return acc.astype(dtype)
     prod = _scale(_matmul(a, b), alpha)
     if beta == 0:  # PyTorch ignores bias (even NaN) when beta == 0
-        return jnp.broadcast_to(prod, prod.shape).astype(result_type(bias, a))
-    return (_scale(bias, beta) + prod).astype(result_type(bias, a))
+        return jnp.broadcast_to(prod, prod.shape).astype(dtype)
+    return (_scale(bias, beta) + prod).astype(dtype)
 
 
 @lower(aten.addbmm.default)

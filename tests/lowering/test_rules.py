@@ -997,3 +997,32 @@ def test_half_convolution_rounds_once_with_its_bias(dtype: torch.dtype, transpos
         assert expected.flatten()[1].item() == 2.0**k
     else:
         assert expected.flatten()[-1].item() == 2.0**k + 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["addmm", "linear", "baddbmm", "addmv", "addmm_beta0"])
+def test_half_matmul_rounds_once_with_its_bias(dtype: torch.dtype, op: str):
+    # As for convolutions above: a @ b = 2**k + 1 rounds to 2**k in the dtype, and
+    # 2**k + 1 + bias (bias 1) = 2**k + 2 is representable. PyTorch's CPU kernels add
+    # the bias to the float32 sum and round once (2**k + 2); rounding the product
+    # first gives 2**k + 1, which rounds to 2**k. Compared exactly.
+    k = 8 if dtype == torch.bfloat16 else 11
+    a = torch.ones(1, 2, dtype=dtype)
+    b = torch.tensor([[2.0**k], [1.0]], dtype=dtype)
+    bias = torch.ones(1, dtype=dtype)
+    fns = {
+        "addmm": lambda a, b, c: torch.addmm(c, a, b),
+        "linear": lambda a, b, c: F.linear(a, b.t(), c),
+        "baddbmm": lambda a, b, c: torch.baddbmm(c, a[None], b[None]),
+        "addmv": lambda a, b, c: torch.addmv(c, a, b[:, 0]),
+        # beta=0 ignores the bias; alpha=2 scales the float32 sum before the rounding
+        "addmm_beta0": lambda a, b, c: torch.addmm(c, a, b, beta=0, alpha=2),
+    }
+    fn = fns[op]
+    expected = fn(a, b, bias)
+    backend = dynajax.Backend()
+    actual = torch.compile(fn, backend=backend, fullgraph=True)(a, b, bias)
+    assert dynajax.Report(backend.graphs).fallbacks == []
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    want = 2.0 ** (k + 1) if op == "addmm_beta0" else 2.0**k + 2
+    assert expected.flatten()[0].item() == want
