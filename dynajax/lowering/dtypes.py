@@ -143,3 +143,29 @@ def promote(*args: Any, dtype: Any = None) -> list[jax.Array]:
     """Casts every argument to ``dtype`` (default: their torch result type)."""
     dt = result_type(*args) if dtype is None else dtype
     return [as_dtype(a, dt) for a in args]
+
+
+_EXACT_IN_FLOAT64 = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32))
+
+
+def divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a / b`` of two floating arrays of one dtype, rounded once as PyTorch divides.
+
+    XLA's algebraic simplifier rewrites divisions where it sees them: ``x / c`` (a
+    constant or any broadcast divisor) as ``x * (1 / c)``, an ulp off in about a third
+    of the elements; ``(a / b) / c`` as ``a / (b * c)``, where ``b * c`` can overflow
+    (float16 ``(x / 300) / 300`` came out 0); ``a / sqrt(b)`` as ``a * rsqrt(b)``.
+
+    float16, bfloat16 and float32 divide in float64 and round once: whatever XLA does
+    to a float64 division (a reciprocal and a product, each rounded to 53 bits) stays
+    within 2**-52 of the quotient, closer than any 24-bit quotient of two 24-bit
+    numbers comes to a rounding boundary, so the result is the correctly rounded one;
+    and the conversions hide the division from the patterns above. float64 and complex
+    have no wider type: their operands go behind an optimization barrier, which the
+    simplifier does not see through (at the cost of materializing a broadcast divisor).
+    """
+    if a.dtype in _EXACT_IN_FLOAT64:
+        return (a.astype(np.float64) / b.astype(np.float64)).astype(a.dtype)
+    b = jnp.broadcast_to(b, jnp.broadcast_shapes(a.shape, b.shape))
+    a, b = jax.lax.optimization_barrier((a, b))
+    return a / b

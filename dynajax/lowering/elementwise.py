@@ -6,6 +6,8 @@ JAX's, and integer semantics (floor division, remainder signs) follow PyTorch.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from torch._inductor import inductor_prims
 
 from dynajax.lowering.dtypes import (
     as_dtype,
+    divide,
     float_result_type,
     is_complex,
     is_floating,
@@ -50,7 +53,7 @@ _FLOAT_UNARY = {
     "log10": jnp.log10,
     "log1p": jnp.log1p,
     "sqrt": jnp.sqrt,
-    "rsqrt": jax.lax.rsqrt,
+    "rsqrt": lambda x: _rsqrt(x),
     "sigmoid": jax.nn.sigmoid,
     "erf": jax.scipy.special.erf,
     "erfc": jax.scipy.special.erfc,
@@ -60,6 +63,15 @@ _FLOAT_UNARY = {
     "lgamma": jax.scipy.special.gammaln,
     "i0": jax.scipy.special.i0,
 }
+
+
+def _rsqrt(x):
+    # PyTorch's kernel: 1 / sqrt(x), each rounded to float32 (the opmath type of the
+    # half types, rounded to them at the end).
+    if x.dtype in (np.float16, jnp.bfloat16, np.float32):
+        root = jnp.sqrt(x.astype(np.float32))
+        return divide(jnp.ones_like(root), root).astype(x.dtype)
+    return jax.lax.rsqrt(x)
 
 
 def _digamma(x):
@@ -128,13 +140,13 @@ def _round(x):
 def _round_decimals(x, *, decimals=0):
     # PyTorch's kernel, in its opmath type (float32 for half types): multiply by 10**d
     # for d >= 0, divide by 10**-d otherwise (0.001 is inexact: 2500 * 0.001 != 2.5).
-    dt = np.float32 if x.dtype in (np.float16, jnp.bfloat16) else x.dtype
+    dt = _opmath(x.dtype)
     xf = x.astype(dt)
     if decimals >= 0:
         ten = jnp.asarray(10.0**decimals, dt)
-        return (jnp.round(xf * ten) / ten).astype(x.dtype)
+        return divide(jnp.round(xf * ten), ten).astype(x.dtype)
     ten = jnp.asarray(10.0**-decimals, dt)
-    return (jnp.round(xf / ten) * ten).astype(x.dtype)
+    return (jnp.round(divide(xf, ten)) * ten).astype(x.dtype)
 
 
 @lower(aten.bitwise_not.default)
@@ -225,42 +237,73 @@ def _fma(a, b, c):
     return a * b + c
 
 
+def _opmath(dt):
+    """The type PyTorch's CPU kernels compute a half-precision op in: float32."""
+    return np.dtype(np.float32) if dt in (np.float16, jnp.bfloat16) else np.dtype(dt)
+
+
+def _opmath_operands(x, other, dt):
+    """The operands of PyTorch's CPU mul and div kernels for a result of dtype ``dt``,
+    and how each step of a longer formula rounds. A half-precision result is computed
+    in float32: with a scalar second operand (a Python number or a 0-dim tensor) the
+    kernel takes the scalar's own value in float32, not first rounded to the half type
+    (``x * 0.1`` in float16 differed from eager in a third of the elements), and rounds
+    once at the end; between two tensors it rounds every step to the half type."""
+    compute = _opmath(dt)
+    if compute == dt:
+        return *promote(x, other, dtype=dt), _exact
+    a = as_dtype(as_dtype(x, dt), compute)
+    if isinstance(other, bool | int | float) or getattr(other, "ndim", None) == 0:
+        return a, as_dtype(other, compute), _exact
+    info = jnp.finfo(dt)
+    step = functools.partial(
+        jax.lax.reduce_precision, exponent_bits=info.nexp, mantissa_bits=info.nmant
+    )
+    return a, as_dtype(as_dtype(other, dt), compute), step
+
+
+def _exact(v):
+    return v
+
+
 @lower(aten.mul.Tensor, aten.mul.Scalar)
 def _mul(x, other):
     dt = result_type(x, other)
-    a, b = promote(x, other, dtype=dt)
-    return jnp.logical_and(a, b) if dt == np.bool_ else a * b
+    if dt == np.bool_:
+        return jnp.logical_and(*promote(x, other, dtype=dt))
+    a, b, _ = _opmath_operands(x, other, dt)
+    return (a * b).astype(dt)
 
 
-def _true_div(a, b):
-    dt = float_result_type(a, b)
-    a, b = promote(a, b, dtype=dt)
-    return a / b
+def _true_div(x, other):
+    dt = float_result_type(x, other)
+    a, b, _ = _opmath_operands(x, other, dt)
+    return divide(a, b).astype(dt)
 
 
-def _floor_div(a, b):
-    dt = result_type(a, b)
-    a, b = promote(a, b, dtype=dt)
+def _floor_div(x, other):
+    dt = result_type(x, other)
     if is_integral(dt):
-        return jnp.floor_divide(a, b)
+        return jnp.floor_divide(*promote(x, other, dtype=dt))
     # PyTorch: floor(a / b) adjusted like Python's divmod for floats.
-    mod = jnp.fmod(a, b)
-    div = (a - mod) / b
-    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    a, b, r = _opmath_operands(x, other, dt)
+    mod = jnp.fmod(a, b)  # exact
+    div = r(divide(r(a - mod), b))
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), r(div - 1), div)
     floordiv = jnp.floor(div)
-    floordiv = jnp.where(div - floordiv > 0.5, floordiv + 1, floordiv)
-    return jnp.where(b == 0, a / b, jnp.where(div == 0, jnp.copysign(0.0, a / b), floordiv)).astype(
-        dt
-    )
+    floordiv = jnp.where(r(div - floordiv) > 0.5, r(floordiv + 1), floordiv)
+    quotient = r(divide(a, b))
+    signed_zero = jnp.copysign(0.0, quotient)
+    return jnp.where(b == 0, quotient, jnp.where(div == 0, signed_zero, floordiv)).astype(dt)
 
 
-def _trunc_div(a, b):
-    dt = result_type(a, b)
-    a, b = promote(a, b, dtype=dt)
+def _trunc_div(x, other):
+    dt = result_type(x, other)
     if is_integral(dt):
-        a, b = jnp.broadcast_arrays(a, b)  # lax.div does not broadcast
+        a, b = jnp.broadcast_arrays(*promote(x, other, dtype=dt))  # lax.div: no broadcast
         return jax.lax.div(a, b)  # C-style truncation
-    return jnp.trunc(a / b)
+    a, b, r = _opmath_operands(x, other, dt)
+    return jnp.trunc(r(divide(a, b))).astype(dt)
 
 
 @lower(aten.div.Tensor, aten.div.Scalar)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.dtypes import as_dtype, float_result_type
+from dynajax.lowering.dtypes import as_dtype, divide, float_result_type
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -75,11 +75,7 @@ def _unary(fn: Callable[[jax.Array, jax.Array], jax.Array]):
 
 
 def _divide(a, b):
-    """a / b correctly rounded, as PyTorch divides: XLA rewrites a division by a constant
-    or a broadcast scalar as a multiplication by its (rounded) reciprocal, which can move
-    the quotient by an ulp; a divisor behind an optimization barrier is left alone."""
-    b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape))
-    return a / b
+    return divide(a, jnp.asarray(b, a.dtype))  # correctly rounded, as PyTorch divides
 
 
 def _horner(coefs, w):

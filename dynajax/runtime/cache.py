@@ -59,6 +59,13 @@ def default_cache_dir() -> Path:
     return Path(base) / "dynajax" / "xla"
 
 
+# XLA options for every executable. By default XLA may keep a bfloat16/float16 value in
+# float32 between two fused ops ("excess precision"), where PyTorch rounds each op's
+# result: bfloat16 ``0.1 / x`` (reciprocal, then mul) differed from eager in 20% of
+# the elements. PyTorch's answer is the contract, so every op rounds.
+COMPILER_OPTIONS: dict[str, Any] = {"xla_allow_excess_precision": False}
+
+
 @dataclasses.dataclass
 class CompileStats:
     """What compiling a graph's partitions took, counted as it happens.
@@ -156,6 +163,7 @@ class ExecutableCache:
             _environment(),
             _device_key(platform_name),
             os.environ.get("XLA_FLAGS", ""),
+            repr(sorted(COMPILER_OPTIONS.items())),
             lowered.as_text(),
             # jit prunes unused arguments from the StableHLO, so the text alone would
             # give f(int32[3]) and f(float32[3]) -> ones(3) the same key, and the loaded
@@ -194,7 +202,7 @@ class ExecutableCache:
     @staticmethod
     def _compile(lowered: jax.stages.Lowered, stats: CompileStats) -> jax.stages.Compiled:
         stats.xla_compiles += 1
-        return lowered.compile()
+        return lowered.compile(compiler_options=dict(COMPILER_OPTIONS))
 
     # -- entries ------------------------------------------------------------------------
 

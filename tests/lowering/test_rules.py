@@ -1026,3 +1026,35 @@ def test_half_matmul_rounds_once_with_its_bias(dtype: torch.dtype, op: str):
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     want = 2.0 ** (k + 1) if op == "addmm_beta0" else 2.0**k + 2
     assert expected.flatten()[0].item() == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_division_is_correctly_rounded_and_never_reassociated(dtype: torch.dtype):
+    # XLA's simplifier turns x / c into x * (1 / c) (an ulp off for a third of the
+    # elements) and (a / b) / c into a / (b * c): in float16, 300 * 300 overflows and
+    # (1000 / 300) / 300 came out 0. PyTorch divides, rounding each quotient once.
+    torch.manual_seed(0)
+    x, y = torch.randn(4096, dtype=dtype) * 10, torch.randn(4096, dtype=dtype) * 10
+    col = torch.randn(64, 1, dtype=dtype) * 10
+    # b * c overflows, a / b / c is a normal number (XLA flushes subnormals to zero)
+    a, big = {torch.float16: (1e4, 300.0), torch.float64: (1e100, 1e200)}.get(dtype, (1e10, 1e20))
+    squares = torch.randint(1, 100, (4096,)).to(dtype) ** 2  # exact square roots
+    fns = {
+        "tensor": (lambda x, y: x / y, (x, y)),
+        "python scalar": (lambda x, y: x / 3.0, (x, y)),
+        "broadcast column": (lambda x, c: x.view(64, 64) / c, (x, col)),
+        "0-dim tensor": (lambda x, y: x / y[0], (x, y)),
+        "chain": (lambda x, y: x / y / y, (x, y)),
+        "over a quotient": (lambda x, y: x / (y / 7.0), (x, y)),
+        "sqrt divisor": (lambda x, y: x / y.sqrt(), (x, squares)),
+        "chain past the range": (lambda x, y: x / big / big, (x.abs() + a, y)),
+        "floor": (lambda x, y: torch.div(x, 0.1, rounding_mode="floor"), (x, y)),
+        "trunc": (lambda x, y: torch.div(x, y[0], rounding_mode="trunc"), (x, y)),
+    }
+    for name, (fn, args) in fns.items():
+        backend = dynajax.Backend()
+        actual = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+        expected = fn(*args)
+        assert dynajax.Report(backend.graphs).fallbacks == [], name
+        assert torch.equal(actual, expected), (name, (actual != expected).sum().item())
+    assert (x.abs() + a).div(big).div(big).ne(0).all()  # the chain's answer is not 0
