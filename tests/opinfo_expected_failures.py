@@ -20,15 +20,7 @@ _CONV_TRANSPOSE3D_F32 = (
     "input-dilated convolution) sums in another order than PyTorch's col2im kernel"
 )
 
-_HISTC_F16 = (
-    "about 1 sample in 50 (random data): one element lands in the neighbouring bin. The "
-    "rule rounds each step of the bin index to float16 as PyTorch's kernel does, which "
-    "matched every sample of an emulation in PyTorch, yet XLA's result still differs on "
-    "rare inputs (not analyzed)"
-)
-
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("addcdiv", "", "bfloat16"): _DYNAMO_ADDCDIV,
-    ("histc", "", "float16"): _HISTC_F16,
     ("nn.functional.conv_transpose3d", "", "float32"): _CONV_TRANSPOSE3D_F32,
 }

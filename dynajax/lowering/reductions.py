@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.dtypes import as_dtype, is_floating, is_integral, promote
+from dynajax.lowering.dtypes import as_dtype, divide, is_floating, is_integral, promote
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -397,6 +397,6 @@ def _histc(x, bins=100, min=0, max=0):
         return jax.lax.reduce_precision(v, info.nexp, info.nmant)
 
     step = rounded(rounded(flat - lo) * jnp.asarray(bins, x.dtype))
-    idx = rounded(step / rounded(hi - lo)).astype(np.int64)
+    idx = rounded(divide(step, rounded(hi - lo))).astype(np.int64)
     idx = jnp.clip(jnp.where(flat == hi, bins - 1, idx), 0, bins - 1)
     return jnp.zeros((bins,), x.dtype).at[idx].add(inside.astype(x.dtype))

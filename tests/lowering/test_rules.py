@@ -1058,3 +1058,24 @@ def test_division_is_correctly_rounded_and_never_reassociated(dtype: torch.dtype
         assert dynajax.Report(backend.graphs).fallbacks == [], name
         assert torch.equal(actual, expected), (name, (actual != expected).sum().item())
     assert (x.abs() + a).div(big).div(big).ne(0).all()  # the chain's answer is not 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_histc_bins_like_the_kernel(dtype: torch.dtype):
+    # The kernel computes the bin (x - min) * bins / (max - min) in the input dtype,
+    # rounding every step; a division by the broadcast range that XLA turns into a
+    # multiplication by its reciprocal put about one float16 histogram in two off by
+    # one element (data range, 100 bins). Counts are compared exactly.
+    torch.manual_seed(0)
+    fn = lambda x: [
+        torch.histc(x, bins, lo, hi)
+        for bins in (3, 10, 100)
+        for lo, hi in ((0, 0), (-10, 10), (0, 10))
+    ]  # noqa: E731
+    backend = dynajax.Backend()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    for _ in range(20):
+        x = (torch.rand(125) * 18 - 9).to(dtype)
+        for a, e in zip(compiled(x), fn(x), strict=True):
+            assert torch.equal(a, e)
+    assert dynajax.Report(backend.graphs).fallbacks == []
