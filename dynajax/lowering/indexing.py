@@ -166,6 +166,27 @@ def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
     return jnp.floor_divide(out, count.astype(x.dtype))
 
 
+_SCATTER_LEGACY_REDUCES = {"add": "sum", "multiply": "prod"}
+
+
+def _scatter_legacy_check(x, dim, index, src, *, reduce):
+    if reduce not in _SCATTER_LEGACY_REDUCES:
+        return f"scatter with reduce={reduce!r} (PyTorch takes 'add' or 'multiply')"
+    return None
+
+
+@lower(aten.scatter.reduce, check=_scatter_legacy_check)
+def _scatter_legacy(x, dim, index, src, *, reduce):
+    # ``Tensor.scatter_(dim, index, src, reduce=...)``: scatter_reduce with self included.
+    return _scatter_reduce(x, dim, index, src, _SCATTER_LEGACY_REDUCES[reduce])
+
+
+@lower(aten.scatter.value_reduce, check=_scatter_legacy_check)
+def _scatter_value_legacy(x, dim, index, value, *, reduce):
+    src = jnp.full(index.shape, value, x.dtype)
+    return _scatter_reduce(x, dim, index, src, _SCATTER_LEGACY_REDUCES[reduce])
+
+
 @lower(aten.masked_scatter.default)
 def _masked_scatter(x, mask, source):
     shape = jnp.broadcast_shapes(x.shape, mask.shape)

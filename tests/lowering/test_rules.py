@@ -200,6 +200,23 @@ SCATTER = [
     *(_scatter_case(r) for r in ("sum", "prod", "mean", "amax", "amin")),
     _scatter_case("mean", torch.int64),
     _scatter_case("amax", torch.int32),
+    *(
+        Case(
+            f"scatter-reduce-{reduce}-{str(dtype).removeprefix('torch.')}",
+            lambda x, i, s, reduce=reduce: (
+                x.scatter(0, i, s, reduce=reduce),  # Tensor.scatter_(..., reduce=) API
+                x.scatter(0, i, 3, reduce=reduce),
+            ),
+            lambda dtype=dtype: (
+                randn(4, 3, dtype=dtype) if dtype.is_floating_point else ints(-9, 10, 4, 3),
+                ints(0, 3, 5, 3),
+                randn(6, 3, dtype=dtype) if dtype.is_floating_point else ints(-9, 10, 6, 3),
+            ),
+            ("aten.scatter.reduce", "aten.scatter.value_reduce"),
+        )
+        for reduce in ("add", "multiply")
+        for dtype in (torch.float32, torch.int64)
+    ),
     Case(
         "masked_scatter-broadcast-mask-float32",
         lambda x, m, s: x.masked_scatter(m, s),
