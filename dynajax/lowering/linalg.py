@@ -85,7 +85,7 @@ def _addbmm(bias, b1, b2, *, beta=1, alpha=1):
 # ---------------------------------------------------------------------------------
 
 
-def _pnorm(diff, p, axis=-1):
+def pnorm(diff, p, axis=-1):
     a = jnp.abs(diff)
     if p == 0:
         return jnp.sum(a != 0, axis=axis).astype(diff.dtype)
@@ -124,14 +124,14 @@ def _cdist_forward(x1, x2, p, compute_mode):
     x2 = jnp.broadcast_to(x2, batch + x2.shape[-2:])
     if use_mm:
         return _euclidean_mm(x1, x2)
-    return _pnorm(x1[..., :, None, :] - x2[..., None, :, :], p)
+    return pnorm(x1[..., :, None, :] - x2[..., None, :, :], p)
 
 
 @lower(aten._pdist_forward.default, check=lambda x, p=2.0: _cdist_check(x, x, p, None))
 def _pdist_forward(x, p=2.0):
     # Distances of rows i < j, in row-major order of (i, j).
     i, j = np.triu_indices(x.shape[0], 1)
-    return _pnorm(x[i] - x[j], p)
+    return pnorm(x[i] - x[j], p)
 
 
 @lower(aten._trilinear.default)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from dynajax.lowering.dtypes import as_dtype
+from dynajax.lowering.linalg import pnorm
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -193,6 +194,22 @@ def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
 @lower(aten.embedding.default)
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0)
+
+
+@lower(aten.embedding_renorm.default)
+def _embedding_renorm(weight, indices, max_norm, norm_type):
+    # ``embedding(..., max_norm=)``: each row the indices reference whose p-norm exceeds
+    # max_norm is scaled by max_norm / (norm + 1e-7). The kernel takes the row's norm
+    # in the weight's dtype (computed in float32 for the half types) as a double,
+    # computes the scale in double, rounds it to the weight's dtype and multiplies.
+    dtype = weight.dtype
+    opmath = np.float32 if dtype in (np.float16, jnp.bfloat16) else dtype
+    rows = weight.astype(opmath)
+    norm = pnorm(rows, norm_type, axis=-1).astype(dtype).astype(np.float64)
+    hit = jnp.zeros(weight.shape[:1], bool).at[indices.reshape(-1)].set(True)
+    scale = (max_norm / (norm + 1e-7)).astype(dtype).astype(opmath)
+    scaled = (rows * scale[:, None]).astype(dtype)
+    return jnp.where((hit & (norm > max_norm))[:, None], scaled, weight)
 
 
 _MODE_SUM, _MODE_MEAN, _MODE_MAX = 0, 1, 2

@@ -1096,3 +1096,27 @@ def test_histc_bins_like_the_kernel(dtype: torch.dtype):
         for a, e in zip(compiled(x), fn(x), strict=True):
             assert torch.equal(a, e)
     assert dynajax.Report(backend.graphs).fallbacks == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_embedding_max_norm_renormalizes_the_weight_in_place(dtype, norm_type):
+    # F.embedding(max_norm=) rescales, in the weight itself, the referenced rows whose
+    # norm exceeds max_norm (rows 1, 2, 5, 9, 0 here; 3 stays as it was).
+    torch.manual_seed(0)
+    weight = (torch.randn(10, 4) * 3).to(dtype)
+    indices = torch.tensor([[1, 2, 2, 5], [9, 0, 1, 1]])
+
+    def fn(i, w):
+        return F.embedding(i, w, max_norm=1.5, norm_type=norm_type)
+
+    backend = dynajax.Backend()
+    ours, theirs = weight.clone(), weight.clone()
+    actual = torch.compile(fn, backend=backend, fullgraph=True)(indices, ours)
+    expected = fn(indices, theirs)
+    assert dynajax.Report(backend.graphs).fallbacks == []
+    assert_same(actual, expected)
+    assert_same(ours, theirs)
+    assert not torch.equal(theirs, weight) and torch.equal(theirs[3], weight[3])
+    if dtype != torch.float32:  # the half types match the kernel bit for bit
+        assert torch.equal(ours, theirs)
