@@ -539,6 +539,12 @@ def _to_copy(
     return x.astype(dtype)
 
 
+@lower(torch.ops.prims.convert_element_type.default)
+def _convert_element_type(x, dtype):
+    # Left in the graph by some of PyTorch's decompositions (renorm in half precision).
+    return _to_copy(x, dtype=dtype)
+
+
 # ---------------------------------------------------------------------------------
 # Complex numbers
 # ---------------------------------------------------------------------------------

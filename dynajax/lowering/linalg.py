@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import string
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,15 +136,45 @@ def _pdist_forward(x, p=2.0):
     return pnorm(x[i] - x[j], p)
 
 
+def _contract(x, x_dims, y, y_dims, out_dims, accumulate):
+    """sum of x * y over the dims of either operand missing from ``out_dims`` (dims
+    numbered in a shared space), as one matmul accumulating in ``accumulate``."""
+    letters = string.ascii_letters
+    spec = "".join(letters[d] for d in x_dims) + "," + "".join(letters[d] for d in y_dims)
+    spec += "->" + "".join(letters[d] for d in out_dims)
+    return jnp.einsum(spec, x, y, preferred_element_type=accumulate).astype(x.dtype)
+
+
 @lower(aten._trilinear.default)
 def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
-    # sum over sumdim of unsqueeze(i1, expand1) * unsqueeze(i2, expand2) * ...
-    # (F.bilinear's kernel).
-    a = jnp.expand_dims(i1, tuple(expand1)) if expand1 else i1
-    b = jnp.expand_dims(i2, tuple(expand2)) if expand2 else i2
-    c = jnp.expand_dims(i3, tuple(expand3)) if expand3 else i3
-    out = a * b * c
-    return jnp.sum(out, axis=tuple(sumdim)) if sumdim else out
+    # sum over sumdim of unsqueeze(i1, expand1) * unsqueeze(i2, expand2) * ... (F.bilinear's
+    # kernel), contracted as PyTorch does: i1 with i2 over the summed dims i3 lacks, then
+    # with i3 over the others, each a matmul rounded to the dtype (accumulating in
+    # float32 for the half types); a summed unroll_dim adds its slices one at a time.
+    total = i1.ndim + len(expand1)
+    accumulate = np.float32 if i1.dtype in (np.float16, jnp.bfloat16) else None
+    present = [[d for d in range(total) if d not in e] for e in (expand1, expand2, expand3)]
+    summed = set(sumdim)
+    s12 = {d for d in summed if d in expand3 and d != unroll_dim}
+    s23 = {d for d in summed if d not in expand3 and d != unroll_dim}
+    d12 = [d for d in range(total) if (d in present[0] or d in present[1]) and d not in s12]
+    out_dims = [d for d in range(total) if (d in d12 or d in present[2]) and d not in s23]
+    if 0 in (i1.size, i2.size, i3.size):
+        operands = zip((i1, i2, i3), present, strict=True)
+        shape = {d: n for x, ds in operands for d, n in zip(ds, x.shape, strict=True)}
+        out = jnp.zeros([shape[d] for d in out_dims], i1.dtype)
+    else:
+        out = _contract(i1, present[0], i2, present[1], d12, accumulate)
+        out = _contract(out, d12, i3, present[2], out_dims, accumulate)
+    if unroll_dim in summed and unroll_dim in out_dims:
+        axis = out_dims.index(unroll_dim)
+        slices = jnp.moveaxis(out, axis, 0)
+        out = jax.lax.fori_loop(
+            0, slices.shape[0], lambda k, acc: acc + slices[k], jnp.zeros_like(slices[0])
+        )
+        out_dims = [d for d in out_dims if d != unroll_dim]
+    kept = [d for d in range(total) if d not in summed]
+    return out.reshape([out.shape[out_dims.index(d)] if d in out_dims else 1 for d in kept])
 
 
 # ---------------------------------------------------------------------------------

@@ -1120,3 +1120,25 @@ def test_embedding_max_norm_renormalizes_the_weight_in_place(dtype, norm_type):
     assert not torch.equal(theirs, weight) and torch.equal(theirs[3], weight[3])
     if dtype != torch.float32:  # the half types match the kernel bit for bit
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_bilinear_and_renorm_round_like_the_kernels(dtype: torch.dtype):
+    # F.bilinear's _trilinear contracts in two matmuls, each accumulating in float32 and
+    # rounded to the dtype; one fused product-and-sum in float32 differed on 1 element
+    # in 50. renorm's decomposition leaves prims.convert_element_type in the graph.
+    torch.manual_seed(0)
+    x1, x2 = torch.randn(5, 3, 8, dtype=dtype), torch.randn(5, 3, 6, dtype=dtype)
+    w, b = torch.randn(7, 8, 6, dtype=dtype), torch.randn(7, dtype=dtype)
+
+    def fn(x1, x2, w, b):
+        return F.bilinear(x1, x2, w, b), torch.renorm(x1, 2, 0, 1.5)
+
+    backend = dynajax.Backend()
+    actual = torch.compile(fn, backend=backend, fullgraph=True)(x1, x2, w, b)
+    assert dynajax.Report(backend.graphs).fallbacks == []
+    expected = fn(x1, x2, w, b)
+    assert_same(actual, expected)
+    assert torch.equal(actual[1], expected[1])
+    if dtype == torch.bfloat16:
+        assert torch.equal(actual[0], expected[0])
