@@ -145,6 +145,13 @@ def promote(*args: Any, dtype: Any = None) -> list[jax.Array]:
     return [as_dtype(a, dt) for a in args]
 
 
+def opmath(dtype: Any) -> np.dtype:
+    """The type PyTorch's CPU kernels compute half-precision values in: float32 for
+    float16 and bfloat16, the dtype itself otherwise."""
+    half = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+    return np.dtype(np.float32) if np.dtype(dtype) in half else np.dtype(dtype)
+
+
 _EXACT_IN_FLOAT64 = (np.dtype(np.float16), np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
 

@@ -21,6 +21,7 @@ from dynajax.lowering.dtypes import (
     is_complex,
     is_floating,
     is_integral,
+    opmath,
     promote,
     result_type,
 )
@@ -140,7 +141,7 @@ def _round(x):
 def _round_decimals(x, *, decimals=0):
     # PyTorch's kernel, in its opmath type (float32 for half types): multiply by 10**d
     # for d >= 0, divide by 10**-d otherwise (0.001 is inexact: 2500 * 0.001 != 2.5).
-    dt = _opmath(x.dtype)
+    dt = opmath(x.dtype)
     xf = x.astype(dt)
     if decimals >= 0:
         ten = jnp.asarray(10.0**decimals, dt)
@@ -237,11 +238,6 @@ def _fma(a, b, c):
     return a * b + c
 
 
-def _opmath(dt):
-    """The type PyTorch's CPU kernels compute a half-precision op in: float32."""
-    return np.dtype(np.float32) if dt in (np.float16, jnp.bfloat16) else np.dtype(dt)
-
-
 def _opmath_operands(x, other, dt):
     """The operands of PyTorch's CPU mul and div kernels for a result of dtype ``dt``,
     and how each step of a longer formula rounds. A half-precision result is computed
@@ -249,7 +245,7 @@ def _opmath_operands(x, other, dt):
     kernel takes the scalar's own value in float32, not first rounded to the half type
     (``x * 0.1`` in float16 differed from eager in a third of the elements), and rounds
     once at the end; between two tensors it rounds every step to the half type."""
-    compute = _opmath(dt)
+    compute = opmath(dt)
     if compute == dt:
         return *promote(x, other, dtype=dt), _exact
     a = as_dtype(as_dtype(x, dt), compute)

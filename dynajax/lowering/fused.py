@@ -25,7 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.dtypes import as_dtype, default_float, is_integral, promote, result_type
+from dynajax.lowering.dtypes import (
+    as_dtype,
+    default_float,
+    is_integral,
+    opmath,
+    promote,
+    result_type,
+)
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -45,12 +52,6 @@ FUSED_KERNELS: tuple[torch._ops.OpOverload, ...] = (
 )
 
 
-def _opmath(dtype: np.dtype) -> np.dtype:
-    """The type PyTorch's CPU kernels compute half-precision values in."""
-    half = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
-    return np.dtype(np.float32) if np.dtype(dtype) in half else np.dtype(dtype)
-
-
 def _addcdiv_check(x, t1, t2, *, value=1):
     if is_integral(t1.dtype) and is_integral(t2.dtype):
         return "integer addcdiv (eager raises: integer division is not supported)"
@@ -60,7 +61,7 @@ def _addcdiv_check(x, t1, t2, *, value=1):
 @lower(aten.addcdiv.default, check=_addcdiv_check)
 def _addcdiv(x, t1, t2, *, value=1):
     dtype = result_type(x, t1, t2)
-    x, t1, t2 = promote(x, t1, t2, dtype=_opmath(dtype))
+    x, t1, t2 = promote(x, t1, t2, dtype=opmath(dtype))
     return (x + as_dtype(value, x.dtype) * (t1 / t2)).astype(dtype)
 
 
@@ -125,7 +126,7 @@ def _linspace_check(start, end, steps, *, dtype=None, **_):
 )
 def _linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None):
     dtype = _linspace_dtype(start, end, dtype)
-    acc = _opmath(dtype)
+    acc = opmath(dtype)
     if steps == 1:
         return jnp.full((1,), start, dtype)
     first, last = jnp.asarray(start).astype(acc), jnp.asarray(end).astype(acc)

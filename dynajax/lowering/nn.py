@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.dtypes import as_dtype
+from dynajax.lowering.dtypes import as_dtype, opmath
 from dynajax.lowering.linalg import pnorm
 from dynajax.lowering.registry import lower
 
@@ -203,11 +203,11 @@ def _embedding_renorm(weight, indices, max_norm, norm_type):
     # in the weight's dtype (computed in float32 for the half types) as a double,
     # computes the scale in double, rounds it to the weight's dtype and multiplies.
     dtype = weight.dtype
-    opmath = np.float32 if dtype in (np.float16, jnp.bfloat16) else dtype
-    rows = weight.astype(opmath)
+    compute = opmath(dtype)
+    rows = weight.astype(compute)
     norm = pnorm(rows, norm_type, axis=-1).astype(dtype).astype(np.float64)
     hit = jnp.zeros(weight.shape[:1], bool).at[indices.reshape(-1)].set(True)
-    scale = (max_norm / (norm + 1e-7)).astype(dtype).astype(opmath)
+    scale = (max_norm / (norm + 1e-7)).astype(dtype).astype(compute)
     scaled = (rows * scale[:, None]).astype(dtype)
     return jnp.where((hit & (norm > max_norm))[:, None], scaled, weight)
 
