@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.dtypes import is_floating, is_integral
+from dynajax.lowering.dtypes import is_floating, is_integral, opmath
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -40,7 +40,7 @@ def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_
     # Half-precision inputs accumulate in float32, as PyTorch's CPU kernels do. Its
     # convolutions round once, bias included (oneDNN, or a GEMM into the bias); its
     # transposed convolutions round the sum before adding the bias (col2im, then add).
-    acc = np.float32 if np.dtype(x.dtype) in (np.float16, jnp.bfloat16) else x.dtype
+    acc = opmath(x.dtype)
     if not transposed:
         out = jax.lax.conv_general_dilated(
             x,
