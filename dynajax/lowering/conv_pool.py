@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering import conv_algorithms
 from dynajax.lowering.dtypes import is_floating, is_integral, opmath
 from dynajax.lowering.registry import lower
 
@@ -23,73 +24,30 @@ def _conv_check(x, weight, bias, stride, padding, dilation, transposed, output_p
     return None
 
 
-def _spec(nd):
-    spatial = "DHW"[-nd:] if nd <= 3 else None
-    return (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
-
-
 @lower(aten.convolution.default, check=_conv_check)
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     nd = weight.ndim - 2
     unbatched = x.ndim == nd + 1
     if unbatched:
         x = x[None]
-    stride, padding, dilation = (
-        list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation)
+    stride, padding, dilation, output_padding = (
+        list(v) * nd if len(v) == 1 else list(v)
+        for v in (stride, padding, dilation, output_padding)
     )
     # Half-precision inputs accumulate in float32, as PyTorch's CPU kernels do. Its
     # convolutions round once, bias included (oneDNN, or a GEMM into the bias); its
     # transposed convolutions round the sum before adding the bias (col2im, then add).
     acc = opmath(x.dtype)
     if not transposed:
-        out = jax.lax.conv_general_dilated(
-            x,
-            weight,
-            window_strides=stride,
-            padding=[(p, p) for p in padding],
-            rhs_dilation=dilation,
-            dimension_numbers=_spec(nd),
-            feature_group_count=groups,
-            preferred_element_type=acc,
-        )
+        out = conv_algorithms.convolution(x, weight, stride, padding, dilation, groups, acc)
     else:
-        out = _conv_transpose(
-            x, weight, stride, padding, dilation, output_padding, groups, nd, acc
+        out = conv_algorithms.transposed(
+            x, weight, stride, padding, dilation, output_padding, groups, acc
         ).astype(x.dtype)
     if bias is not None:
         out = out + bias.reshape((1, -1) + (1,) * nd).astype(out.dtype)
     out = out.astype(x.dtype)
     return out[0] if unbatched else out
-
-
-def _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups, nd, acc):
-    # A transposed convolution is the gradient of a convolution: dilate the input by
-    # the stride, pad by dilation*(k-1)-padding, and convolve with the flipped kernel
-    # whose in/out channels are swapped (per group).
-    output_padding = list(output_padding) * nd if len(output_padding) == 1 else list(output_padding)
-    k = weight.shape[2:]
-    cin, cout_g = weight.shape[0], weight.shape[1]
-    w = weight.reshape((groups, cin // groups, cout_g) + k)
-    w = jnp.swapaxes(w, 1, 2).reshape((groups * cout_g, cin // groups) + k)
-    w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
-    pads = [
-        (
-            dilation[i] * (k[i] - 1) - padding[i],
-            dilation[i] * (k[i] - 1) - padding[i] + output_padding[i],
-        )
-        for i in range(nd)
-    ]
-    return jax.lax.conv_general_dilated(
-        x,
-        w,
-        window_strides=[1] * nd,
-        padding=pads,
-        lhs_dilation=stride,
-        rhs_dilation=dilation,
-        dimension_numbers=_spec(nd),
-        feature_group_count=groups,
-        preferred_element_type=acc,
-    )
 
 
 # ---------------------------------------------------------------------------------
@@ -147,7 +105,19 @@ def _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode,
         take_b = (bv > av) | (jnp.isnan(bv) & ~jnp.isnan(av)) | ((bv == av) & (bi < ai))
         return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
 
-    vals, inds = jax.lax.reduce_window(
+    # The values come from a plain max window (NaN propagates through XLA's max), the
+    # indices from the variadic one: an inference graph drops the indices, and XLA then
+    # drops their (twice as costly) reduction.
+    vals = jax.lax.reduce_window(
+        x,
+        jnp.asarray(lowest, x.dtype),
+        jax.lax.max,
+        window,
+        strides,
+        full_pads,
+        window_dilation=dil,
+    )
+    _, inds = jax.lax.reduce_window(
         (x, idx),
         (jnp.asarray(lowest, x.dtype), jnp.asarray(-1, np.int64)),
         select,

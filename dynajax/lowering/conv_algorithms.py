@@ -1,0 +1,200 @@
+"""How a convolution is computed: the algorithm is chosen per call from its shapes.
+
+XLA's CPU convolution is slow or pathological on shapes real networks reach, measured
+against PyTorch's oneDNN kernels (numbers in benchmarks/README.md):
+
+* an output extent smaller than the kernel's (a 3x3 kernel over ResNet's 2x2 last
+  stage) runs ~40x slower than the same product written as a matmul;
+* grouped and depthwise convolutions (MobileNet, ConvNeXt) run 10-40x slower than a
+  sum of shifted, scaled windows;
+* transposed convolutions of small inputs (a decoder's first upsampling) run ~15x
+  slower than a matmul followed by col2im.
+
+Each function here lowers one ``aten.convolution`` to the fastest of these forms. All
+are linear in input and weight, so ``jax.vjp`` of them is the exact backward. Every
+form accumulates in ``acc`` (float32 for half-precision inputs).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Patch matrices up to this many elements (4 MiB of float32) make the matmul form the
+# faster one; past it, writing them out costs more than XLA's convolution.
+MATMUL_ELEMENTS = 1 << 20
+# Grouped convolutions with at most this many input channels per group times kernel
+# taps are summed tap by tap (one fused loop, no patch matrix).
+TAP_SUM_TERMS = 128
+
+
+def spec(nd: int) -> tuple[str, str, str]:
+    spatial = "DHW"[-nd:]
+    return (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
+
+
+def _out_sizes(spatial, k, stride, padding, dilation):
+    return [
+        (spatial[i] + 2 * padding[i] - dilation[i] * (k[i] - 1) - 1) // stride[i] + 1
+        for i in range(len(k))
+    ]
+
+
+def _windows(x, k, stride, padding, dilation, out):
+    """The strided window of the zero-padded input each kernel tap reads, in the
+    kernel's row-major tap order: a list of (N, C, *out) arrays."""
+    n, c = x.shape[:2]
+    x = jnp.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in padding])
+    windows = []
+    for tap in itertools.product(*(range(ki) for ki in k)):
+        start = [0, 0] + [t * d for t, d in zip(tap, dilation, strict=True)]
+        ends = zip(start[2:], stride, out, strict=True)
+        limit = [n, c] + [b + s * (m - 1) + 1 for b, s, m in ends]
+        windows.append(jax.lax.slice(x, start, limit, [1, 1] + list(stride)))
+    return windows
+
+
+def convolution(x, weight, stride, padding, dilation, groups, acc):
+    """A (batched, N C *spatial) convolution with symmetric padding, in ``acc``."""
+    k = weight.shape[2:]
+    n, c = x.shape[:2]
+    out = _out_sizes(x.shape[2:], k, stride, padding, dilation)
+    taps = int(np.prod(k))
+    usable = min(out, default=1) > 0 and 0 not in x.shape and 0 not in weight.shape
+    per_group = c // groups
+    if usable and groups > 1 and per_group * taps <= TAP_SUM_TERMS:
+        return _tap_sum(x, weight, stride, padding, dilation, groups, out, acc)
+    kernel_wider = any(o < ki for o, ki in zip(out, k, strict=True))
+    if usable and (kernel_wider or n * c * taps * int(np.prod(out)) <= MATMUL_ELEMENTS):
+        return _matmul(x, weight, stride, padding, dilation, groups, out, acc)
+    return _xla(x, weight, stride, padding, dilation, groups, acc)
+
+
+def _xla(x, weight, stride, padding, dilation, groups, acc):
+    return jax.lax.conv_general_dilated(
+        x,
+        weight,
+        window_strides=stride,
+        padding=[(p, p) for p in padding],
+        rhs_dilation=dilation,
+        dimension_numbers=spec(weight.ndim - 2),
+        feature_group_count=groups,
+        preferred_element_type=acc,
+    )
+
+
+def _matmul(x, weight, stride, padding, dilation, groups, out, acc):
+    # im2col: the windows stacked as (N, C, taps, *out) and contracted with the weight
+    # over (C/groups, taps), a matmul batched over the groups.
+    n, c = x.shape[:2]
+    o = weight.shape[0]
+    windows = _windows(x, weight.shape[2:], stride, padding, dilation, out)
+    per_group = c // groups * len(windows)
+    patches = jnp.stack(windows, axis=2).reshape((n, groups, per_group) + tuple(out))
+    w = weight.reshape(groups, o // groups, per_group)
+    res = jax.lax.dot_general(
+        w, patches, (((2,), (2,)), ((0,), (1,))), preferred_element_type=acc
+    )  # (groups, O/groups, N, *out)
+    return jnp.moveaxis(res, 2, 0).reshape((n, o) + tuple(out))
+
+
+def _tap_sum(x, weight, stride, padding, dilation, groups, out, acc):
+    # out[n, g, j] = sum over input channel i of the group and tap t of
+    # weight[g, j, i, t] * window_t[n, g, i]: broadcast products XLA fuses into one loop.
+    n, c = x.shape[:2]
+    o = weight.shape[0]
+    per_group, out_group = c // groups, o // groups
+    w = weight.reshape(groups, out_group, per_group, -1).astype(acc)
+    w = w.reshape((1, groups, out_group, per_group, -1) + (1,) * len(out))
+    windows = _windows(x, weight.shape[2:], stride, padding, dilation, out)
+    total = None
+    for t, window in enumerate(windows):
+        window = window.astype(acc).reshape((n, groups, 1, per_group) + tuple(out))
+        for i in range(per_group):
+            term = window[:, :, :, i] * w[:, :, :, i, t]
+            total = term if total is None else total + term
+    return total.reshape((n, o) + tuple(out))
+
+
+def transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):
+    """A (batched) transposed convolution, in ``acc``: the gradient of a convolution."""
+    k = weight.shape[2:]
+    spatial = x.shape[2:]
+    # XLA's slow case again: a kernel wider than the (stride-dilated) input.
+    dilated = [(s - 1) * st + 1 for s, st in zip(spatial, stride, strict=True)]
+    kernel_wider = any(d < ki for d, ki in zip(dilated, k, strict=True))
+    if 0 not in x.shape and 0 not in weight.shape and kernel_wider:
+        return _col2im(x, weight, stride, padding, dilation, output_padding, groups, acc)
+    return _xla_transposed(x, weight, stride, padding, dilation, output_padding, groups, acc)
+
+
+def _xla_transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):
+    # Dilate the input by the stride, pad by dilation*(k-1)-padding, and convolve with
+    # the flipped kernel whose in/out channels are swapped (per group).
+    k = weight.shape[2:]
+    nd = len(k)
+    cin, cout_g = weight.shape[0], weight.shape[1]
+    w = weight.reshape((groups, cin // groups, cout_g) + k)
+    w = jnp.swapaxes(w, 1, 2).reshape((groups * cout_g, cin // groups) + k)
+    w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
+    pads = [
+        (
+            dilation[i] * (k[i] - 1) - padding[i],
+            dilation[i] * (k[i] - 1) - padding[i] + output_padding[i],
+        )
+        for i in range(nd)
+    ]
+    return jax.lax.conv_general_dilated(
+        x,
+        w,
+        window_strides=[1] * nd,
+        padding=pads,
+        lhs_dilation=stride,
+        rhs_dilation=dilation,
+        dimension_numbers=spec(nd),
+        feature_group_count=groups,
+        preferred_element_type=acc,
+    )
+
+
+def _col2im(x, weight, stride, padding, dilation, output_padding, groups, acc):
+    # PyTorch's own algorithm: one matmul gives every tap's contribution per input
+    # position, then each tap's slab is added at its strided place in the output.
+    n, cin = x.shape[:2]
+    spatial = x.shape[2:]
+    k = weight.shape[2:]
+    cout_g = weight.shape[1]
+    in_group = cin // groups
+    xs = x.reshape((n, groups, in_group) + tuple(spatial))
+    w = weight.reshape(groups, in_group, cout_g * int(np.prod(k)))
+    cols = jax.lax.dot_general(
+        w, xs, (((1,), (2,)), ((0,), (1,))), preferred_element_type=acc
+    )  # (groups, cout_g * taps, N, *spatial)
+    cols = jnp.moveaxis(cols, 2, 0).reshape((n, groups * cout_g, -1) + tuple(spatial))
+    out = [
+        (spatial[i] - 1) * stride[i]
+        - 2 * padding[i]
+        + dilation[i] * (k[i] - 1)
+        + output_padding[i]
+        + 1
+        for i in range(len(k))
+    ]
+    extent = [
+        max((spatial[i] - 1) * stride[i] + dilation[i] * (k[i] - 1) + 1, padding[i] + out[i])
+        for i in range(len(k))
+    ]
+    total = None
+    zero = jnp.zeros((), acc)
+    for t, tap in enumerate(itertools.product(*(range(ki) for ki in k))):
+        config = [(0, 0, 0), (0, 0, 0)]
+        for i, ti in enumerate(tap):
+            low = ti * dilation[i]
+            high = extent[i] - (low + (spatial[i] - 1) * stride[i] + 1)
+            config.append((low, high, stride[i] - 1))
+        slab = jax.lax.pad(cols[:, :, t], zero, config)
+        total = slab if total is None else total + slab
+    limit = [n, groups * cout_g] + [p + o for p, o in zip(padding, out, strict=True)]
+    return jax.lax.slice(total, [0, 0] + list(padding), limit)

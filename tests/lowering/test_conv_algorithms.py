@@ -1,0 +1,146 @@
+"""The convolution algorithms of ``lowering/conv_algorithms.py``, each forced on shapes
+the shape-based choice would not give it, against PyTorch's float64 convolution; and
+the choice itself, end to end with gradients, on the shapes that pick each form."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dynajax
+from dynajax.lowering import conv_algorithms as ca
+from dynajax.runtime.conversion import to_jax, to_torch
+
+# (name, input shape, weight shape, stride, padding, dilation, groups)
+FORWARD = [
+    ("2d", (2, 6, 7, 5), (4, 6, 3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ("2d-stride-dilation", (2, 6, 9, 8), (4, 3, 3, 2), (2, 3), (2, 0), (2, 1), 2),
+    ("2d-kernel-wider", (3, 8, 2, 2), (5, 8, 3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ("depthwise-multiplier", (2, 4, 6, 6), (8, 1, 3, 3), (1, 1), (1, 1), (1, 1), 4),
+    ("1d", (2, 3, 11), (5, 3, 4), (3,), (2,), (2,), 1),
+    ("3d-grouped", (1, 4, 4, 5, 3), (6, 2, 2, 3, 2), (1, 2, 1), (1, 1, 0), (1, 1, 2), 2),
+]
+
+# (name, input shape, weight shape, stride, padding, dilation, output_padding, groups)
+TRANSPOSED = [
+    ("2d", (2, 4, 3, 3), (4, 3, 3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 1),
+    ("2d-small-input", (2, 6, 2, 2), (6, 5, 4, 4), (2, 2), (1, 1), (1, 1), (0, 0), 1),
+    ("2d-grouped-dilated", (1, 4, 4, 3), (4, 2, 2, 3), (1, 3), (0, 2), (2, 1), (1, 2), 2),
+    ("1d-padding-past-extent", (2, 3, 2), (3, 2, 5), (1,), (0,), (1,), (0,), 1),
+    ("3d", (1, 2, 2, 3, 2), (2, 3, 2, 2, 2), (2, 1, 2), (0, 1, 1), (1, 1, 1), (1, 0, 1), 1),
+]
+
+
+def _expected(x, w, transposed, stride, padding, dilation, groups, output_padding=None):
+    nd = w.ndim - 2
+    conv = [F.conv1d, F.conv2d, F.conv3d][nd - 1]
+    if transposed:
+        conv = [F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d][nd - 1]
+        return conv(x, w, None, stride, padding, output_padding, groups, dilation)
+    return conv(x, w, None, stride, padding, dilation, groups)
+
+
+@pytest.mark.parametrize("form", ["matmul", "tap_sum", "xla"])
+@pytest.mark.parametrize("case", FORWARD, ids=[c[0] for c in FORWARD])
+def test_convolution_forms_match_pytorch(case, form):
+    _, xs, ws, stride, padding, dilation, groups = case
+    x = torch.randn(xs, dtype=torch.float64)
+    w = torch.randn(ws, dtype=torch.float64)
+    expected = _expected(x, w, False, stride, padding, dilation, groups)
+    out = list(expected.shape[2:])
+    with jax.enable_x64(True):
+        args = (to_jax(x), to_jax(w), list(stride), list(padding), list(dilation), groups)
+        if form == "matmul":
+            actual = ca._matmul(*args, out, jnp.float64)
+        elif form == "tap_sum":
+            actual = ca._tap_sum(*args, out, jnp.float64)
+        else:
+            actual = ca._xla(*args, jnp.float64)
+    torch.testing.assert_close(to_torch(actual), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["col2im", "xla"])
+@pytest.mark.parametrize("case", TRANSPOSED, ids=[c[0] for c in TRANSPOSED])
+def test_transposed_forms_match_pytorch(case, form):
+    _, xs, ws, stride, padding, dilation, output_padding, groups = case
+    x = torch.randn(xs, dtype=torch.float64)
+    w = torch.randn(ws, dtype=torch.float64)
+    expected = _expected(x, w, True, stride, padding, dilation, groups, output_padding)
+    with jax.enable_x64(True):
+        args = (to_jax(x), to_jax(w)) + tuple(
+            list(v) for v in (stride, padding, dilation, output_padding)
+        )
+        if form == "col2im":
+            actual = ca._col2im(*args, groups, jnp.float64)
+        else:
+            actual = ca._xla_transposed(*args, groups, jnp.float64)
+    torch.testing.assert_close(to_torch(actual), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "form,fn,xs,ws",
+    [
+        # ResNet's last stage: a 3x3 kernel over a 2x2 map (matmul, kernel wider)
+        ("_matmul", lambda x, w: F.conv2d(x, w, padding=1), (2, 8, 2, 2), (8, 8, 3, 3)),
+        # MobileNet/ConvNeXt depthwise (tap sum)
+        (
+            "_tap_sum",
+            lambda x, w: F.conv2d(x, w, padding=3, groups=8),
+            (2, 8, 9, 9),
+            (8, 1, 7, 7),
+        ),
+        # a decoder's first upsampling of a 2x2 map (col2im)
+        (
+            "_col2im",
+            lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1),
+            (2, 8, 2, 2),
+            (8, 4, 4, 4),
+        ),
+        # large patches stay on XLA's convolution
+        ("_xla", lambda x, w: F.conv2d(x, w, padding=1), (4, 16, 96, 96), (4, 16, 3, 3)),
+    ],
+)
+def test_each_form_trains_through_the_backend(form, fn, xs, ws, monkeypatch):
+    chosen = []
+    for name in ("_matmul", "_tap_sum", "_col2im", "_xla", "_xla_transposed"):
+        original = getattr(ca, name)
+
+        def spy(*args, _name=name, _original=original):
+            chosen.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(ca, name, spy)
+    torch.manual_seed(0)
+    x = torch.randn(xs, requires_grad=True)
+    w = torch.randn(ws, requires_grad=True)
+    expected = fn(x, w)
+    expected.square().sum().backward()
+    grads = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    backend = dynajax.Backend()
+    actual = torch.compile(fn, backend=backend)(x, w)
+    actual.square().sum().backward()
+    assert dynajax.Report(backend.graphs).fallbacks == []
+    assert chosen and set(chosen) == {form}, chosen  # forward and its VJP alike
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad, grads[0], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(w.grad, grads[1], rtol=1e-4, atol=1e-3)
+
+
+def test_half_precision_forms_accumulate_in_float32():
+    # 2**k + 1 + 1: each form sums in float32 and rounds once (2**k + 2 is exact in
+    # bfloat16 with k = 8); a bfloat16 accumulator would give 2**k.
+    k = 8
+    x = torch.ones(1, 3, 1, 1, dtype=torch.bfloat16)
+    w = torch.tensor([2.0**k, 1.0, 1.0], dtype=torch.bfloat16).reshape(1, 3, 1, 1)
+    args = (to_jax(x), to_jax(w), [1, 1], [0, 0], [1, 1], 1)
+    for out in (
+        ca._matmul(*args, [1, 1], jnp.float32),
+        ca._tap_sum(*args, [1, 1], jnp.float32),
+    ):
+        assert out.dtype == jnp.float32
+        assert np.asarray(out).item() == 2.0**k + 2
