@@ -2,7 +2,9 @@
 
 Steady state: every peer's step is built and warmed up, then timed in rounds that
 interleave the peers (rotating their order), so load from other processes falls on all
-of them alike; each peer's time is the median over its samples. Ratios taken within one
+of them alike; each peer's time is the median over its samples. A peer's turn starts
+with one untimed call, which absorbs the previous peer's threads still spinning (see
+time_steady): the numbers are each peer's own steady state. Ratios taken within one
 run are the numbers to trust on a shared machine.
 
 First call: each (workload, peer) runs in a fresh process with empty compile caches
@@ -178,6 +180,11 @@ def time_steady(
     for r in range(repeats):
         for peer in order[r % len(order) :] + order[: r % len(order)] if order else []:
             step, samples = steps[peer], results[peer]["samples"]
+            # One untimed call first: PyTorch's OpenMP workers keep spinning for
+            # milliseconds after an eager or inductor call, and would take the cores
+            # from XLA's threads in the next peer's first call (a JAX peer right after
+            # eager measured 16.5 ms against 13.2 ms alone on the encoder layer).
+            step()
             for _ in range(w.inner):  # each call timed alone: preemptions stay outliers
                 t0 = time.perf_counter()
                 step()

@@ -15,7 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.workloads import Compile, Step, Workload, encoder_model, mlp_model, register
+from benchmarks.workloads import (
+    Compile,
+    Step,
+    Workload,
+    encoder_model,
+    mlp_model,
+    register,
+    resnet_model,
+)
 
 
 def _train_step(build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]) -> Callable[..., Step]:
@@ -53,6 +61,16 @@ register(
         "training",
         _train_step(encoder_model),
         description="TransformerEncoderLayer(256, 4, 1024), dropout 0.1, on (8, 128, 256): "
+        "forward + backward + SGD step",
+        no_grad=False,
+    )
+)
+register(
+    Workload(
+        "resnet18-train",
+        "training",
+        _train_step(resnet_model),
+        description="ResNet-18-shaped CNN on (8, 3, 64, 64), batch norm in training mode: "
         "forward + backward + SGD step",
         no_grad=False,
     )
