@@ -57,20 +57,39 @@ def _windows(x, k, stride, padding, dilation, out):
     return windows
 
 
+def choose(x_shape, w_shape, stride, padding, dilation, groups) -> str:
+    """The form for a convolution of these shapes: "tap_sum", "matmul" or "xla"."""
+    k = w_shape[2:]
+    n, c = x_shape[:2]
+    out = _out_sizes(x_shape[2:], k, stride, padding, dilation)
+    taps = int(np.prod(k))
+    if min(out, default=1) <= 0 or 0 in x_shape or 0 in w_shape:
+        return "xla"
+    if groups > 1 and c // groups * taps <= TAP_SUM_TERMS:
+        return "tap_sum"
+    kernel_wider = any(o < ki for o, ki in zip(out, k, strict=True))
+    if kernel_wider or n * c * taps * int(np.prod(out)) <= MATMUL_ELEMENTS:
+        return "matmul"
+    return "xla"
+
+
+def choose_transposed(x_shape, w_shape, stride) -> str:
+    """The form for a transposed convolution: "col2im" or "xla"."""
+    if 0 in x_shape or 0 in w_shape:
+        return "xla"
+    # XLA's slow case again: a kernel wider than the (stride-dilated) input.
+    dilated = [(s - 1) * st + 1 for s, st in zip(x_shape[2:], stride, strict=True)]
+    return "col2im" if any(d < k for d, k in zip(dilated, w_shape[2:], strict=True)) else "xla"
+
+
 def convolution(x, weight, stride, padding, dilation, groups, acc):
     """A (batched, N C *spatial) convolution with symmetric padding, in ``acc``."""
-    k = weight.shape[2:]
-    n, c = x.shape[:2]
-    out = _out_sizes(x.shape[2:], k, stride, padding, dilation)
-    taps = int(np.prod(k))
-    usable = min(out, default=1) > 0 and 0 not in x.shape and 0 not in weight.shape
-    per_group = c // groups
-    if usable and groups > 1 and per_group * taps <= TAP_SUM_TERMS:
-        return _tap_sum(x, weight, stride, padding, dilation, groups, out, acc)
-    kernel_wider = any(o < ki for o, ki in zip(out, k, strict=True))
-    if usable and (kernel_wider or n * c * taps * int(np.prod(out)) <= MATMUL_ELEMENTS):
-        return _matmul(x, weight, stride, padding, dilation, groups, out, acc)
-    return _xla(x, weight, stride, padding, dilation, groups, acc)
+    form = choose(x.shape, weight.shape, stride, padding, dilation, groups)
+    if form == "xla":
+        return _xla(x, weight, stride, padding, dilation, groups, acc)
+    out = _out_sizes(x.shape[2:], weight.shape[2:], stride, padding, dilation)
+    fn = _tap_sum if form == "tap_sum" else _matmul
+    return fn(x, weight, stride, padding, dilation, groups, out, acc)
 
 
 def _xla(x, weight, stride, padding, dilation, groups, acc):
@@ -121,14 +140,9 @@ def _tap_sum(x, weight, stride, padding, dilation, groups, out, acc):
 
 def transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):
     """A (batched) transposed convolution, in ``acc``: the gradient of a convolution."""
-    k = weight.shape[2:]
-    spatial = x.shape[2:]
-    # XLA's slow case again: a kernel wider than the (stride-dilated) input.
-    dilated = [(s - 1) * st + 1 for s, st in zip(spatial, stride, strict=True)]
-    kernel_wider = any(d < ki for d, ki in zip(dilated, k, strict=True))
-    if 0 not in x.shape and 0 not in weight.shape and kernel_wider:
-        return _col2im(x, weight, stride, padding, dilation, output_padding, groups, acc)
-    return _xla_transposed(x, weight, stride, padding, dilation, output_padding, groups, acc)
+    form = choose_transposed(x.shape, weight.shape, stride)
+    fn = _col2im if form == "col2im" else _xla_transposed
+    return fn(x, weight, stride, padding, dilation, output_padding, groups, acc)
 
 
 def _xla_transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):

@@ -144,3 +144,25 @@ def test_half_precision_forms_accumulate_in_float32():
     ):
         assert out.dtype == jnp.float32
         assert np.asarray(out).item() == 2.0**k + 2
+
+
+@pytest.mark.parametrize(
+    "xs,ws,stride,groups,form",
+    [
+        ((8, 512, 2, 2), (512, 512, 3, 3), 1, 1, "matmul"),  # kernel wider than the map
+        ((8, 64, 16, 16), (128, 64, 3, 3), 2, 1, "matmul"),  # small patches
+        ((8, 64, 32, 32), (64, 64, 3, 3), 1, 1, "xla"),  # 4.7M patch elements
+        ((8, 96, 56, 56), (96, 1, 7, 7), 1, 96, "tap_sum"),  # depthwise
+        ((8, 256, 4, 4), (256, 16, 3, 3), 1, 16, "matmul"),  # 16 x 9 terms: too many
+        ((8, 256, 8, 8), (256, 16, 3, 3), 1, 16, "xla"),  # and 1.2M patch elements
+        ((0, 3, 8, 8), (4, 3, 3, 3), 1, 1, "xla"),  # empty batch
+    ],
+)
+def test_choice_by_shape(xs, ws, stride, groups, form):
+    nd = len(ws) - 2
+    assert ca.choose(xs, ws, [stride] * nd, [1] * nd, [1] * nd, groups) == form
+
+
+def test_transposed_choice_by_shape():
+    assert ca.choose_transposed((8, 512, 2, 2), (512, 256, 4, 4), [2, 2]) == "col2im"
+    assert ca.choose_transposed((8, 64, 16, 16), (64, 32, 4, 4), [2, 2]) == "xla"
