@@ -32,8 +32,10 @@ SHAPES: list[tuple[str, tuple[int, ...], tuple[int, ...], int, int, int, bool]] 
     ("grouped 3x3 g=64, 256x8x8", (8, 256, 8, 8), (256, 4, 3, 3), 1, 1, 64, False),
     ("conv1d k5, 80x300", (4, 80, 300), (256, 80, 5), 1, 2, 1, False),
     ("conv3d 3x3x3, 64x4x4x4", (2, 64, 4, 4, 4), (64, 64, 3, 3, 3), 1, 1, 1, False),
+    ("conv3d 3x3x3, 16x16x16x16", (2, 16, 16, 16, 16), (16, 16, 3, 3, 3), 1, 1, 1, False),
     ("transposed 4x4/2, 512x2x2", (8, 512, 2, 2), (512, 256, 4, 4), 2, 1, 1, True),
     ("transposed 4x4/2, 64x16x16", (8, 64, 16, 16), (64, 32, 4, 4), 2, 1, 1, True),
+    ("transposed 3d 2x2x2/2, 64x16^3", (1, 64, 16, 16, 16), (64, 32, 2, 2, 2), 2, 0, 1, True),
 ]
 
 
@@ -75,7 +77,7 @@ def _form(xs, ws, stride, padding, groups, transposed) -> str:
 
     nd = len(ws) - 2
     if transposed:
-        return ca.choose_transposed(xs, ws, [stride] * nd)
+        return ca.choose_transposed(xs, ws, [stride] * nd, groups)
     return ca.choose(xs, ws, [stride] * nd, [padding] * nd, [1] * nd, groups)
 
 

@@ -14,13 +14,6 @@ _DYNAMO_ADDCDIV = (
     "Without value= the op reaches dynajax whole and matches (lowering/fused.py)"
 )
 
-_CONV_TRANSPOSE3D_F32 = (
-    "one output element of 2744 in samples 8 and 9 is 2.3e-5 from eager (1e-5 allowed) "
-    "and farther from the float64 result than eager: XLA's transposed convolution (an "
-    "input-dilated convolution) sums in another order than PyTorch's col2im kernel"
-)
-
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
     ("addcdiv", "", "bfloat16"): _DYNAMO_ADDCDIV,
-    ("nn.functional.conv_transpose3d", "", "float32"): _CONV_TRANSPOSE3D_F32,
 }

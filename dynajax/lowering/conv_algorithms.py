@@ -24,8 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 # Patch matrices up to this many elements (4 MiB of float32) make the matmul form the
-# faster one; past it, writing them out costs more than XLA's convolution.
+# faster one; past it, writing them out costs more than XLA's convolution. XLA's 3-D
+# convolution is slower still (2-6x the matmul form at 2-4M patch elements).
 MATMUL_ELEMENTS = 1 << 20
+MATMUL_ELEMENTS_3D = 1 << 22
+# Transposed convolutions: col2im while its column buffer is this small (XLA's
+# input-dilated convolution wins past it in 2-D), and always in 3-D, where XLA's is
+# 27-80x slower than col2im (2x2x2 to 4x4x4 kernels over 8^3-16^3 inputs).
+COL2IM_ELEMENTS = 1 << 17
 # Grouped convolutions with at most this many input channels per group times kernel
 # taps are summed tap by tap (one fused loop, no patch matrix).
 TAP_SUM_TERMS = 128
@@ -68,18 +74,27 @@ def choose(x_shape, w_shape, stride, padding, dilation, groups) -> str:
     if groups > 1 and c // groups * taps <= TAP_SUM_TERMS:
         return "tap_sum"
     kernel_wider = any(o < ki for o, ki in zip(out, k, strict=True))
-    if kernel_wider or n * c * taps * int(np.prod(out)) <= MATMUL_ELEMENTS:
+    limit = MATMUL_ELEMENTS_3D if len(k) == 3 else MATMUL_ELEMENTS
+    if kernel_wider or n * c * taps * int(np.prod(out)) <= limit:
         return "matmul"
     return "xla"
 
 
-def choose_transposed(x_shape, w_shape, stride) -> str:
-    """The form for a transposed convolution: "col2im" or "xla"."""
+def choose_transposed(x_shape, w_shape, stride, groups) -> str:
+    """The form for a transposed convolution: "col2im" or "xla".
+
+    col2im is PyTorch's own algorithm (its CPU kernel for unbatched or batch-1 inputs
+    sums in the same order: bit for bit in float32 on OpInfo's samples, where XLA's
+    input-dilated convolution is up to 1.4e-4 off). XLA's slow case again is a kernel
+    wider than the (stride-dilated) input, and any 3-D transposed convolution."""
     if 0 in x_shape or 0 in w_shape:
         return "xla"
-    # XLA's slow case again: a kernel wider than the (stride-dilated) input.
     dilated = [(s - 1) * st + 1 for s, st in zip(x_shape[2:], stride, strict=True)]
-    return "col2im" if any(d < k for d, k in zip(dilated, w_shape[2:], strict=True)) else "xla"
+    kernel_wider = any(d < k for d, k in zip(dilated, w_shape[2:], strict=True))
+    cout = w_shape[1] * groups
+    cols = x_shape[0] * cout * int(np.prod(w_shape[2:])) * int(np.prod(x_shape[2:]))
+    small = cols <= COL2IM_ELEMENTS
+    return "col2im" if kernel_wider or small or len(w_shape) == 5 else "xla"
 
 
 def convolution(x, weight, stride, padding, dilation, groups, acc):
@@ -140,7 +155,7 @@ def _tap_sum(x, weight, stride, padding, dilation, groups, out, acc):
 
 def transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):
     """A (batched) transposed convolution, in ``acc``: the gradient of a convolution."""
-    form = choose_transposed(x.shape, weight.shape, stride)
+    form = choose_transposed(x.shape, weight.shape, stride, groups)
     fn = _col2im if form == "col2im" else _xla_transposed
     return fn(x, weight, stride, padding, dilation, output_padding, groups, acc)
 

@@ -156,6 +156,8 @@ def test_half_precision_forms_accumulate_in_float32():
         ((8, 256, 4, 4), (256, 16, 3, 3), 1, 16, "matmul"),  # 16 x 9 terms: too many
         ((8, 256, 8, 8), (256, 16, 3, 3), 1, 16, "xla"),  # and 1.2M patch elements
         ((0, 3, 8, 8), (4, 3, 3, 3), 1, 1, "xla"),  # empty batch
+        ((2, 16, 16, 16, 16), (16, 16, 3, 3, 3), 1, 1, "matmul"),  # 3-D: 3.5M elements
+        ((1, 32, 32, 32, 32), (32, 32, 3, 3, 3), 1, 1, "xla"),  # 28M elements
     ],
 )
 def test_choice_by_shape(xs, ws, stride, groups, form):
@@ -164,5 +166,8 @@ def test_choice_by_shape(xs, ws, stride, groups, form):
 
 
 def test_transposed_choice_by_shape():
-    assert ca.choose_transposed((8, 512, 2, 2), (512, 256, 4, 4), [2, 2]) == "col2im"
-    assert ca.choose_transposed((8, 64, 16, 16), (64, 32, 4, 4), [2, 2]) == "xla"
+    # kernel wider than the dilated input; small columns; 2.1M column elements
+    assert ca.choose_transposed((8, 512, 2, 2), (512, 256, 4, 4), [2, 2], 1) == "col2im"
+    assert ca.choose_transposed((1, 4, 5, 5, 5), (4, 8, 3, 3, 3), [1, 1, 1], 1) == "col2im"
+    assert ca.choose_transposed((8, 64, 16, 16), (64, 32, 4, 4), [2, 2], 2) == "xla"
+    assert ca.choose_transposed((2, 64, 8, 8, 8), (64, 64, 4, 4, 4), [2, 2, 2], 1) == "col2im"
