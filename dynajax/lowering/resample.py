@@ -228,8 +228,6 @@ _ZEROS, _BORDER, _REFLECTION = 0, 1, 2
 
 
 def _grid_sampler_check(x, grid, interpolation_mode, padding_mode, align_corners):
-    if interpolation_mode not in (_BILINEAR, _NEAREST):
-        return "grid_sampler with bicubic interpolation"
     return _float_check(x)
 
 
@@ -261,13 +259,24 @@ def _reflect_bounds(size, align_corners):
 
 
 def _vector_source_coord(coord, size, padding_mode, align_corners, r):
-    """GridSamplerKernel.cpp's vectorized ComputeLocation, every step rounded by ``r``:
-    (coord + 1) * scale (- 0.5 without align_corners), scale = (size - 1) / 2 or size / 2,
-    then clip or reflect."""
+    """GridSamplerKernel.cpp's vectorized ComputeLocation.apply: unnormalize, then clip
+    or reflect."""
+    coord = _vector_unnormalize(coord, size, align_corners, r)
+    return _vector_padded_coord(coord, size, padding_mode, align_corners, r)
+
+
+def _vector_unnormalize(coord, size, align_corners, r):
+    """ComputeLocation.unnormalize, every step rounded by ``r``: (coord + 1) * scale
+    (- 0.5 without align_corners), scale = (size - 1) / 2 or size / 2."""
     scale = r(jnp.asarray((size - 1) / 2 if align_corners else size / 2, coord.dtype))
     coord = r(r(coord + 1) * scale)
     if not align_corners:
         coord = r(coord - 0.5)
+    return coord
+
+
+def _vector_padded_coord(coord, size, padding_mode, align_corners, r):
+    """ComputeLocation.compute_coordinates: the padding mode's clip or reflection."""
     if padding_mode == _BORDER:
         coord = jnp.clip(coord, 0, size - 1)
     elif padding_mode == _REFLECTION:
@@ -284,8 +293,6 @@ def _grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
     n, c, h, w = x.shape
     acc, r = _rounding(x.dtype)
     xa = x.astype(acc)
-    ix = _vector_source_coord(grid[..., 0].astype(acc), w, padding_mode, align_corners, r)
-    iy = _vector_source_coord(grid[..., 1].astype(acc), h, padding_mode, align_corners, r)
 
     def tap(yi, xi):
         """x[n, :, yi, xi] for every output position; zero outside the input."""
@@ -294,6 +301,11 @@ def _grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
         vals = jax.vmap(lambda img, yy, xx: img[:, yy, xx])(xa, yc, xc)  # (n, c, ho, wo)
         return jnp.where(inside[:, None], vals, jnp.zeros((), acc))
 
+    if interpolation_mode == _BICUBIC:
+        out = _grid_bicubic(grid.astype(acc), h, w, padding_mode, align_corners, r, tap)
+        return out.astype(x.dtype)
+    ix = _vector_source_coord(grid[..., 0].astype(acc), w, padding_mode, align_corners, r)
+    iy = _vector_source_coord(grid[..., 1].astype(acc), h, padding_mode, align_corners, r)
     if interpolation_mode == _NEAREST:
         # nearbyint: round half to even, like jnp.round.
         out = tap(jnp.round(iy).astype(np.int64), jnp.round(ix).astype(np.int64))
@@ -307,6 +319,51 @@ def _grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
     out = r(out + r(tap(y0i + 1, x0i) * r(tn * te)[:, None]))
     out = r(out + r(tap(y0i + 1, x0i + 1) * r(tn * tw)[:, None]))
     return out.astype(x.dtype)
+
+
+def _cubic_coefficients(t, r):
+    """ApplyGridSample<Bicubic>.get_cubic_coefficients (A = -0.75) for the distance t
+    past the floor, in the kernel's operation order, every step rounded by ``r``."""
+    a = -0.75
+
+    def outer(x):  # ((A x - 5A) x + 8A) x - 4A, for 1 < x < 2
+        return r(r(r(r(r(r(a * x) - 5 * a) * x) + 8 * a) * x) - 4 * a)
+
+    def inner(x):  # ((A + 2) x - (A + 3)) x x + 1, for x <= 1
+        return r(r(r(r(r((a + 2) * x) - (a + 3)) * x) * x) + 1)
+
+    return outer(r(t + 1)), inner(t), inner(r(1 - t)), outer(r(2 - t))
+
+
+def _grid_bicubic(grid, h, w, padding_mode, align_corners, r, tap):
+    """GridSamplerKernel.cpp's bicubic convolution: 4 taps along x for each of 4 rows,
+    then 4 along y, each tap's coordinate clipped or reflected by the padding mode (zero
+    outside the input with zeros padding), summed left to right as the kernel does."""
+    x = _vector_unnormalize(grid[..., 0], w, align_corners, r)
+    y = _vector_unnormalize(grid[..., 1], h, align_corners, r)
+    x0, y0 = jnp.floor(x), jnp.floor(y)
+    cx = _cubic_coefficients(r(x - x0), r)
+    cy = _cubic_coefficients(r(y - y0), r)
+
+    def index(coord, size):
+        coord = _vector_padded_coord(coord, size, padding_mode, align_corners, r)
+        # A non-finite or huge coordinate is outside (the kernel's int conversion gives
+        # INT_MIN there); finite ones truncate toward zero, as it converts.
+        ok = jnp.isfinite(coord) & (jnp.abs(coord) < 2.0**31)
+        return jnp.where(ok, coord, -1).astype(np.int64)
+
+    def weighted_sum(coeffs, values):
+        total = r(coeffs[0][:, None] * values[0])
+        for c, v in zip(coeffs[1:], values[1:], strict=True):
+            total = r(total + r(c[:, None] * v))
+        return total
+
+    cols = [index(x0 + d, w) for d in (-1, 0, 1, 2)]
+    rows = []
+    for d in (-1, 0, 1, 2):
+        yi = index(y0 + d, h)
+        rows.append(weighted_sum(cx, [tap(yi, xi) for xi in cols]))
+    return weighted_sum(cy, rows)
 
 
 def _grid_sampler_3d_check(x, grid, interpolation_mode, padding_mode, align_corners):

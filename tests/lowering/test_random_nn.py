@@ -198,6 +198,19 @@ GRID3D += [
     for dtype in (torch.bfloat16, torch.float16)
 ] + [_grid2d("nearest", "reflection", False, torch.bfloat16)]
 
+# Bicubic (2-D only): every padding mode, both corner conventions, and the half-precision
+# per-step rounding of the same vectorized kernel.
+GRID3D += [
+    _grid2d("bicubic", padding, align, torch.float32)
+    for padding in ("zeros", "border", "reflection")
+    for align in (False, True)
+] + [
+    _grid2d("bicubic", "zeros", True, torch.float64),
+    _grid2d("bicubic", "reflection", False, torch.bfloat16),
+    _grid2d("bicubic", "border", True, torch.float16),
+    _grid2d("bicubic", "zeros", False, torch.float16),
+]
+
 # ---------------------------------------------------------------------------------
 # Antialiased bilinear resizing
 # ---------------------------------------------------------------------------------
