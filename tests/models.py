@@ -25,6 +25,32 @@ def cnn(channels: int = 8, classes: int = 10) -> nn.Module:
     )
 
 
+def conv_mix(channels: int = 8, classes: int = 10) -> nn.Module:
+    """Every convolution form of lowering/conv_algorithms.py in one network: a
+    depthwise-separable block (tap sum, then matmul), a grouped 3x3, a 3x3 over a 2x2
+    map (kernel wider than the map), and a transposed convolution upsampling it
+    (col2im), with batch norm between (the convolutions before it have no bias: its
+    gradient would be zero up to rounding)."""
+    c = channels
+    return nn.Sequential(
+        nn.Conv2d(3, c, 3, stride=2, padding=1, bias=False),
+        nn.BatchNorm2d(c),
+        nn.ReLU(),
+        nn.Conv2d(c, c, 7, padding=3, groups=c),  # depthwise 7x7
+        nn.Conv2d(c, 2 * c, 1, bias=False),
+        nn.BatchNorm2d(2 * c),
+        nn.ReLU(),
+        nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1, groups=4),  # grouped
+        nn.AdaptiveAvgPool2d(2),
+        nn.Conv2d(2 * c, 2 * c, 3, padding=1),  # 3x3 over 2x2
+        nn.ConvTranspose2d(2 * c, c, 4, stride=2, padding=1, bias=False),  # 2x2 -> 4x4
+        nn.BatchNorm2d(c),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * c, classes),
+    )
+
+
 def gpt2(layers: int = 2, width: int = 64, heads: int = 4, vocab: int = 128) -> nn.Module:
     import transformers
 

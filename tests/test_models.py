@@ -28,6 +28,7 @@ def _run(model: nn.Module, *args: torch.Tensor) -> dynajax.Report:
 CASES = {
     "mlp": lambda: (models.mlp(), torch.randn(4, 32)),
     "cnn": lambda: (models.cnn(), torch.randn(2, 3, 16, 16)),
+    "conv-mix": lambda: (models.conv_mix(), torch.randn(2, 3, 16, 16)),
     "encoder-relu": lambda: (
         nn.TransformerEncoderLayer(32, 4, 64, batch_first=True),
         torch.randn(2, 10, 32),

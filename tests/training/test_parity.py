@@ -47,6 +47,11 @@ def _cnn_case():
     return models.cnn, batches, _classification
 
 
+def _conv_mix_case():
+    batches = [(torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))) for _ in range(STEPS)]
+    return models.conv_mix, batches, _classification
+
+
 def _encoder_case():
     # dropout=0 so that eager and compiled compute the same function; dropout with
     # p > 0 is covered statistically in test_random.py. Trained with SGD: the key
@@ -81,6 +86,7 @@ CASES = {
     "mlp-sgd_momentum": (_mlp_case, "sgd_momentum"),
     "mlp-adam": (_mlp_case, "adam"),
     "cnn_batchnorm-sgd_momentum": (_cnn_case, "sgd_momentum"),
+    "conv_mix-sgd_momentum": (_conv_mix_case, "sgd_momentum"),
     "encoder-sgd_momentum": (_encoder_case, "sgd_momentum"),
     "gpt2-adamw": (_gpt2_case, "adamw"),
 }
