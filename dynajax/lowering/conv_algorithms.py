@@ -153,6 +153,31 @@ def _tap_sum(x, weight, stride, padding, dilation, groups, out, acc):
     return total.reshape((n, o) + tuple(out))
 
 
+def input_gradient(grad, weight, x_shape, stride, padding, dilation, groups, acc):
+    """The input gradient of a (batched) convolution as a transposed convolution by
+    col2im, or None where the VJP of the forward's own form is the better one.
+
+    That is where a strided forward stays on XLA's convolution but col2im suits the
+    transposed one (every 3-D case, small inputs): the VJP would be XLA's input-dilated
+    convolution (a stride-2 3x3x3 convolution of 16x48^3: training step 958 ms by the
+    VJP, 238 ms by col2im; eager 36 ms)."""
+    k = weight.shape[2:]
+    if all(st == 1 for st in stride):
+        return None  # no input dilation: the VJP is a plain convolution
+    if choose(x_shape, weight.shape, stride, padding, dilation, groups) != "xla":
+        return None
+    if choose_transposed(grad.shape, weight.shape, stride, groups) != "col2im":
+        return None
+    # The output padding that gives back the input's extent (a strided convolution
+    # drops up to stride - 1 trailing rows).
+    output_padding = [
+        x_shape[2 + i] - ((grad.shape[2 + i] - 1) * stride[i] - 2 * padding[i]
+                          + dilation[i] * (k[i] - 1) + 1)
+        for i in range(len(k))
+    ]  # fmt: skip
+    return _col2im(grad, weight, stride, padding, dilation, output_padding, groups, acc)
+
+
 def transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):
     """A (batched) transposed convolution, in ``acc``: the gradient of a convolution."""
     form = choose_transposed(x.shape, weight.shape, stride, groups)

@@ -278,6 +278,10 @@ def _convolution_backward(
 
     _, vjp = jax.vjp(forward, x, weight)
     grad_input, grad_weight = vjp(grad.astype(x.dtype))
+    if output_mask[0] and not transposed:
+        direct = _input_gradient(grad, x, weight, stride, padding, dilation, groups)
+        if direct is not None:  # XLA drops the VJP's unused input gradient
+            grad_input = direct
     grad_bias = None
     if output_mask[2]:
         channel = grad.ndim - weight.ndim + 1
@@ -287,6 +291,22 @@ def _convolution_backward(
         grad_weight if output_mask[1] else None,
         grad_bias,
     )
+
+
+def _input_gradient(grad, x, weight, stride, padding, dilation, groups):
+    nd = weight.ndim - 2
+    stride, padding, dilation = (
+        list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation)
+    )
+    unbatched = x.ndim == nd + 1
+    g, shape = (grad[None], (1,) + x.shape) if unbatched else (grad, x.shape)
+    out = conv_algorithms.input_gradient(
+        g.astype(x.dtype), weight, shape, stride, padding, dilation, groups, opmath(x.dtype)
+    )
+    if out is None:
+        return None
+    out = out.astype(x.dtype)
+    return out[0] if unbatched else out
 
 
 def _max_pool_backward(grad, x, indices, nd):

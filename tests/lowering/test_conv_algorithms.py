@@ -171,3 +171,42 @@ def test_transposed_choice_by_shape():
     assert ca.choose_transposed((1, 4, 5, 5, 5), (4, 8, 3, 3, 3), [1, 1, 1], 1) == "col2im"
     assert ca.choose_transposed((8, 64, 16, 16), (64, 32, 4, 4), [2, 2], 2) == "xla"
     assert ca.choose_transposed((2, 64, 8, 8, 8), (64, 64, 4, 4, 4), [2, 2, 2], 1) == "col2im"
+
+
+@pytest.mark.parametrize(
+    "xs,ws,stride,padding,dilation,groups",
+    [
+        ((2, 4, 7, 6, 5), (6, 4, 3, 3, 2), 2, 1, 1, 1),  # 3-D, strided: drops rows
+        ((1, 4, 9, 8, 7), (4, 2, 3, 2, 3), (1, 2, 3), (0, 1, 2), (2, 1, 1), 2),
+        ((3, 6, 11, 10), (4, 3, 3, 3), 3, 2, 1, 2),  # 2-D, forced the same way
+        ((5, 9, 8), (3, 5, 3, 3), 2, 1, 1, 1),  # unbatched
+    ],
+)
+def test_input_gradient_by_col2im_matches_pytorch(
+    xs, ws, stride, padding, dilation, groups, monkeypatch
+):
+    # Thresholds set so the forward stays on XLA's form and its input gradient goes
+    # through col2im (the 3-D case of real sizes), against PyTorch's gradients.
+    monkeypatch.setattr(ca, "MATMUL_ELEMENTS", 0)
+    monkeypatch.setattr(ca, "MATMUL_ELEMENTS_3D", 0)
+    monkeypatch.setattr(ca, "TAP_SUM_TERMS", 0)
+    monkeypatch.setattr(ca, "COL2IM_ELEMENTS", 1 << 30)
+    used = []
+    original = ca._col2im
+    monkeypatch.setattr(ca, "_col2im", lambda *a: (used.append(1), original(*a))[1])
+    nd = len(ws) - 2
+    conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+
+    def fn(x, w):
+        return conv(x, w, None, stride, padding, dilation, groups)
+
+    torch.manual_seed(0)
+    x = torch.randn(xs, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(ws, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(fn(x, w).shape, dtype=torch.float64)
+    expected = torch.autograd.grad(fn(x, w), (x, w), g)
+    backend = dynajax.Backend()
+    actual = torch.autograd.grad(torch.compile(fn, backend=backend)(x, w), (x, w), g)
+    assert dynajax.Report(backend.graphs).fallbacks == []
+    assert used, "the input gradient did not take col2im"
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
