@@ -4,11 +4,11 @@ XLA's CPU convolution is slow or pathological on shapes real networks reach, mea
 against PyTorch's oneDNN kernels (numbers in benchmarks/README.md):
 
 * an output extent smaller than the kernel's (a 3x3 kernel over ResNet's 2x2 last
-  stage) runs ~40x slower than the same product written as a matmul;
-* grouped and depthwise convolutions (MobileNet, ConvNeXt) run 10-40x slower than a
+  stage) runs 40-90x slower than the same product written as a matmul;
+* grouped and depthwise convolutions (MobileNet, ConvNeXt) run 10-45x slower than a
   sum of shifted, scaled windows;
-* transposed convolutions of small inputs (a decoder's first upsampling) run ~15x
-  slower than a matmul followed by col2im.
+* transposed convolutions of small inputs (a decoder's first upsampling) run ~9x
+  slower than a matmul followed by col2im, and 3-D transposed ones 27-80x.
 
 Each function here lowers one ``aten.convolution`` to the fastest of these forms. All
 are linear in input and weight, so ``jax.vjp`` of them is the exact backward. Every
@@ -37,7 +37,7 @@ COL2IM_ELEMENTS = 1 << 17
 TAP_SUM_TERMS = 128
 
 
-def spec(nd: int) -> tuple[str, str, str]:
+def _spec(nd: int) -> tuple[str, str, str]:
     spatial = "DHW"[-nd:]
     return (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
 
@@ -114,7 +114,7 @@ def _xla(x, weight, stride, padding, dilation, groups, acc):
         window_strides=stride,
         padding=[(p, p) for p in padding],
         rhs_dilation=dilation,
-        dimension_numbers=spec(weight.ndim - 2),
+        dimension_numbers=_spec(weight.ndim - 2),
         feature_group_count=groups,
         preferred_element_type=acc,
     )
@@ -208,7 +208,7 @@ def _xla_transposed(x, weight, stride, padding, dilation, output_padding, groups
         padding=pads,
         lhs_dilation=stride,
         rhs_dilation=dilation,
-        dimension_numbers=spec(nd),
+        dimension_numbers=_spec(nd),
         feature_group_count=groups,
         preferred_element_type=acc,
     )

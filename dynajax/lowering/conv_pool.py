@@ -24,15 +24,19 @@ def _conv_check(x, weight, bias, stride, padding, dilation, transposed, output_p
     return None
 
 
+def _per_dim(nd, *values):
+    """Each size argument as one entry per spatial dimension (ATen may pass one for all)."""
+    return [list(v) * nd if len(v) == 1 else list(v) for v in values]
+
+
 @lower(aten.convolution.default, check=_conv_check)
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     nd = weight.ndim - 2
     unbatched = x.ndim == nd + 1
     if unbatched:
         x = x[None]
-    stride, padding, dilation, output_padding = (
-        list(v) * nd if len(v) == 1 else list(v)
-        for v in (stride, padding, dilation, output_padding)
+    stride, padding, dilation, output_padding = _per_dim(
+        nd, stride, padding, dilation, output_padding
     )
     # Half-precision inputs accumulate in float32, as PyTorch's CPU kernels do. Its
     # convolutions round once, bias included (oneDNN, or a GEMM into the bias); its
@@ -295,9 +299,7 @@ def _convolution_backward(
 
 def _input_gradient(grad, x, weight, stride, padding, dilation, groups):
     nd = weight.ndim - 2
-    stride, padding, dilation = (
-        list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation)
-    )
+    stride, padding, dilation = _per_dim(nd, stride, padding, dilation)
     unbatched = x.ndim == nd + 1
     g, shape = (grad[None], (1,) + x.shape) if unbatched else (grad, x.shape)
     out = conv_algorithms.input_gradient(
