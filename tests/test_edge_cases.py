@@ -115,3 +115,36 @@ def test_non_contiguous_input() -> None:
     x = torch.randn(4, 6).t()
     _check(f, x)
     _check(f, torch.randn(4, 6)[:, ::2])
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["scatter_add", "scatter_reduce_sum", "scatter_reduce_prod", "scatter_amin", "index_put"],
+)
+def test_bool_accumulating_scatters_and_empty_gather(name) -> None:
+    # Bool addition is logical or and multiplication logical and, in JAX as in eager;
+    # JAX's own scatter-add refuses bool. A gather with an empty index of another rank
+    # is accepted by PyTorch.
+    torch.manual_seed(0)
+    x = torch.rand(4, 5) > 0.5
+    src = torch.rand(4, 5) > 0.5
+    index = torch.randint(0, 4, (4, 5))
+    fns = {
+        "scatter_add": lambda x, s, i: x.scatter_add(0, i, s),
+        "scatter_reduce_sum": lambda x, s, i: x.scatter_reduce(0, i, s, "sum"),
+        "scatter_reduce_prod": lambda x, s, i: x.scatter_reduce(
+            0, i, s, "prod", include_self=False
+        ),
+        "scatter_amin": lambda x, s, i: x.scatter_reduce(1, i, s, "amin"),
+        "index_put": lambda x, s, i: x.index_put((i[0],), s[0], accumulate=True),
+    }
+    fn = fns[name]
+    backend = dynajax.Backend()
+    actual = torch.compile(fn, backend=backend, fullgraph=True)(x, src, index)
+    assert dynajax.Report(backend.graphs).fallbacks == []
+    assert torch.equal(actual, fn(x, src, index))
+
+    empty = torch.zeros(2, 0, dtype=torch.int64)
+    gather = torch.compile(lambda v, i: torch.gather(v, 0, i), backend="dynajax")
+    out = gather(torch.arange(5.0), empty)
+    assert out.shape == (2, 0) and out.dtype == torch.float32

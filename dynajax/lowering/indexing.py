@@ -37,6 +37,8 @@ def _index(x, indices):
 )
 def _index_put(x, indices, values, accumulate=False):
     idx = _index_tuple(x, indices)
+    if accumulate and x.dtype == np.bool_:  # bool addition is logical or
+        return x.astype(np.int32).at[idx].add(values.astype(np.int32)) != 0
     values = values.astype(x.dtype)
     return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
 
@@ -57,6 +59,8 @@ def _along(x, dim, index):
 
 @lower(aten.gather.default)
 def _gather(x, dim, index, *, sparse_grad=False):
+    if index.size == 0:  # PyTorch accepts an empty index of any rank
+        return jnp.zeros(index.shape, x.dtype)
     if x.ndim == 0:
         return x.reshape(index.shape)
     return x[_along(x, dim, index)]
@@ -79,6 +83,8 @@ def _scatter_value(x, dim, index, value):
 
 @lower(aten.scatter_add.default)
 def _scatter_add(x, dim, index, src):
+    if x.dtype == np.bool_:  # bool addition is logical or
+        return _scatter_add(x.astype(np.int32), dim, index, src.astype(np.int32)) != 0
     if x.ndim == 0:
         return x + src.reshape(()).astype(x.dtype) if index.size else x
     src = src[tuple(slice(0, n) for n in index.shape)]
@@ -122,6 +128,8 @@ _SCATTER_REDUCES = ("sum", "prod", "mean", "amax", "amin")
 def _scatter_reduce_check(x, dim, index, src, reduce, *, include_self=True):
     if reduce not in _SCATTER_REDUCES:
         return f"scatter_reduce with reduce={reduce!r}"
+    if reduce == "mean" and x.dtype == np.bool_:
+        return "scatter_reduce mean of bool"
     return None
 
 
@@ -140,6 +148,9 @@ def _reduction_identity(dtype, reduce):
 
 @lower(aten.scatter_reduce.two, check=_scatter_reduce_check)
 def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    if x.dtype == np.bool_:  # sum, prod, amax, amin of bools: or, and, or, and
+        ints = (x.astype(np.int32), dim, index, src.astype(np.int32), reduce)
+        return _scatter_reduce(*ints, include_self=include_self) != 0
     if x.ndim == 0:
         x, index, src = x.reshape(1), index.reshape(-1), src.reshape(-1)
         return _scatter_reduce(x, 0, index, src, reduce, include_self=include_self).reshape(())
