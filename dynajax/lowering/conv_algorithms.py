@@ -49,6 +49,14 @@ def _out_sizes(spatial, k, stride, padding, dilation):
     ]
 
 
+def _transposed_out_sizes(spatial, k, stride, padding, dilation, output_padding):
+    return [
+        (spatial[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (k[i] - 1)
+        + output_padding[i] + 1
+        for i in range(len(k))
+    ]  # fmt: skip
+
+
 def _windows(x, k, stride, padding, dilation, out):
     """The strided window of the zero-padded input each kernel tap reads, in the
     kernel's row-major tap order: a list of (N, C, *out) arrays."""
@@ -170,11 +178,8 @@ def input_gradient(grad, weight, x_shape, stride, padding, dilation, groups, acc
         return None
     # The output padding that gives back the input's extent (a strided convolution
     # drops up to stride - 1 trailing rows).
-    output_padding = [
-        x_shape[2 + i] - ((grad.shape[2 + i] - 1) * stride[i] - 2 * padding[i]
-                          + dilation[i] * (k[i] - 1) + 1)
-        for i in range(len(k))
-    ]  # fmt: skip
+    bare = _transposed_out_sizes(grad.shape[2:], k, stride, padding, dilation, [0] * len(k))
+    output_padding = [x - b for x, b in zip(x_shape[2:], bare, strict=True)]
     return _col2im(grad, weight, stride, padding, dilation, output_padding, groups, acc)
 
 
@@ -228,14 +233,7 @@ def _col2im(x, weight, stride, padding, dilation, output_padding, groups, acc):
         w, xs, (((1,), (2,)), ((0,), (1,))), preferred_element_type=acc
     )  # (groups, cout_g * taps, N, *spatial)
     cols = jnp.moveaxis(cols, 2, 0).reshape((n, groups * cout_g, -1) + tuple(spatial))
-    out = [
-        (spatial[i] - 1) * stride[i]
-        - 2 * padding[i]
-        + dilation[i] * (k[i] - 1)
-        + output_padding[i]
-        + 1
-        for i in range(len(k))
-    ]
+    out = _transposed_out_sizes(spatial, k, stride, padding, dilation, output_padding)
     extent = [
         max((spatial[i] - 1) * stride[i] + dilation[i] * (k[i] - 1) + 1, padding[i] + out[i])
         for i in range(len(k))

@@ -227,10 +227,6 @@ _BILINEAR, _NEAREST, _BICUBIC = 0, 1, 2
 _ZEROS, _BORDER, _REFLECTION = 0, 1, 2
 
 
-def _grid_sampler_check(x, grid, interpolation_mode, padding_mode, align_corners):
-    return _float_check(x)
-
-
 def _rounding(dtype):
     """(compute dtype, rounding): float32 values rounded to ``dtype``'s precision after
     each step, as C++ arithmetic on c10::Half / c10::BFloat16 (scalar or vectorized)
@@ -284,7 +280,7 @@ def _vector_padded_coord(coord, size, padding_mode, align_corners, r):
     return coord
 
 
-@lower(aten.grid_sampler_2d.default, check=_grid_sampler_check)
+@lower(aten.grid_sampler_2d.default, check=_float_check)
 def _grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
     """Bilinear or nearest sampling of x at grid[..., (x, y)] (GridSamplerKernel.cpp's
     vectorized kernel): half-precision inputs round after every step as its
