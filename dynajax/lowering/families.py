@@ -12,6 +12,7 @@ from dynajax.lowering import (  # noqa: F401
     fft,
     fused,
     indexing,
+    ldl,
     linalg,
     nn,
     random,

@@ -1,4 +1,4 @@
-"""Decompositions (QR, SVD, eigen, LU, Cholesky, pseudo-inverse) against eager PyTorch.
+"""Decompositions (QR, SVD, eigen, LU, Cholesky, LDL, pseudo-inverse) against eager PyTorch.
 
 Each case compiles one small function with dynajax, compares it with eager
 (``tests.tolerances.assert_same``: vectors included, so a sign convention that differs
@@ -46,6 +46,17 @@ def hermitian(*shape, dtype=torch.float64):
     return a + a.mH
 
 
+def symmetric(*shape, dtype=torch.float64):
+    a = torch.randn(*shape, dtype=dtype)
+    return a + a.mT
+
+
+def zero_diagonal(n, dtype=torch.float32):
+    """Symmetric with a zero diagonal: Bunch-Kaufman must take 2x2 pivots."""
+    a = symmetric(n, n, dtype=dtype)
+    return a - torch.diag(torch.diagonal(a))
+
+
 def low_rank(m, n, r, dtype=torch.float64):
     return torch.randn(m, r, dtype=dtype) @ torch.randn(r, n, dtype=dtype)
 
@@ -59,6 +70,7 @@ C64, F64 = torch.complex64, torch.float64
 QR = "aten.linalg_qr.default"
 SVD = "aten._linalg_svd.default"
 EIGH = "aten._linalg_eigh.default"
+LDL = "aten.linalg_ldl_factor_ex.default"
 
 CASES = [
     # QR and Householder reflectors
@@ -217,6 +229,70 @@ CASES = [
             + torch.tril(randn(3, 3, dtype=C64), -1),
         ),
         ("aten.cholesky_inverse.default",),
+    ),
+    # LDL^T (Bunch-Kaufman): pivots exact, 1x1 and 2x2 blocks
+    Case(
+        "ldl_factor_ex-indefinite-batched-float64",
+        torch.linalg.ldl_factor_ex,
+        lambda: (hermitian(3, 6, 6),),
+        (LDL,),
+    ),
+    Case(
+        "ldl_factor_ex-zero-diagonal-2x2-pivots-float32",
+        torch.linalg.ldl_factor_ex,
+        lambda: (zero_diagonal(5),),
+        (LDL,),
+    ),
+    Case(
+        "ldl_factor_ex-singular-info-float64",
+        torch.linalg.ldl_factor_ex,
+        lambda: (torch.zeros(2, 3, 3, dtype=F64),),
+        (LDL,),
+    ),
+    Case(
+        "ldl_factor_ex-hermitian-complex64",
+        lambda a: torch.linalg.ldl_factor_ex(a, hermitian=True),
+        lambda: (hermitian(2, 5, 5, dtype=C64),),
+        (LDL,),
+    ),
+    Case(
+        "ldl_factor_ex-complex-symmetric-complex128",
+        torch.linalg.ldl_factor_ex,
+        lambda: (symmetric(4, 4, dtype=torch.complex128),),
+        (LDL,),
+    ),
+    Case(
+        "ldl_factor_ex-past-lapack-block-size-float64",
+        torch.linalg.ldl_factor_ex,
+        lambda: (hermitian(70, 70),),
+        (LDL,),
+    ),
+    Case(
+        "ldl_factor-float64",
+        torch.linalg.ldl_factor,
+        lambda: (hermitian(4, 4),),
+        (LDL,),
+    ),
+    Case(
+        "ldl_solve-broadcast-float64",
+        torch.linalg.ldl_solve,
+        lambda: (*torch.linalg.ldl_factor(zero_diagonal(5, dtype=F64)), randn(3, 5, 2, dtype=F64)),
+        ("aten.linalg_ldl_solve.default",),
+    ),
+    Case(
+        "ldl_solve-hermitian-complex64",
+        lambda ld, piv, b: torch.linalg.ldl_solve(ld, piv, b, hermitian=True),
+        lambda: (
+            *torch.linalg.ldl_factor(hermitian(2, 4, 4, dtype=C64), hermitian=True),
+            randn(2, 4, 3, dtype=C64),
+        ),
+        ("aten.linalg_ldl_solve.default",),
+    ),
+    Case(
+        "ldl_factor-then-solve-float32",
+        lambda a, b: torch.linalg.ldl_solve(*torch.linalg.ldl_factor(a), b),
+        lambda: (zero_diagonal(6) + torch.eye(6), randn(6, 1)),
+        (LDL, "aten.linalg_ldl_solve.default"),
     ),
     # matrix exponential (float64; float32 is refused, below)
     Case(
