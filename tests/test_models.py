@@ -51,6 +51,48 @@ def test_model_matches_eager(name: str) -> None:
     assert report.fraction_in_jax >= 0.95, str(report)
 
 
+ZOO = models.transformers_zoo()
+
+# What stays in PyTorch, by design. transformers computes a mixture of experts' grouped
+# matmul in a custom op of its own (``torch.library``) when Dynamo traces float32
+# weights; like any op dynajax has no rule for, it runs eagerly between two partitions.
+ZOO_FALLBACKS = {"mixtral": {"transformers.grouped_mm_fallback.default"}}
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_transformers_architecture_matches_eager(name: str) -> None:
+    torch.manual_seed(0)
+    build, inputs = ZOO[name]
+    model, kwargs = build().eval(), inputs()
+    backend = dynajax.Backend()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        expected = model(**kwargs)
+        actual = compiled(**kwargs)
+    assert_same(actual, expected, model=True)
+    report = dynajax.Report(backend.graphs)
+    assert report.graphs, "dynajax compiled nothing"
+    assert {str(f.target) for f in report.fallbacks} == ZOO_FALLBACKS.get(name, set()), str(report)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "conv-mix"])
+def test_autocast_bfloat16_matches_eager(name: str) -> None:
+    # torch.autocast's casts are in the ATen graph aot_autograd hands over (_to_copy
+    # around each matmul and convolution): they run in JAX like any other op.
+    torch.manual_seed(0)
+    model, x = CASES[name]()
+    model.eval()
+    backend = dynajax.Backend()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+        actual = compiled(x)
+    assert_same(actual, expected, model=True)
+    report = dynajax.Report(backend.graphs)
+    assert report.fraction_in_jax == 1.0, str(report)
+    assert any("_to_copy" in op for p in report.partitions for op in p.ops)
+
+
 def test_encoder_layer_in_training_mode_graph_under_no_grad() -> None:
     # Not eval: PyTorch skips the fused fast path, dropout p=0 keeps it deterministic.
     torch.manual_seed(0)

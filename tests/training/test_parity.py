@@ -116,3 +116,32 @@ def test_compiled_optimizer_step(opt: str) -> None:
     backend, _ = compare_training(make_model, batches, loss_fn, OPTIMIZERS[opt], compile_step=True)
     # The step's graphs are inference graphs (optimizer.step runs under no_grad).
     assert_all_in_jax(backend, "inference")
+
+
+def test_autocast_bfloat16_training_step_matches_eager() -> None:
+    # Under torch.autocast the forward graph casts to bfloat16 around each matmul, and
+    # the backward graph carries those casts' gradients: both run in JAX. bfloat16 has
+    # 8 significant bits, so gradients agree to about 1% of their largest entry.
+    import copy
+
+    import dynajax
+
+    torch.manual_seed(0)
+    eager = models.llama()
+    compiled_model = copy.deepcopy(eager)
+    ids = models.tokens(2, 16)
+    backend = dynajax.Backend()
+    compiled = torch.compile(compiled_model, backend=backend)
+    losses = []
+    for fn in (eager, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fn(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-2, atol=0)
+    assert_all_in_jax(backend, "forward")
+    assert_all_in_jax(backend, "backward")
+    for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
+        assert q.grad is not None and q.grad.dtype == p.grad.dtype, name
+        scale = p.grad.abs().max()
+        assert (q.grad - p.grad).abs().max() <= 0.03 * scale, name
