@@ -77,6 +77,48 @@ def test_symbolic_sizes_run_in_jax(fn) -> None:
     assert report.compile_stats.xla_compiles == 3
 
 
+def _cache_step(cache, new):
+    k = torch.cat([cache, new], 2)  # (b, h, past + 1, d): a size of an intermediate
+    scores = (new @ k.transpose(-1, -2)).softmax(-1)
+    return k, (scores @ k).reshape(k.shape[0], -1, k.shape[3]) * k.shape[2]
+
+
+def test_sizes_of_intermediates_keep_one_partition() -> None:
+    # k.shape[2] is `past + 1`: passes/sizes.py computes it from the input's size on the
+    # host, so the host never waits for `cat` and the graph stays one JAX partition.
+    f, backend = _compile(_cache_step)
+    for past in (3, 4, 6):
+        cache, new = torch.randn(2, 4, past, 8), torch.randn(2, 4, 1, 8)
+        assert_same(f(cache, new), _cache_step(cache, new))
+    report = _report(backend)
+    assert report.fallbacks == [], str(report)
+    [graph] = report.graphs
+    assert len(graph.partitions) == 1, str(report)
+    assert "aten.sym_size.int" not in {str(n.target) for n in graph.graph_module.graph.nodes}
+
+
+def test_llama_greedy_generation_with_kv_cache_matches_eager() -> None:
+    # transformers' generate(): a prefill graph, then decode steps whose cache length
+    # grows by one per token (Dynamo's automatic dynamic shapes after the second).
+    from tests.models import llama
+
+    torch.manual_seed(0)
+    model = llama().eval()
+    model.config.use_cache = True
+    model.generation_config.pad_token_id = 0
+    ids = tokens(2, 8)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+        backend = dynajax.Backend(cache_dir="")
+        model.forward = torch.compile(model.forward, backend=backend)
+        actual = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(actual, expected)
+    report = _report(backend)
+    assert report.fallbacks == [], str(report)
+    # one JAX partition per graph: the cache's growing length never splits them
+    assert all(len(g.partitions) == 1 for g in report.graphs), str(report)
+
+
 def test_mark_dynamic_and_automatic_dynamic() -> None:
     model = mlp().eval()
     backend = dynajax.Backend(cache_dir="")
