@@ -104,7 +104,7 @@ def test_llama_greedy_generation_with_kv_cache_matches_eager() -> None:
 
     torch.manual_seed(0)
     model = llama().eval()
-    model.config.use_cache = True
+    model.config.use_cache = model.generation_config.use_cache = True
     model.generation_config.pad_token_id = 0
     ids = tokens(2, 8)
     with torch.no_grad():
@@ -117,6 +117,32 @@ def test_llama_greedy_generation_with_kv_cache_matches_eager() -> None:
     assert report.fallbacks == [], str(report)
     # one JAX partition per graph: the cache's growing length never splits them
     assert all(len(g.partitions) == 1 for g in report.graphs), str(report)
+    assert any(g.host_scalars for g in report.graphs), "no decode graph with a symbolic length"
+
+
+def test_llama_generation_with_a_static_cache_compiles_two_executables() -> None:
+    # cache_implementation="static": the cache is a fixed-size buffer updated in place,
+    # so every decode step has the same shapes: a prefill graph and a decode graph, one
+    # XLA executable each, however many tokens are generated.
+    from tests.models import llama
+
+    torch.manual_seed(0)
+    model = llama().eval()
+    model.config.use_cache = model.generation_config.use_cache = True
+    model.generation_config.pad_token_id = 0
+    ids = tokens(2, 8, vocab=127) + 1  # no pad token: no attention mask growing per step
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=10, do_sample=False)
+        backend = dynajax.Backend(cache_dir="")
+        model.forward = torch.compile(model.forward, backend=backend)
+        actual = model.generate(
+            ids, max_new_tokens=10, do_sample=False, cache_implementation="static"
+        )
+    assert torch.equal(actual, expected)
+    report = _report(backend)
+    assert report.fallbacks == [], str(report)
+    assert len(report.graphs) == 2, str(report)
+    assert report.compile_stats.xla_compiles == 2, str(report)
 
 
 def test_mark_dynamic_and_automatic_dynamic() -> None:
