@@ -107,13 +107,15 @@ def _factor(A, hermitian):
         A1 = jnp.where(keep_update, update, A)
         A1 = real_diagonal(jnp.where(below[:, None] & (cols == k), r1 * x[:, None], A1))
 
-        # Two columns eliminated (a 2x2 pivot), as sytf2/hetf2 write it.
-        a_k, a_k1 = A[:, k], A[:, jnp.minimum(k + 1, n - 1)]
-        d21 = A[jnp.minimum(k + 1, n - 1), k]
+        # Two columns eliminated (a 2x2 pivot), as sytf2/hetf2 write it. (k + 1 is
+        # clamped for the 1x1 case, whose result this is not.)
+        k1 = jnp.minimum(k + 1, n - 1)
+        a_k, a_k1 = A[:, k], A[:, k1]
+        d21 = A[k1, k]
         if herm:
             d = jnp.abs(d21)
             d = jnp.where(d == 0, 1, d)
-            d11 = jnp.real(A[jnp.minimum(k + 1, n - 1), jnp.minimum(k + 1, n - 1)]) / d
+            d11 = jnp.real(A[k1, k1]) / d
             d22 = jnp.real(A[k, k]) / d
             tt = 1 / (d11 * d22 - 1)
             unit = d21 / d
@@ -122,7 +124,7 @@ def _factor(A, hermitian):
             wkp1 = scale * (d22 * a_k1 - jnp.conj(unit) * a_k)
         else:
             d21 = jnp.where(d21 == 0, 1, d21)
-            d11 = A[jnp.minimum(k + 1, n - 1), jnp.minimum(k + 1, n - 1)] / d21
+            d11 = A[k1, k1] / d21
             d22 = A[k, k] / d21
             t = 1 / (d11 * d22 - 1)
             scale = t / d21
@@ -138,7 +140,7 @@ def _factor(A, hermitian):
         A = jnp.where(zero, A, jnp.where(kstep == 1, A1, A2))
         pivot = (kp + 1).astype(np.int32)
         ipiv = jnp.where(kstep == 1, ipiv.at[k].set(pivot), ipiv.at[k].set(-pivot))
-        ipiv = jnp.where(kstep == 2, ipiv.at[jnp.minimum(k + 1, n - 1)].set(-pivot), ipiv)
+        ipiv = jnp.where(kstep == 2, ipiv.at[k1].set(-pivot), ipiv)
         info = jnp.where(zero & (info == 0), (k + 1).astype(np.int32), info)
         return A, ipiv, info, k + kstep
 

@@ -46,7 +46,7 @@ class SizesFromInputs(PassBase):
                 continue
             with graph.inserting_before(node):
                 built = _build(graph, val.node.expr, sources)
-            if built is None:
+            if not isinstance(built, torch.fx.Node):  # None, or a constant (left as is)
                 continue
             node.replace_all_uses_with(built)
             graph.erase_node(node)
@@ -78,7 +78,8 @@ def _build(
     expr: sympy.Expr,
     sources: dict[sympy.Symbol, tuple[Any, ...]],
 ) -> Any:
-    """Nodes (or an int) computing ``expr`` from the inputs' sizes; None if it cannot."""
+    """Nodes (or an int) computing ``expr`` from the inputs' sizes; None if it cannot
+    (nodes already made for a part of it are left to dead-code elimination)."""
     if isinstance(expr, sympy.Integer):
         return int(expr)
     if isinstance(expr, sympy.Symbol):
