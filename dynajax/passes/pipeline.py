@@ -6,7 +6,7 @@ import torch.fx
 from torch.fx.passes.infra.pass_manager import PassManager
 
 from dynajax.passes.noop import EliminateDeadCode, RemoveNoopOps
-from dynajax.passes.sizes import SizesFromInputs
+from dynajax.passes.sizes import ComputeSizesFromInputs
 from dynajax.passes.unused_vectors import DropUnusedVectors
 
 
@@ -17,7 +17,12 @@ def _graph_is_valid(gm: torch.fx.GraphModule) -> None:
 def run_passes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Runs every pass in order, linting the graph after each; returns the new module."""
     manager = PassManager(
-        passes=[RemoveNoopOps(), SizesFromInputs(), EliminateDeadCode(), DropUnusedVectors()],
+        passes=[
+            RemoveNoopOps(),
+            ComputeSizesFromInputs(),
+            EliminateDeadCode(),
+            DropUnusedVectors(),
+        ],
         run_checks_after_each_pass=True,
     )
     manager.add_checks(_graph_is_valid)

@@ -1,4 +1,4 @@
-"""sizes_from_inputs: reads symbolic sizes off the graph's inputs, not its intermediates.
+"""compute_sizes_from_inputs: symbolic sizes read off the graph's inputs, not its intermediates.
 
     before:  jax_0 -> cat -> sym_size(cat, 2) -> jax_1(..., size)
     after:   s2 -> add(s2, 1) -> jax(..., size)          (one partition)
@@ -28,7 +28,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 aten = torch.ops.aten
 
 
-class SizesFromInputs(PassBase):
+class ComputeSizesFromInputs(PassBase):
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         graph = graph_module.graph
         sources = _input_sizes(graph)
