@@ -87,9 +87,11 @@ def _cholesky(a: torch.Tensor, upper: bool = False) -> torch.Tensor:
 
 def training_corrections() -> dict[Any, Callable[..., Any]]:
     """Entries that replace or extend PyTorch's core ATen decompositions."""
-    return {
+    table: dict[Any, Callable[..., Any]] = {
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
             _flash_attention_for_cpu_backward
         ),
-        aten.cholesky.default: _cholesky,
     }
+    if hasattr(aten, "cholesky"):  # removed in torch 2.14 (torch.cholesky is deprecated)
+        table[aten.cholesky.default] = _cholesky
+    return table
