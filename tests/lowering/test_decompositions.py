@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,15 @@ def zero_diagonal(n, dtype=torch.float32):
     """Symmetric with a zero diagonal: Bunch-Kaufman must take 2x2 pivots."""
     a = symmetric(n, n, dtype=dtype)
     return a - torch.diag(torch.diagonal(a))
+
+
+def _complex_svd_counterexample() -> torch.Tensor:
+    """A full-rank complex128 matrix whose U differs between MKL's gesdd and XLA's
+    (columns 22 and 24 by 0.66 and 0.59, on this project's machine)."""
+    rng = np.random.default_rng(1)
+    for shape in [(3, 2)] * 8 + [(6, 4)] * 8 + [(25, 25)] * 3:
+        a = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
+    return torch.from_numpy(a)
 
 
 def low_rank(m, n, r, dtype=torch.float64):
@@ -113,18 +123,17 @@ CASES = [
         lambda: (randn(2, 4, 4, dtype=C64), randn(2, 3, 4, dtype=C64)),
         ("aten.ormqr.default",),
     ),
-    # Singular values (values only, whatever the dtype) and complex SVD
+    # Singular values (values only, whatever the dtype)
     Case("svdvals-batched-float32", torch.linalg.svdvals, lambda: (randn(3, 4, 6),), (SVD,)),
     Case(
         "svdvals-empty-float64", torch.linalg.svdvals, lambda: (randn(2, 0, 3, dtype=F64),), (SVD,)
     ),
     Case(
-        "svd-reduced-wide-complex64",
-        lambda a: torch.linalg.svd(a, full_matrices=False),
+        "svdvals-complex64",
+        torch.linalg.svdvals,
         lambda: (randn(2, 3, 5, dtype=C64),),
         (SVD,),
     ),
-    Case("svd-full-tall-complex64", torch.linalg.svd, lambda: (randn(6, 4, dtype=C64),), (SVD,)),
     Case("matrix_rank-float64", torch.linalg.matrix_rank, lambda: (low_rank(5, 6, 2),), (SVD,)),
     Case(
         "matrix_rank-atol-float32",
@@ -366,6 +375,13 @@ def test_decomposition(case: Case):
 
 REFUSED = [
     ("svd-vectors-float32", torch.linalg.svd, lambda: (randn(3, 5),), SVD, "real singular vectors"),
+    (
+        "svd-vectors-complex128",
+        lambda a: torch.linalg.svd(a, full_matrices=False),
+        lambda: (_complex_svd_counterexample(),),
+        SVD,
+        "complex singular vectors",
+    ),
     (
         "eigh-vectors-complex64",
         torch.linalg.eigh,
