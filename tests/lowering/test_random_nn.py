@@ -164,7 +164,7 @@ def _grid3d(mode, padding, align, dtype=torch.float32):
     )
 
 
-GRID3D = [
+GRID = [
     _grid3d(mode, padding, align)
     for mode in ("bilinear", "nearest")
     for padding in ("zeros", "border", "reflection")
@@ -191,7 +191,7 @@ def _grid2d(mode, padding, align, dtype):
 
 
 # Half precision in 2-D: the vectorized kernel's per-step rounding, reproduced.
-GRID3D += [
+GRID += [
     _grid2d("bilinear", padding, align, dtype)
     for padding in ("zeros", "border", "reflection")
     for align in (False, True)
@@ -200,7 +200,7 @@ GRID3D += [
 
 # Bicubic (2-D only): every padding mode, both corner conventions, and the half-precision
 # per-step rounding of the same vectorized kernel.
-GRID3D += [
+GRID += [
     _grid2d("bicubic", padding, align, torch.float32)
     for padding in ("zeros", "border", "reflection")
     for align in (False, True)
@@ -333,7 +333,7 @@ if importlib.util.find_spec("torch.nn.modules.linear_cross_entropy_options") is 
         _lce("none", weight=False, ignore_index=-100),
     ]
 
-CASES = FRACTIONAL + GRID3D + ANTIALIAS + NORM_LOSS
+CASES = FRACTIONAL + GRID + ANTIALIAS + NORM_LOSS
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
