@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e ".[test,viz,bench]"
+	$(PIP) install -q -e ".[test,viz,bench,lint]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -41,6 +41,8 @@ bench: install
 bench-quick: install
 	$(PY) -m benchmarks.run --quick
 
+# Style (ruff) and types (mypy over dynajax/, which ships py.typed); CI runs it.
 lint: install
 	$(PY) -m ruff check dynajax tests benchmarks examples
 	$(PY) -m ruff format --check dynajax tests benchmarks examples
+	$(PY) -m mypy

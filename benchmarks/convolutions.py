@@ -52,14 +52,14 @@ def _steps(xs, ws, stride, padding, groups, transposed) -> dict[str, Callable[[]
     if transposed:
         conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
         chosen = jax.jit(lambda a, b: ca.transposed(a, b, s, p, d, op, groups, jnp.float32))
-        xla = jax.jit(lambda a, b: ca._xla_transposed(a, b, s, p, d, op, groups, jnp.float32))
+        xla = jax.jit(lambda a, b: ca.xla_transposed(a, b, s, p, d, op, groups, jnp.float32))
 
         def eager() -> Any:
             return conv(x, w, None, stride, padding, 0, groups)
     else:
         conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
         chosen = jax.jit(lambda a, b: ca.convolution(a, b, s, p, d, groups, jnp.float32))
-        xla = jax.jit(lambda a, b: ca._xla(a, b, s, p, d, groups, jnp.float32))
+        xla = jax.jit(lambda a, b: ca.xla_convolution(a, b, s, p, d, groups, jnp.float32))
 
         def eager() -> Any:
             return conv(x, w, None, stride, padding, 1, groups)

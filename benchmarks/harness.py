@@ -139,7 +139,7 @@ def dynajax_lowered_step(w: Workload) -> Step | None:
     part.inputs = recorder.inner
     with jax.enable_x64(True):
         args = [jnp.array(a) for a in recorder.seen]  # device copies: plain jax.Arrays
-    jitted = part._jitted
+    jitted = part.jitted
 
     def floor() -> Any:
         with jax.enable_x64(True):

@@ -4,15 +4,14 @@
     torch.compile(model, backend="dynajax", options={"strict": True})
     torch.compile(model, backend=dynajax.Backend(min_block_size=3))
 
-Dynamo's FX graph goes through aot_autograd (functionalization, decomposition to core
-ATen, forward/backward split), then each ATen graph through ``compile_aten_graph``:
-passes -> capability verdicts -> partitions -> JAX lowering and ``jax.jit`` -> the
-stitched GraphModule.
+Dynamo's FX graph goes through the aot stage (``dynajax.aot``: functionalization,
+decomposition to core ATen, forward/backward split), then each ATen graph through
+``compile_aten_graph``: passes -> capability verdicts -> partitions -> JAX lowering
+and ``jax.jit`` -> the stitched callable.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
@@ -21,35 +20,19 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._decomp import core_aten_decompositions
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from dynajax.aot import aot_compile
 from dynajax.capability import CapabilityChecker
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, graph_report, snapshot_graph
 from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
 from dynajax.errors import OptionsError, UnsupportedNodesError
-from dynajax.lowering.fused import FUSED_KERNELS
-from dynajax.partition import PREFIX, partition
+from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitched_callable
 from dynajax.passes import run_passes
-from dynajax.passes.decompositions import training_corrections
 from dynajax.runtime.cache import CompileStats, ExecutableCache
-from dynajax.runtime.compiled import boxed_callable, compile_partition
+from dynajax.runtime.compiled import compile_partition
 
 log = logging.getLogger("dynajax.backend")
-
-
-@functools.cache
-def decompositions() -> dict[Any, Callable[..., Any]]:
-    """aot_autograd's decomposition table: PyTorch's core ATen decompositions, with
-    the corrections of ``passes.decompositions`` (a consistent attention backward,
-    torch.cholesky with its error check),
-    less the fused kernels that our rules reproduce more exactly (``lowering.fused``)."""
-    table = {**core_aten_decompositions(), **training_corrections()}
-    for op in FUSED_KERNELS:
-        table.pop(op, None)
-    return table
 
 
 class Backend:
@@ -83,18 +66,7 @@ class Backend:
                 "at compile time. Use torch.compile(m, backend=dynajax.Backend(**options)) "
                 'or torch.compile(m, backend="dynajax", options={...}).'
             )
-        compiler = aot_autograd(
-            fw_compiler=functools.partial(self.compile_aten_graph, kind="forward"),
-            bw_compiler=functools.partial(self.compile_aten_graph, kind="backward"),
-            inference_compiler=functools.partial(self.compile_aten_graph, kind="inference"),
-            decompositions=decompositions(),
-            # What the backward needs is chosen as inductor chooses it: cheap ops (views,
-            # transposes, pointwise masks) are recomputed inside the backward's JAX
-            # partition instead of being materialized and saved by the forward. Random
-            # ops are never recomputed, so the backward reuses the forward's dropout mask.
-            partition_fn=min_cut_rematerialization_partition,
-        )
-        return compiler(gm, example_inputs)
+        return aot_compile(gm, example_inputs, self.compile_aten_graph)
 
     def compile_aten_graph(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, kind: str
@@ -109,11 +81,12 @@ class Backend:
             if unwanted:
                 raise UnsupportedNodesError(unwanted, graph=f"{kind} graph")
         annotated = list(gm.graph.nodes)
-        snapshot = snapshot_graph(gm)
-        gm = partition(gm, self.options.min_block_size)
+        proposal = assign_partitions(gm, self.options.min_block_size)
+        snapshot = snapshot_graph(gm)  # verdicts and partitions, before fusing
+        gm = fuse_partitions(gm, proposal)
         stats = CompileStats()  # filled as the partitions compile, at their first calls
         for name, sub in list(gm.named_children()):
-            if name.startswith(PREFIX):
+            if name.startswith(PREFIX) and isinstance(sub, torch.fx.GraphModule):
                 part = compile_partition(
                     name,
                     sub,
@@ -137,7 +110,7 @@ class Backend:
             self.graphs.append(report)
         log_fallbacks_once(report.fallbacks)
         trace_artifact(report.__str__)
-        return boxed_callable(gm)
+        return stitched_callable(gm)
 
 
 def dynajax_backend(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tests.tolerances import assert_same, tolerance
+from tests.tolerances import assert_same, assert_same_layout, tolerance
 
 TIES, FLOAT64 = "ties", "float64"
 
@@ -123,9 +123,7 @@ def _distance(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _assert_as_accurate(actual: Any, expected: Any, reference: Any, path: str = "out") -> None:
     if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual)}"
-        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
-        assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
+        assert_same_layout(actual, expected, path)
         if not (expected.is_floating_point() or expected.is_complex()):
             assert_same(actual, expected, path=path)
             return

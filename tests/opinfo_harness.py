@@ -38,7 +38,7 @@ import torch._dynamo
 
 import dynajax
 from tests.opinfo_accuracy import accept_difference, input_tensors
-from tests.tolerances import assert_same
+from tests.tolerances import assert_same, assert_same_layout
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -178,9 +178,7 @@ def _differs(a: Any, b: Any) -> bool:
 def _structure(actual: Any, expected: Any, path: str = "out") -> None:
     """Same nesting, tensor dtypes and shapes; values ignored."""
     if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual)}"
-        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
-        assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
+        assert_same_layout(actual, expected, path)
     elif isinstance(expected, list | tuple):
         assert isinstance(actual, list | tuple), f"{path}: expected a sequence"
         assert len(actual) == len(expected), f"{path}: {len(actual)} != {len(expected)}"

@@ -33,13 +33,18 @@ def tolerance(dtype: torch.dtype, model: bool = False) -> tuple[float, float]:
     return table.get(dtype, TOLERANCES.get(dtype, (0.0, 0.0)))
 
 
+def assert_same_layout(actual: Any, expected: torch.Tensor, path: str = "out") -> None:
+    """``actual`` is a tensor of ``expected``'s dtype and shape (values not compared)."""
+    assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual)}"
+    assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
+
+
 def assert_same(actual: Any, expected: Any, *, model: bool = False, path: str = "out") -> None:
     """Same structure, dtype and shape; values within the tolerance table (exact for
     integers and booleans); NaN where eager has NaN."""
     if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual)}"
-        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
-        assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
+        assert_same_layout(actual, expected, path)
         rtol, atol = tolerance(expected.dtype, model)
         torch.testing.assert_close(
             actual.detach(),

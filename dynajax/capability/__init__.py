@@ -1,6 +1,5 @@
 """Per-node capability verdicts (data, never exceptions)."""
 
-from dynajax.capability.operator_support import VerdictSupport
 from dynajax.capability.support import CapabilityChecker
 from dynajax.capability.verdict import (
     META_KEY,
@@ -19,7 +18,6 @@ __all__ = [
     "Supported",
     "Unsupported",
     "Verdict",
-    "VerdictSupport",
     "target_name",
     "verdict_of",
 ]

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from dynajax.capability.verdict import META_KEY, Reason, Unsupported
@@ -189,7 +190,7 @@ def keep_eager_storage(
         if owner is None or owner.op == "placeholder":
             continue
         val = owner.meta.get("val")
-        if not _needs_restride(val):
+        if not isinstance(val, FakeTensor) or not _needs_restride(val):
             continue
         user = chain[-1] if chain else node
         with gm.graph.inserting_after(owner):

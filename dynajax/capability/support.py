@@ -152,7 +152,7 @@ class CapabilityChecker:
                 continue
             verdict = self.decide(node)
             node.meta[META_KEY] = verdict
-            if not verdict.supported and verdict.reason.is_fallback:
+            if isinstance(verdict, Unsupported) and verdict.reason.is_fallback:
                 refused.append(verdict)
         # Eager ops that read storage (as_strided) get it as eager would have it.
         refused += keep_eager_storage(gm, self._refuse)
@@ -228,10 +228,12 @@ class CapabilityChecker:
     def _decide_getitem(self, node: torch.fx.Node, name: str) -> Verdict:
         # getitem picks an output of a multi-output node: it goes where its producer goes.
         producer = node.args[0]
-        pv = producer.meta.get(META_KEY) if isinstance(producer, torch.fx.Node) else None
-        if pv is not None and pv.supported:
+        if not isinstance(producer, torch.fx.Node):
+            return self._refuse(node, Reason.NO_LOWERING, "getitem of a value kept in PyTorch")
+        pv = producer.meta.get(META_KEY)
+        if isinstance(pv, Supported):
             return Supported(name)
-        if pv is not None:
+        if isinstance(pv, Unsupported):
             return self._refuse(node, pv.reason, f"output of '{producer.name}'")
         return self._refuse(node, Reason.NO_LOWERING, "getitem of a value kept in PyTorch")
 

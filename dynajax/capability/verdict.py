@@ -96,7 +96,7 @@ Verdict = Supported | Unsupported
 def target_name(node: torch.fx.Node) -> str:
     """``aten.add.Tensor`` for OpOverloads, the qualified name for anything else."""
     t = node.target
-    if hasattr(t, "_overloadname"):
+    if isinstance(t, torch._ops.OpOverload):
         return f"{t.namespace}.{t._opname}.{t._overloadname}"
     if node.op == "call_function":
         return f"{getattr(t, '__module__', '')}.{getattr(t, '__name__', t)}".lstrip(".")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch._logging
 
@@ -48,7 +49,7 @@ def forget_logged_fallbacks() -> None:
         _logged.clear()
 
 
-def trace_artifact(text_fn: object) -> None:
+def trace_artifact(text_fn: Callable[[], str]) -> None:
     """Emits the report text as a structured-trace artifact (evaluated only when a trace
     is being recorded, e.g. under ``TORCH_TRACE=/tmp/trace``)."""
     torch._logging.trace_structured(

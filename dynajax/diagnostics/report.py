@@ -11,8 +11,8 @@ import os
 import torch.fx
 
 from dynajax.capability import Reason, Unsupported, verdict_of
-from dynajax.diagnostics.whatif import WhatIf, propose, rank, what_if
-from dynajax.partition import PREFIX, compute_op_count
+from dynajax.diagnostics.whatif import WhatIf, current_partitions, rank, what_if
+from dynajax.partition import PREFIX, PartitionModule, compute_op_count
 from dynajax.runtime.cache import CompileStats, stats_of
 
 
@@ -71,11 +71,12 @@ class GraphReport:
 
     @functools.cached_property
     def node_partition(self) -> dict[str, str]:
-        """Node name (in ``snapshot``) -> ``jax_<n>`` of the partition it ran in."""
+        """Node name (in ``snapshot``) -> ``jax_<n>`` of the partition it ran in, as the
+        partition stage recorded it."""
         if self.snapshot is None:
             return {}
-        parts = propose(self.snapshot, self.min_block_size)
-        return {n.name: f"{PREFIX}{i}" for i, p in enumerate(parts) for n in p}
+        parts = current_partitions(self.snapshot)
+        return {n.name: name for name, nodes in parts.items() for n in nodes}
 
     def lines(self) -> list[str]:
         host = f" (+{len(self.host_scalars)} host-scalar node(s))" if self.host_scalars else ""
@@ -145,21 +146,22 @@ def graph_report(
     min_block_size: int = 1,
 ) -> GraphReport:
     """Builds the report of one graph from its annotated nodes and stitched module."""
-    fallbacks, host = [], []
+    fallbacks: list[Unsupported] = []
+    host: list[Unsupported] = []
     aten_ops = 0
     for node in annotated:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         v = verdict_of(node)
-        if v is not None and not v.supported and v.reason is Reason.HOST_SCALAR:
+        if isinstance(v, Unsupported) and v.reason is Reason.HOST_SCALAR:
             host.append(v)
             continue
         aten_ops += 1
-        if v is not None and not v.supported:
+        if isinstance(v, Unsupported):
             fallbacks.append(v)
     partitions = []
     for name, sub in stitched.named_children():
-        if not name.startswith(PREFIX):
+        if not name.startswith(PREFIX) or not isinstance(sub, PartitionModule):
             continue
         g = sub.graph_module.graph.nodes
         hist = collections.Counter(

@@ -1,8 +1,8 @@
 """What-if: which missing rules would merge the most JAX partitions if they were added.
 
-Computed honestly: the partitioner is re-run on a copy of the graph taken before
-partitioning, once per missing op, with that op's nodes marked supported, and the
-partitions that survive ``min_block_size`` are counted.
+Computed honestly: today's partitions are read from the graph (``node.meta``, where the
+partition stage recorded them), and the partition stage's own ``propose_partitions`` is
+re-run on that graph once per missing op, with that op's nodes assumed supported.
 
     graph:     x -> sin -> sort -> cos -> custom -> exp -> out
     today:     jax_0(sin)  sort  jax_1(cos)  custom  jax_2(exp)       3 partitions
@@ -14,22 +14,26 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 import torch.fx
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-from torch.fx.passes.operator_support import OperatorSupportBase
 
 from dynajax.capability import META_KEY, Reason, target_name
-from dynajax.partition import compute_op_count
+from dynajax.partition import (
+    PARTITION_KEY,
+    VerdictSupport,
+    compute_op_count,
+    propose_partitions,
+)
 
 
 def snapshot_graph(gm: torch.fx.GraphModule) -> torch.fx.Graph:
     """A copy of ``gm``'s graph (nodes, names, verdicts; meta shallow-copied).
 
-    Taken after capability and before partitioning fuses the nodes away; it is what the
-    what-if list and the graph picture are computed from.
+    Taken after the partition decision (verdicts and ``PARTITION_KEY`` in each node's
+    meta) and before fusing takes the nodes away; the what-if list and the graph
+    picture are computed from it.
     """
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
@@ -85,55 +89,6 @@ class WhatIf:
         )
 
 
-class _Hypothesis(OperatorSupportBase):
-    """Supported iff the stored verdict is, or the node (or its getitem's producer)
-    calls one of ``extra``."""
-
-    def __init__(self, extra: frozenset[str]) -> None:
-        self.extra = extra
-
-    def is_node_supported(
-        self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node
-    ) -> bool:
-        if node.op != "call_function":
-            return False
-        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-            producer = node.args[0]
-            if producer.op == "call_function" and target_name(producer) in self.extra:
-                return True
-        elif target_name(node) in self.extra:
-            return True
-        verdict = node.meta.get(META_KEY)
-        return verdict is not None and verdict.supported
-
-
-def propose(
-    graph: torch.fx.Graph, min_block_size: int, extra: frozenset[str] = frozenset()
-) -> list[list[torch.fx.Node]]:
-    """The JAX partitions the partitioner forms on ``graph``, in graph order.
-
-    Mirrors ``dynajax.partition.partition`` without fusing: CapabilityBasedPartitioner
-    with single-node partitions allowed, partitions of fewer than ``min_block_size``
-    ATen ops dropped. ``extra`` names ops to treat as supported.
-    """
-    root = {
-        n.target: torch.empty(0) for n in graph.nodes if n.op == "get_attr"
-    }  # get_attr values are never read by the partitioner
-    gm = torch.fx.GraphModule(root, graph)
-    partitioner = CapabilityBasedPartitioner(
-        gm, _Hypothesis(extra), allows_single_node_partition=True
-    )
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    kept = []
-    for p in partitioner.propose_partitions():
-        ops = compute_op_count(p.nodes)
-        if ops == 0 or ops < min_block_size:
-            continue
-        kept.append(sorted(p.nodes, key=order.__getitem__))
-    kept.sort(key=lambda nodes: order[nodes[0]])
-    return kept
-
-
 def missing_rules(graph: torch.fx.Graph) -> dict[str, int]:
     """Ops of ``graph`` kept out of JAX only because they have no rule, with node counts."""
     counts: dict[str, int] = {}
@@ -152,23 +107,30 @@ def missing_rules(graph: torch.fx.Graph) -> dict[str, int]:
     return counts
 
 
+def current_partitions(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
+    """The partitions the backend chose for ``graph``, read from ``node.meta``
+    (``PARTITION_KEY``), as ``{"jax_<n>": nodes}``."""
+    parts: dict[str, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        name = n.meta.get(PARTITION_KEY)
+        if name is not None:
+            parts.setdefault(name, []).append(n)
+    return parts
+
+
 def what_if(graph: torch.fx.Graph, min_block_size: int) -> list[WhatIf]:
-    """One WhatIf per missing rule of ``graph``, most partitions merged first."""
-    base = propose(graph, min_block_size)
-    base_ops = sum(compute_op_count(p) for p in base)
+    """One WhatIf per missing rule of ``graph``, most partitions merged first.
+
+    Today's partitions are the ones recorded in the graph; each alternative is proposed
+    by the same function that made them (``partition.propose_partitions``).
+    """
+    base = current_partitions(graph)
+    base_ops = sum(compute_op_count(p) for p in base.values())
     results = []
     for op, count in missing_rules(graph).items():
-        after = propose(graph, min_block_size, frozenset({op}))
-        results.append(
-            WhatIf(
-                op,
-                count,
-                len(base),
-                len(after),
-                base_ops,
-                sum(compute_op_count(p) for p in after),
-            )
-        )
+        support = VerdictSupport(assume_supported=frozenset({op}))
+        after = propose_partitions(graph, min_block_size, support)
+        results.append(WhatIf(op, count, len(base), len(after.kept), base_ops, after.jax_ops))
     return rank(results)
 
 

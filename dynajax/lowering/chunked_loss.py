@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 # The chunked path is a pair of custom ops, defined when torch.nn's module is imported
-# (torch 2.13 on; lowering/families.py imports this module only where it exists).
+# (torch 2.13 on; lowering/__init__.py imports this module only where it exists).
 from torch.nn.modules import linear_cross_entropy as _lce  # noqa: F401
 
 from dynajax.lowering.dtypes import is_floating

@@ -12,7 +12,9 @@ against PyTorch's oneDNN kernels (numbers in benchmarks/README.md):
 
 Each function here lowers one ``aten.convolution`` to the fastest of these forms. All
 are linear in input and weight, so ``jax.vjp`` of them is the exact backward. Every
-form accumulates in ``acc`` (float32 for half-precision inputs).
+form accumulates in ``acc`` (float32 for half-precision inputs). The forms are public
+(``xla_convolution``, ``matmul_convolution``, ``tap_sum_convolution``, ``xla_transposed``,
+``col2im_transposed``) so that tests and ``benchmarks/convolutions.py`` compare them.
 """
 
 from __future__ import annotations
@@ -109,13 +111,13 @@ def convolution(x, weight, stride, padding, dilation, groups, acc):
     """A (batched, N C *spatial) convolution with symmetric padding, in ``acc``."""
     form = choose(x.shape, weight.shape, stride, padding, dilation, groups)
     if form == "xla":
-        return _xla(x, weight, stride, padding, dilation, groups, acc)
+        return xla_convolution(x, weight, stride, padding, dilation, groups, acc)
     out = _out_sizes(x.shape[2:], weight.shape[2:], stride, padding, dilation)
-    fn = _tap_sum if form == "tap_sum" else _matmul
+    fn = tap_sum_convolution if form == "tap_sum" else matmul_convolution
     return fn(x, weight, stride, padding, dilation, groups, out, acc)
 
 
-def _xla(x, weight, stride, padding, dilation, groups, acc):
+def xla_convolution(x, weight, stride, padding, dilation, groups, acc):
     return jax.lax.conv_general_dilated(
         x,
         weight,
@@ -128,7 +130,7 @@ def _xla(x, weight, stride, padding, dilation, groups, acc):
     )
 
 
-def _matmul(x, weight, stride, padding, dilation, groups, out, acc):
+def matmul_convolution(x, weight, stride, padding, dilation, groups, out, acc):
     # im2col: the windows stacked as (N, C, taps, *out) and contracted with the weight
     # over (C/groups, taps), a matmul batched over the groups.
     n, c = x.shape[:2]
@@ -143,7 +145,7 @@ def _matmul(x, weight, stride, padding, dilation, groups, out, acc):
     return jnp.moveaxis(res, 2, 0).reshape((n, o) + tuple(out))
 
 
-def _tap_sum(x, weight, stride, padding, dilation, groups, out, acc):
+def tap_sum_convolution(x, weight, stride, padding, dilation, groups, out, acc):
     # out[n, g, j] = sum over input channel i of the group and tap t of
     # weight[g, j, i, t] * window_t[n, g, i]: broadcast products XLA fuses into one loop.
     n, c = x.shape[:2]
@@ -180,17 +182,17 @@ def input_gradient(grad, weight, x_shape, stride, padding, dilation, groups, acc
     # drops up to stride - 1 trailing rows).
     bare = _transposed_out_sizes(grad.shape[2:], k, stride, padding, dilation, [0] * len(k))
     output_padding = [x - b for x, b in zip(x_shape[2:], bare, strict=True)]
-    return _col2im(grad, weight, stride, padding, dilation, output_padding, groups, acc)
+    return col2im_transposed(grad, weight, stride, padding, dilation, output_padding, groups, acc)
 
 
 def transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):
     """A (batched) transposed convolution, in ``acc``: the gradient of a convolution."""
     form = choose_transposed(x.shape, weight.shape, stride, groups)
-    fn = _col2im if form == "col2im" else _xla_transposed
+    fn = col2im_transposed if form == "col2im" else xla_transposed
     return fn(x, weight, stride, padding, dilation, output_padding, groups, acc)
 
 
-def _xla_transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):
+def xla_transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):
     # Dilate the input by the stride, pad by dilation*(k-1)-padding, and convolve with
     # the flipped kernel whose in/out channels are swapped (per group).
     k = weight.shape[2:]
@@ -219,7 +221,7 @@ def _xla_transposed(x, weight, stride, padding, dilation, output_padding, groups
     )
 
 
-def _col2im(x, weight, stride, padding, dilation, output_padding, groups, acc):
+def col2im_transposed(x, weight, stride, padding, dilation, output_padding, groups, acc):
     # PyTorch's own algorithm: one matmul gives every tap's contribution per input
     # position, then each tap's slab is added at its strided place in the output.
     n, cin = x.shape[:2]

@@ -17,6 +17,28 @@ aten = torch.ops.aten
 # Convolution
 # ---------------------------------------------------------------------------------
 
+# Half-precision dtypes whose eager CPU convolutions go to oneDNN on this machine: it
+# takes bfloat16 where the CPU has bfloat16 instructions (AVX512-BF16, AMX) and float16
+# where it has float16 ones (AVX512-FP16, AMX-FP16). oneDNN's transposed convolution
+# adds the bias before rounding; PyTorch's own (col2im, then add) rounds the sum first.
+# A property of the host, read once, like the kernels eager itself picks at startup.
+_ONEDNN_HALF = frozenset(
+    jnp.dtype(dtype)
+    for dtype, supported in (
+        (jnp.bfloat16, torch.ops.mkldnn._is_mkldnn_bf16_supported),
+        (jnp.float16, torch.ops.mkldnn._is_mkldnn_fp16_supported),
+    )
+    if torch.backends.mkldnn.is_available() and supported()
+)
+
+
+def _transposed_rounds_before_bias(dtype, stride, output_padding) -> bool:
+    """Whether eager's transposed convolution of ``dtype`` rounds the sum before adding
+    the bias: not under oneDNN, which PyTorch skips when an output padding is not
+    smaller than its stride."""
+    onednn = jnp.dtype(dtype) in _ONEDNN_HALF and torch.backends.mkldnn.enabled
+    return not onednn or any(p >= s for p, s in zip(output_padding, stride, strict=True))
+
 
 def _conv_check(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     if is_integral(x.dtype):
@@ -40,14 +62,17 @@ def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_
     )
     # Half-precision inputs accumulate in float32, as PyTorch's CPU kernels do. Its
     # convolutions round once, bias included (oneDNN, or a GEMM into the bias); its
-    # transposed convolutions round the sum before adding the bias (col2im, then add).
+    # transposed convolutions round the sum before adding the bias (col2im, then add)
+    # unless oneDNN runs them (_ONEDNN_HALF).
     acc = opmath(x.dtype)
     if not transposed:
         out = conv_algorithms.convolution(x, weight, stride, padding, dilation, groups, acc)
     else:
         out = conv_algorithms.transposed(
             x, weight, stride, padding, dilation, output_padding, groups, acc
-        ).astype(x.dtype)
+        )
+        if _transposed_rounds_before_bias(x.dtype, stride, output_padding):
+            out = out.astype(x.dtype)
     if bias is not None:
         out = out + bias.reshape((1, -1) + (1,) * nd).astype(out.dtype)
     out = out.astype(x.dtype)

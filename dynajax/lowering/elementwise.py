@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch._inductor import inductor_prims
+from torch._inductor import inductor_prims  # noqa: F401  (defines prims.fma)
 
 from dynajax.lowering.dtypes import (
     as_dtype,
@@ -25,45 +25,21 @@ from dynajax.lowering.dtypes import (
     promote,
     result_type,
 )
-from dynajax.lowering.registry import lower
+from dynajax.lowering.registry import lower, named
 
 aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _name_of(fn) -> str:
+    """``_sin`` for ``jnp.sin`` (and for a module's ``_sin``): the name of a rule that a
+    factory here builds around ``fn``."""
+    return "_" + fn.__name__.lstrip("_")
+
 
 # ---------------------------------------------------------------------------------
 # Unary ops whose integer inputs produce the default float dtype
 # ---------------------------------------------------------------------------------
-
-_FLOAT_UNARY = {
-    "sin": jnp.sin,
-    "cos": jnp.cos,
-    "tan": jnp.tan,
-    "asin": jnp.arcsin,
-    "acos": jnp.arccos,
-    "atan": jnp.arctan,
-    "sinh": jnp.sinh,
-    "cosh": jnp.cosh,
-    "tanh": jnp.tanh,
-    "asinh": jnp.arcsinh,
-    "acosh": jnp.arccosh,
-    "atanh": jnp.arctanh,
-    "exp": jnp.exp,
-    "exp2": jnp.exp2,
-    "expm1": jnp.expm1,
-    "log": jnp.log,
-    "log2": jnp.log2,
-    "log10": jnp.log10,
-    "log1p": jnp.log1p,
-    "sqrt": jnp.sqrt,
-    "rsqrt": lambda x: _rsqrt(x),
-    "sigmoid": jax.nn.sigmoid,
-    "erf": jax.scipy.special.erf,
-    "erfc": jax.scipy.special.erfc,
-    "erfinv": jax.scipy.special.erfinv,
-    "reciprocal": jnp.reciprocal,
-    "digamma": lambda x: _digamma(x),
-    "lgamma": jax.scipy.special.gammaln,
-    "i0": jax.scipy.special.i0,
-}
 
 
 def _rsqrt(x):
@@ -81,14 +57,44 @@ def _digamma(x):
 
 
 def _float_unary(fn):
+    """A unary rule: ``fn`` of x in PyTorch's float result type (integers and bools go
+    to the default float dtype)."""
+
     def rule(x):
         return fn(as_dtype(x, float_result_type(x)))
 
-    return rule
+    return named(rule, _name_of(fn))
 
 
-for _name, _fn in _FLOAT_UNARY.items():
-    lower(getattr(aten, _name).default)(_float_unary(_fn))
+lower(aten.sin.default)(_float_unary(jnp.sin))
+lower(aten.cos.default)(_float_unary(jnp.cos))
+lower(aten.tan.default)(_float_unary(jnp.tan))
+lower(aten.asin.default)(_float_unary(jnp.arcsin))
+lower(aten.acos.default)(_float_unary(jnp.arccos))
+lower(aten.atan.default)(_float_unary(jnp.arctan))
+lower(aten.sinh.default)(_float_unary(jnp.sinh))
+lower(aten.cosh.default)(_float_unary(jnp.cosh))
+lower(aten.tanh.default)(_float_unary(jnp.tanh))
+lower(aten.asinh.default)(_float_unary(jnp.arcsinh))
+lower(aten.acosh.default)(_float_unary(jnp.arccosh))
+lower(aten.atanh.default)(_float_unary(jnp.arctanh))
+lower(aten.exp.default)(_float_unary(jnp.exp))
+lower(aten.exp2.default)(_float_unary(jnp.exp2))
+lower(aten.expm1.default)(_float_unary(jnp.expm1))
+lower(aten.log.default)(_float_unary(jnp.log))
+lower(aten.log2.default)(_float_unary(jnp.log2))
+lower(aten.log10.default)(_float_unary(jnp.log10))
+lower(aten.log1p.default)(_float_unary(jnp.log1p))
+lower(aten.sqrt.default)(_float_unary(jnp.sqrt))
+lower(aten.rsqrt.default)(_float_unary(_rsqrt))
+lower(aten.sigmoid.default)(_float_unary(jax.nn.sigmoid))
+lower(aten.erf.default)(_float_unary(jax.scipy.special.erf))
+lower(aten.erfc.default)(_float_unary(jax.scipy.special.erfc))
+lower(aten.erfinv.default)(_float_unary(jax.scipy.special.erfinv))
+lower(aten.reciprocal.default)(_float_unary(jnp.reciprocal))
+lower(aten.digamma.default)(_float_unary(_digamma))
+lower(aten.lgamma.default)(_float_unary(jax.scipy.special.gammaln))
+lower(aten.i0.default)(_float_unary(jax.scipy.special.i0))
 
 # ---------------------------------------------------------------------------------
 # Unary ops that keep the input dtype
@@ -119,16 +125,22 @@ def _sgn(x):
 
 
 def _integral_identity(fn):
+    """A unary rule: integers and bools unchanged, ``fn`` of anything else."""
+
     def rule(x):
         return x if is_integral(x.dtype) else fn(x)
 
-    return rule
+    return named(rule, _name_of(fn))
 
 
 lower(aten.floor.default)(_integral_identity(jnp.floor))
 lower(aten.ceil.default)(_integral_identity(jnp.ceil))
 lower(aten.trunc.default)(_integral_identity(jnp.trunc))
-lower(aten.frac.default)(lambda x: x - jnp.trunc(x))
+
+
+@lower(aten.frac.default)
+def _frac(x):
+    return x - jnp.trunc(x)
 
 
 @lower(aten.round.default)
@@ -231,7 +243,7 @@ def _rsub(x, other, *, alpha=1):
 
 # Dynamo traces ``addcmul_``/``addcdiv_`` with a ``value`` (every Adam step) to
 # prims.fma (an OpOverload defined, and registered on import, by inductor_prims).
-@lower(inductor_prims.fma)
+@lower(prims.fma.default)
 def _fma(a, b, c):
     dt = result_type(a, b, c)
     a, b, c = promote(a, b, c, dtype=dt)
@@ -389,7 +401,7 @@ def _promoted(fn):
         a, b = promote(x, other)
         return fn(a, b)
 
-    return rule
+    return named(rule, _name_of(fn))
 
 
 lower(aten.hypot.default)(_promoted(jnp.hypot))
@@ -418,10 +430,12 @@ lower(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar)(_promoted(jnp.bitwise_xo
 
 
 def _logical(fn):
+    """A binary rule: ``fn`` of both operands as bools."""
+
     def rule(x, other):
         return fn(x.astype(bool), jnp.asarray(other).astype(bool))
 
-    return rule
+    return named(rule, _name_of(fn))
 
 
 lower(aten.logical_and.default)(_logical(jnp.logical_and))
@@ -433,16 +447,12 @@ lower(aten.logical_xor.default)(_logical(jnp.logical_xor))
 # ---------------------------------------------------------------------------------
 
 
-for _name, _fn in {
-    "eq": jnp.equal,
-    "ne": jnp.not_equal,
-    "lt": jnp.less,
-    "le": jnp.less_equal,
-    "gt": jnp.greater,
-    "ge": jnp.greater_equal,
-}.items():
-    _packet = getattr(aten, _name)
-    lower(_packet.Tensor, _packet.Scalar)(_promoted(_fn))
+lower(aten.eq.Tensor, aten.eq.Scalar)(_promoted(jnp.equal))
+lower(aten.ne.Tensor, aten.ne.Scalar)(_promoted(jnp.not_equal))
+lower(aten.lt.Tensor, aten.lt.Scalar)(_promoted(jnp.less))
+lower(aten.le.Tensor, aten.le.Scalar)(_promoted(jnp.less_equal))
+lower(aten.gt.Tensor, aten.gt.Scalar)(_promoted(jnp.greater))
+lower(aten.ge.Tensor, aten.ge.Scalar)(_promoted(jnp.greater_equal))
 
 # ---------------------------------------------------------------------------------
 # Selection and clamping
@@ -535,7 +545,7 @@ def _to_copy(
     return x.astype(dtype)
 
 
-@lower(torch.ops.prims.convert_element_type.default)
+@lower(prims.convert_element_type.default)
 def _convert_element_type(x, dtype):
     # Left in the graph by some of PyTorch's decompositions (renorm in half precision).
     return _to_copy(x, dtype=dtype)
@@ -591,24 +601,21 @@ def _angle(x):
 # Special functions and bit-level arithmetic
 # ---------------------------------------------------------------------------------
 
-_SPECIAL_UNARY = {
-    "special_i0e": jax.scipy.special.i0e,
-    "special_i1": jax.scipy.special.i1,
-    "special_i1e": jax.scipy.special.i1e,
-    "special_ndtri": jax.scipy.special.ndtri,
-    "special_erfcx": jax.scipy.special.erfcx,
-}
-
-for _name, _fn in _SPECIAL_UNARY.items():
-    lower(getattr(aten, _name).default)(_float_unary(_fn))
+lower(aten.special_i0e.default)(_float_unary(jax.scipy.special.i0e))
+lower(aten.special_i1.default)(_float_unary(jax.scipy.special.i1))
+lower(aten.special_i1e.default)(_float_unary(jax.scipy.special.i1e))
+lower(aten.special_ndtri.default)(_float_unary(jax.scipy.special.ndtri))
+lower(aten.special_erfcx.default)(_float_unary(jax.scipy.special.erfcx))
 
 
 def _float_binary(fn):
+    """A binary rule: ``fn`` of both operands promoted to PyTorch's float result type."""
+
     def rule(x, other):
         a, b = promote(x, other, dtype=float_result_type(x, other))
         return fn(a, b)
 
-    return rule
+    return named(rule, _name_of(fn))
 
 
 def _hurwitz_zeta(s, q):
@@ -680,6 +687,8 @@ lower(aten.lcm.default)(_promoted(jnp.lcm))
 
 
 def _shift(left):
+    """The rule of ``bitwise_left_shift`` (``left``) or ``bitwise_right_shift``."""
+
     def rule(x, other):
         a, b = promote(x, other)
         bits = np.dtype(a.dtype).itemsize * 8
@@ -693,9 +702,16 @@ def _shift(left):
         fill = jnp.where(a < 0, -1, 0).astype(a.dtype) if signed else 0
         return jnp.where(out_of_range, fill, jnp.right_shift(a, safe))
 
-    return rule
+    return named(rule, "_bitwise_left_shift" if left else "_bitwise_right_shift")
 
 
-_SHIFT_OVERLOADS = ("Tensor", "Tensor_Scalar", "Scalar_Tensor")
-lower(*(getattr(aten.bitwise_left_shift, o) for o in _SHIFT_OVERLOADS))(_shift(True))
-lower(*(getattr(aten.bitwise_right_shift, o) for o in _SHIFT_OVERLOADS))(_shift(False))
+lower(
+    aten.bitwise_left_shift.Tensor,
+    aten.bitwise_left_shift.Tensor_Scalar,
+    aten.bitwise_left_shift.Scalar_Tensor,
+)(_shift(True))
+lower(
+    aten.bitwise_right_shift.Tensor,
+    aten.bitwise_right_shift.Tensor_Scalar,
+    aten.bitwise_right_shift.Scalar_Tensor,
+)(_shift(False))

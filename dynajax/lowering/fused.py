@@ -13,9 +13,9 @@ its decomposition computes in float32 and truncates once, an off-by-one in some
 elements, so here the integer case is refused (it runs in PyTorch). ``logspace``
 rounds its start and end to the dtype before computing the exponents (by 4 bfloat16
 ulps at 1e4, where the decomposition does not). The backend keeps the ops in
-``FUSED_KERNELS`` out of aot_autograd's decomposition table so that these rules, which
-follow the kernels, see them (autograd still differentiates them with PyTorch's own
-formulas).
+``dynajax.aot.FUSED_KERNELS`` out of aot_autograd's decomposition table so that these
+rules, which follow the kernels, see them (autograd still differentiates them with
+PyTorch's own formulas).
 """
 
 from __future__ import annotations
@@ -36,20 +36,6 @@ from dynajax.lowering.dtypes import (
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
-
-FUSED_KERNELS: tuple[torch._ops.OpOverload, ...] = (
-    aten.addcdiv.default,
-    aten.addr.default,
-    aten.linalg_cross.default,
-    aten.linspace.default,
-    aten.linspace.Tensor_Tensor,
-    aten.linspace.Tensor_Scalar,
-    aten.linspace.Scalar_Tensor,
-    aten.logspace.default,
-    aten.logspace.Tensor_Tensor,
-    aten.logspace.Tensor_Scalar,
-    aten.logspace.Scalar_Tensor,
-)
 
 
 def _addcdiv_check(x, t1, t2, *, value=1):

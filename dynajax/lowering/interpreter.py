@@ -50,9 +50,12 @@ class JaxInterpreter(torch.fx.Interpreter):
             raise AssertionError(f"{target} reached JAX without a rule")
         args, kwargs = jax_literal(args), {k: jax_literal(v) for k, v in kwargs.items()}
         if rule.needs_key:
+            if self._key is None:
+                raise AssertionError(f"{target} needs a PRNG key; the partition was given none")
             kwargs["key"] = jax.random.fold_in(self._key, self._random_index)
             self._random_index += 1
         if rule.needs_layout:  # decided by the capability pass (capability/layout.py)
+            assert self._node is not None  # set by run_node
             kwargs["layout"] = self._node.meta[LAYOUT_KEY]
         return rule.fn(*args, **kwargs)
 

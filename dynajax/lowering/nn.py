@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from dynajax.lowering.dtypes import as_dtype, opmath
-from dynajax.lowering.linalg import pnorm
+from dynajax.lowering.linalg.products import pnorm
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten

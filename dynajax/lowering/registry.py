@@ -10,11 +10,16 @@ or a short reason string when it refuses it.
     @lower(aten.sin.default)
     def _sin(x):
         return jnp.sin(x)
+
+This module is a leaf: it imports nothing from dynajax. The family modules import it
+to register their rules, and the package ``dynajax.lowering`` imports every family
+module, so any import from the package (this module included) fills the table.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +40,8 @@ class Rule:
         needs_layout: the rule and its check take a ``layout=`` keyword, a
             ``NodeLayout`` with eager PyTorch's memory layout of the node's first
             argument and of its output (ops that address storage, like as_strided).
+        where: ``file:line`` of the ``lower(...)`` call that registered the rule, so
+            that an error about the rule (a second registration) can say where it is.
     """
 
     op: torch._ops.OpOverload
@@ -42,6 +49,7 @@ class Rule:
     check: Check | None = None
     needs_key: bool = False
     needs_layout: bool = False
+    where: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,16 +89,31 @@ def lower(
     needs_key: bool = False,
     needs_layout: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Registers the decorated function as the JAX rule of each of ``ops``."""
+    """Registers the decorated function as the JAX rule of each of ``ops``.
+
+    Each overload is named in full at the call (``aten.sin.default``, not built from a
+    string), so that searching the source for an overload finds its rule.
+
+    Raises:
+        TypeError: an argument is not an exact ``OpOverload``.
+        ValueError: an overload already has a rule; the message names both places.
+    """
     for op in ops:
         if not isinstance(op, torch._ops.OpOverload):
             raise TypeError(f"lower() takes exact OpOverloads (aten.add.Tensor), got {op!r}")
+    caller = sys._getframe(1)
+    where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         for op in ops:
             if op in _TABLE:
-                raise ValueError(f"{op} already has a JAX rule ({_TABLE[op].fn.__qualname__})")
-            _TABLE[op] = Rule(op, fn, check, needs_key, needs_layout)
+                first = _TABLE[op]
+                raise ValueError(
+                    f"{op} has two JAX rules: {first.fn.__qualname__} registered at "
+                    f"{first.where or '(unknown)'} and {fn.__qualname__} registered at {where}"
+                )
+        for op in ops:
+            _TABLE[op] = Rule(op, fn, check, needs_key, needs_layout, where)
         return fn
 
     return register
@@ -98,22 +121,27 @@ def lower(
 
 def get_rule(op: Any) -> Rule | None:
     """The rule for ``op``, or None when the table has none."""
-    _ensure_loaded()
     return _TABLE.get(op)
 
 
 def supported_ops() -> frozenset[torch._ops.OpOverload]:
     """Every OpOverload that has a JAX rule."""
-    _ensure_loaded()
     return frozenset(_TABLE)
 
 
-_loaded = False
+def named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """Names a function that a factory made, so that errors and reports name it.
 
+    A closure that a factory builds (``_float_unary(jnp.sin)``) is otherwise called
+    ``_float_unary.<locals>.rule``, whichever op it lowers.
 
-def _ensure_loaded() -> None:
-    global _loaded
-    if not _loaded:
-        import dynajax.lowering.families  # noqa: F401  (registers every rule)
+    Args:
+        fn: the closure: a rule, or a kernel that a rule wraps.
+        name: its name, e.g. ``"_sin"``.
 
-        _loaded = True
+    Returns:
+        ``fn`` itself, with ``__name__`` and ``__qualname__`` set to ``name``.
+    """
+    fn.__name__ = name
+    fn.__qualname__ = name
+    return fn

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from dynajax.lowering.dtypes import as_dtype, divide, float_result_type
-from dynajax.lowering.registry import lower
+from dynajax.lowering.registry import lower, named
 
 aten = torch.ops.aten
 
@@ -71,7 +71,7 @@ def _unary(fn: Callable[[jax.Array, jax.Array], jax.Array]):
         xt = as_dtype(x, float_result_type(x))
         return fn(xt.astype(_F64), xt).astype(xt.dtype)
 
-    return rule
+    return named(rule, fn.__name__)
 
 
 def _divide(a, b):
@@ -227,11 +227,13 @@ def _bessel_j1(x, xt):
 
 
 def _bessel_y(order: int):
+    """Y0 or Y1 (``order``), with ``_unary``'s arguments."""
+
     def fn(x, xt):
         y = _bessel01(x, _phase(xt, _QUARTER_PI), _phase(xt, _THREE_QUARTER_PI))[2 + order]
         return jnp.where(x == 0, -jnp.inf, jnp.where(x < 0, jnp.nan, y))
 
-    return fn
+    return named(fn, f"_bessel_y{order}")
 
 
 # ---------------------------------------------------------------------------------
@@ -240,13 +242,15 @@ def _bessel_y(order: int):
 
 
 def _modified_i(fn):
+    """I0 or I1 from JAX's ``fn``, with ``_unary``'s arguments and PyTorch's overflow."""
+
     def f(x, xt):
         # PyTorch forms exp(|x|) in the input dtype first: once that overflows the result
         # is +-inf, even where I(x) itself (~ exp(x) / sqrt(2 pi x)) is still finite.
         overflow = jnp.isinf(jnp.exp(jnp.abs(x)).astype(xt.dtype)) & jnp.isfinite(x)
         return jnp.where(overflow, jnp.copysign(jnp.inf, fn(x)), fn(x))
 
-    return f
+    return named(f, f"_modified_bessel_{fn.__name__}")
 
 
 _K_SERIES_MAX = 2.0
@@ -291,6 +295,8 @@ def _k_scaled_quadrature(x):
 
 
 def _modified_k(order: int, scaled: bool):
+    """K0 or K1 (``order``), times exp(x) when ``scaled``, with ``_unary``'s arguments."""
+
     def fn(x, xt):
         small = x <= _K_SERIES_MAX
         series = _k_series(jnp.where(small & (x > 0), x, 1.0))[order]
@@ -301,7 +307,7 @@ def _modified_k(order: int, scaled: bool):
             out = jnp.where(small, series, quad * jnp.exp(-x))
         return jnp.where(x == 0, jnp.inf, jnp.where(x < 0, jnp.nan, out))
 
-    return fn
+    return named(fn, f"_{'scaled_' if scaled else ''}modified_bessel_k{order}")
 
 
 # ---------------------------------------------------------------------------------
@@ -401,34 +407,14 @@ def _spherical_bessel_j0(x, xt):
     return jnp.where(jnp.isinf(x), 0.0, out)
 
 
-_UNARY = {
-    aten.special_airy_ai.default: _airy_ai,
-    aten.special_bessel_j0.default: _bessel_j0,
-    aten.special_bessel_j1.default: _bessel_j1,
-    aten.special_bessel_y0.default: _bessel_y(0),
-    aten.special_bessel_y1.default: _bessel_y(1),
-    aten.special_modified_bessel_i0.default: _modified_i(jax.scipy.special.i0),
-    aten.special_modified_bessel_i1.default: _modified_i(jax.scipy.special.i1),
-    aten.special_modified_bessel_k0.default: _modified_k(0, scaled=False),
-    aten.special_modified_bessel_k1.default: _modified_k(1, scaled=False),
-    aten.special_scaled_modified_bessel_k0.default: _modified_k(0, scaled=True),
-    aten.special_scaled_modified_bessel_k1.default: _modified_k(1, scaled=True),
-    aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
-}
-
-# PyTorch's float64 kernels of these are off by up to 3e-6 just past where they switch to
-# their large-argument forms (5 < |x| < 6.1 for J and Y, -2.6 < x < -2.09 for Ai): far
-# beyond float64's tolerance, and not reproducible without PyTorch's own coefficients.
-_INEXACT_IN_FLOAT64 = {
-    aten.special_airy_ai.default,
-    aten.special_bessel_j0.default,
-    aten.special_bessel_j1.default,
-    aten.special_bessel_y0.default,
-    aten.special_bessel_y1.default,
-}
-
-
 def _float32_check(x):
+    """The check of J, Y and Ai: ``_dtype_check``, and float64 refused too.
+
+    PyTorch's float64 kernels of these are off by up to 3e-6 just past where they switch
+    to their large-argument forms (5 < |x| < 6.1 for J and Y, -2.6 < x < -2.09 for Ai):
+    far beyond float64's tolerance, and not reproducible without PyTorch's own
+    coefficients.
+    """
     if float_result_type(x) == _F64:
         return (
             "float64: PyTorch's kernel is off by up to 3e-6 near the switch to its "
@@ -438,9 +424,30 @@ def _float32_check(x):
     return _dtype_check(x)
 
 
-for _op, _fn in _UNARY.items():
-    _check = _float32_check if _op in _INEXACT_IN_FLOAT64 else _dtype_check
-    lower(_op, check=_check)(_unary(_fn))
+lower(aten.special_airy_ai.default, check=_float32_check)(_unary(_airy_ai))
+lower(aten.special_bessel_j0.default, check=_float32_check)(_unary(_bessel_j0))
+lower(aten.special_bessel_j1.default, check=_float32_check)(_unary(_bessel_j1))
+lower(aten.special_bessel_y0.default, check=_float32_check)(_unary(_bessel_y(0)))
+lower(aten.special_bessel_y1.default, check=_float32_check)(_unary(_bessel_y(1)))
+lower(aten.special_modified_bessel_i0.default, check=_dtype_check)(
+    _unary(_modified_i(jax.scipy.special.i0))
+)
+lower(aten.special_modified_bessel_i1.default, check=_dtype_check)(
+    _unary(_modified_i(jax.scipy.special.i1))
+)
+lower(aten.special_modified_bessel_k0.default, check=_dtype_check)(
+    _unary(_modified_k(0, scaled=False))
+)
+lower(aten.special_modified_bessel_k1.default, check=_dtype_check)(
+    _unary(_modified_k(1, scaled=False))
+)
+lower(aten.special_scaled_modified_bessel_k0.default, check=_dtype_check)(
+    _unary(_modified_k(0, scaled=True))
+)
+lower(aten.special_scaled_modified_bessel_k1.default, check=_dtype_check)(
+    _unary(_modified_k(1, scaled=True))
+)
+lower(aten.special_spherical_bessel_j0.default, check=_dtype_check)(_unary(_spherical_bessel_j0))
 
 
 # ---------------------------------------------------------------------------------
@@ -497,8 +504,8 @@ def _parity(k, even, odd):
 def _chebyshev(kind: str, shifted: bool):
     """Chebyshev T, U, V, W of x, or of y = 2x - 1 for the shifted ones."""
     # PyTorch switches to the closed form for degrees above these (inside (-1, 1)).
-    closed_above = {"T": 6, "U": 6, "V": 6, "W": 4} if shifted else {"T": 6, "U": 8, "V": 8, "W": 8}
-    closed_above = closed_above[kind]
+    degrees = {"T": 6, "U": 6, "V": 6, "W": 4} if shifted else {"T": 6, "U": 8, "V": 8, "W": 8}
+    closed_above = degrees[kind]
 
     def poly(x, k):
         one = jnp.ones_like(x)
@@ -547,7 +554,7 @@ def _chebyshev(kind: str, shifted: bool):
         out = jnp.where(top, at_top, jnp.where(bottom, at_bottom, out))
         return jnp.where(k < 0, 0, out)
 
-    return poly
+    return named(poly, f"_{'shifted_' if shifted else ''}chebyshev_{kind.lower()}")
 
 
 def _hermite_h(x, k):
@@ -593,29 +600,96 @@ def _legendre_p(x, k):
 
 
 def _polynomial(fn):
+    """A rule computing ``fn(x, degree)`` in the result dtype, both broadcast."""
+
     def rule(x, n):
         dt = float_result_type(x, n)
         x, n = jnp.broadcast_arrays(as_dtype(x, dt), as_dtype(n, dt))
         return fn(x, _degree(n)).astype(dt)
 
-    return rule
+    return named(rule, fn.__name__)
 
 
-_POLYNOMIALS = {
-    "chebyshev_polynomial_t": _chebyshev("T", shifted=False),
-    "chebyshev_polynomial_u": _chebyshev("U", shifted=False),
-    "chebyshev_polynomial_v": _chebyshev("V", shifted=False),
-    "chebyshev_polynomial_w": _chebyshev("W", shifted=False),
-    "shifted_chebyshev_polynomial_t": _chebyshev("T", shifted=True),
-    "shifted_chebyshev_polynomial_u": _chebyshev("U", shifted=True),
-    "shifted_chebyshev_polynomial_v": _chebyshev("V", shifted=True),
-    "shifted_chebyshev_polynomial_w": _chebyshev("W", shifted=True),
-    "hermite_polynomial_h": _hermite_h,
-    "hermite_polynomial_he": _hermite_he,
-    "laguerre_polynomial_l": _laguerre_l,
-    "legendre_polynomial_p": _legendre_p,
-}
+lower(
+    aten.special_chebyshev_polynomial_t.default,
+    aten.special_chebyshev_polynomial_t.x_scalar,
+    aten.special_chebyshev_polynomial_t.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_chebyshev("T", shifted=False)))
 
-for _name, _fn in _POLYNOMIALS.items():
-    _packet = getattr(aten, f"special_{_name}")
-    lower(_packet.default, _packet.x_scalar, _packet.n_scalar, check=_dtype_check)(_polynomial(_fn))
+lower(
+    aten.special_chebyshev_polynomial_u.default,
+    aten.special_chebyshev_polynomial_u.x_scalar,
+    aten.special_chebyshev_polynomial_u.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_chebyshev("U", shifted=False)))
+
+lower(
+    aten.special_chebyshev_polynomial_v.default,
+    aten.special_chebyshev_polynomial_v.x_scalar,
+    aten.special_chebyshev_polynomial_v.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_chebyshev("V", shifted=False)))
+
+lower(
+    aten.special_chebyshev_polynomial_w.default,
+    aten.special_chebyshev_polynomial_w.x_scalar,
+    aten.special_chebyshev_polynomial_w.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_chebyshev("W", shifted=False)))
+
+lower(
+    aten.special_shifted_chebyshev_polynomial_t.default,
+    aten.special_shifted_chebyshev_polynomial_t.x_scalar,
+    aten.special_shifted_chebyshev_polynomial_t.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_chebyshev("T", shifted=True)))
+
+lower(
+    aten.special_shifted_chebyshev_polynomial_u.default,
+    aten.special_shifted_chebyshev_polynomial_u.x_scalar,
+    aten.special_shifted_chebyshev_polynomial_u.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_chebyshev("U", shifted=True)))
+
+lower(
+    aten.special_shifted_chebyshev_polynomial_v.default,
+    aten.special_shifted_chebyshev_polynomial_v.x_scalar,
+    aten.special_shifted_chebyshev_polynomial_v.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_chebyshev("V", shifted=True)))
+
+lower(
+    aten.special_shifted_chebyshev_polynomial_w.default,
+    aten.special_shifted_chebyshev_polynomial_w.x_scalar,
+    aten.special_shifted_chebyshev_polynomial_w.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_chebyshev("W", shifted=True)))
+
+lower(
+    aten.special_hermite_polynomial_h.default,
+    aten.special_hermite_polynomial_h.x_scalar,
+    aten.special_hermite_polynomial_h.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_hermite_h))
+
+lower(
+    aten.special_hermite_polynomial_he.default,
+    aten.special_hermite_polynomial_he.x_scalar,
+    aten.special_hermite_polynomial_he.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_hermite_he))
+
+lower(
+    aten.special_laguerre_polynomial_l.default,
+    aten.special_laguerre_polynomial_l.x_scalar,
+    aten.special_laguerre_polynomial_l.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_laguerre_l))
+
+lower(
+    aten.special_legendre_polynomial_p.default,
+    aten.special_legendre_polynomial_p.x_scalar,
+    aten.special_legendre_polynomial_p.n_scalar,
+    check=_dtype_check,
+)(_polynomial(_legendre_p))

@@ -1,67 +1,177 @@
-"""Groups supported nodes into the largest JAX partitions, applies the block-size
-policy, and fuses each partition into a submodule ``jax_<n>``.
+"""The partition decision: which supported nodes run together in which JAX partition.
+
+One function proposes partitions from the verdicts in ``node.meta``
+(``propose_partitions``); the backend and the what-if analysis both call it, so a
+change of policy (block size today, a cost model or sharding later) changes both.
+``assign_partitions`` records the decision in the graph: every node of a kept partition
+gets ``node.meta[PARTITION_KEY] = "jax_<n>"``, and the nodes of a dissolved one get a
+BLOCK_TOO_SMALL verdict. ``fuse_partitions`` then turns each recorded partition into a
+submodule of that name.
 
     before:  x -> sin -> custom_op -> cos -> add -> out
-    after:   x -> jax_0(sin) -> custom_op -> jax_1(cos, add) -> out
+    assign:  sin: jax_0;  cos, add: jax_1                       (node.meta)
+    fuse:    x -> jax_0(sin) -> custom_op -> jax_1(cos, add) -> out
 
 Nodes left outside every partition run in eager PyTorch from the outer graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.fx
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-from dynajax.capability import META_KEY, Reason, Unsupported, VerdictSupport, target_name
+from dynajax.capability import META_KEY, Reason, Unsupported, target_name
 from dynajax.capability.verdict import source_line
 
 PREFIX = "jax_"
 
+# node.meta key of the partition (``jax_<n>``) a node was assigned to; absent when the
+# node runs in eager PyTorch.
+PARTITION_KEY = "dynajax_partition"
 
-def compute_op_count(nodes: object) -> int:
+
+def compute_op_count(nodes: Iterable[torch.fx.Node]) -> int:
     """ATen ops in a set of nodes (getitem is bookkeeping, not an op)."""
     return sum(1 for n in nodes if n.op == "call_function" and n.target is not operator.getitem)
 
 
-def partition(gm: torch.fx.GraphModule, min_block_size: int = 1) -> torch.fx.GraphModule:
-    """Fuses the supported nodes of ``gm`` (verdicts in node.meta) into ``jax_<n>``.
+class VerdictSupport(OperatorSupportBase):
+    """The partitioner's view of verdicts: a node can join a JAX partition when it is a
+    call_function whose stored verdict is Supported.
 
-    Partitions with fewer than ``min_block_size`` ATen ops are dissolved and their
-    nodes' verdicts become BLOCK_TOO_SMALL. Returns ``gm``, modified in place.
+    BLOCK_TOO_SMALL counts as capable: the block-size policy is applied after the
+    partitions are proposed, so re-proposing on a graph that already carries it (the
+    what-if analysis) must see those nodes as they were. Placeholders, get_attr and
+    output nodes never enter a partition.
+
+    Args:
+        assume_supported: op names (``aten.sort.default``) to treat as supported
+            whatever their verdict; a getitem follows its producer. Used to ask
+            "what if this op had a rule".
     """
+
+    def __init__(self, assume_supported: frozenset[str] = frozenset()) -> None:
+        self.assume_supported = assume_supported
+
+    def is_node_supported(
+        self, submodules: Mapping[str, torch.nn.Module], node: torch.fx.Node
+    ) -> bool:
+        if node.op != "call_function":
+            return False
+        if self.assume_supported:
+            producer = node
+            if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+                producer = node.args[0]
+            if producer.op == "call_function" and target_name(producer) in self.assume_supported:
+                return True
+        verdict = node.meta.get(META_KEY)
+        return verdict is not None and (
+            verdict.supported or verdict.reason is Reason.BLOCK_TOO_SMALL
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """Partitions proposed for one graph, under one block-size policy.
+
+    Attributes:
+        kept: the partitions that become ``jax_<n>``, ``kept[n]`` being ``jax_<n>``'s
+            nodes, each in graph order, the partitions ordered by their first node.
+        too_small: the partitions dissolved because they hold fewer than
+            ``min_block_size`` ATen ops (their nodes run in eager PyTorch).
+        min_block_size: the policy they were formed under.
+    """
+
+    kept: list[list[torch.fx.Node]]
+    too_small: list[list[torch.fx.Node]]
+    min_block_size: int
+
+    @property
+    def jax_ops(self) -> int:
+        return sum(compute_op_count(p) for p in self.kept)
+
+
+def propose_partitions(
+    graph: torch.fx.Graph | torch.fx.GraphModule,
+    min_block_size: int = 1,
+    support: OperatorSupportBase | None = None,
+) -> Proposal:
+    """The partitions CapabilityBasedPartitioner forms from the verdicts in node.meta.
+
+    Single-node partitions are allowed; partitions with no ATen op are ignored, those
+    with fewer than ``min_block_size`` are ``too_small``. Changes nothing in the graph.
+
+    Args:
+        graph: a graph whose call_function nodes carry verdicts (``META_KEY``).
+        min_block_size: the smallest partition worth a JAX call, in ATen ops.
+        support: which nodes may join a partition (default: ``VerdictSupport()``).
+    """
+    if isinstance(graph, torch.fx.GraphModule):
+        gm = graph
+    else:
+        # The partitioner only walks the graph; get_attr values are never read.
+        root = {n.target: torch.empty(0) for n in graph.nodes if n.op == "get_attr"}
+        gm = torch.fx.GraphModule(root, graph)
     partitioner = CapabilityBasedPartitioner(
-        gm, VerdictSupport(), allows_single_node_partition=True
+        gm, support or VerdictSupport(), allows_single_node_partition=True
     )
-    proposed: list[Partition] = partitioner.propose_partitions()
-    kept = []
-    for p in proposed:
-        ops = compute_op_count(p.nodes)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    kept: list[list[torch.fx.Node]] = []
+    too_small: list[list[torch.fx.Node]] = []
+    for p in partitioner.propose_partitions():
+        nodes = sorted(p.nodes, key=order.__getitem__)
+        ops = compute_op_count(nodes)
         if ops == 0:
             continue
-        if ops < min_block_size:
-            for n in p.nodes:
-                if n.meta.get(META_KEY) is not None:
-                    n.meta[META_KEY] = Unsupported(
-                        Reason.BLOCK_TOO_SMALL,
-                        n.name,
-                        target_name(n),
-                        f"partition of {ops} op(s) < min_block_size={min_block_size}",
-                        source_line(n),
-                    )
-            continue
-        kept.append(p)
+        (kept if ops >= min_block_size else too_small).append(nodes)
     # Deterministic submodule names, in graph order.
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    kept.sort(key=lambda p: min(order[n] for n in p.nodes))
-    if not kept:
+    kept.sort(key=lambda nodes: order[nodes[0]])
+    return Proposal(kept, too_small, min_block_size)
+
+
+def assign_partitions(gm: torch.fx.GraphModule, min_block_size: int = 1) -> Proposal:
+    """Decides the partitions of ``gm`` and records them in its nodes' meta.
+
+    Each node of ``kept[n]`` gets ``meta[PARTITION_KEY] = "jax_<n>"``; each node of a
+    dissolved partition gets a BLOCK_TOO_SMALL verdict. Returns the proposal.
+    """
+    proposal = propose_partitions(gm, min_block_size)
+    for nodes in proposal.too_small:
+        ops = compute_op_count(nodes)
+        for n in nodes:
+            if n.meta.get(META_KEY) is not None:
+                n.meta[META_KEY] = Unsupported(
+                    Reason.BLOCK_TOO_SMALL,
+                    n.name,
+                    target_name(n),
+                    f"partition of {ops} op(s) < min_block_size={min_block_size}",
+                    source_line(n),
+                )
+    for n in gm.graph.nodes:
+        n.meta.pop(PARTITION_KEY, None)
+    for i, nodes in enumerate(proposal.kept):
+        for n in nodes:
+            n.meta[PARTITION_KEY] = f"{PREFIX}{i}"
+    return proposal
+
+
+def fuse_partitions(gm: torch.fx.GraphModule, proposal: Proposal) -> torch.fx.GraphModule:
+    """Fuses ``proposal.kept[n]`` into the submodule ``jax_<n>`` (in place).
+
+    Each submodule returns a tuple, even of one value, so callers index it uniformly.
+    """
+    if not proposal.kept:
         return gm
     return fuse_by_partitions(
         gm,
-        [dict.fromkeys(sorted(p.nodes, key=order.__getitem__)) for p in kept],
+        [dict.fromkeys(nodes) for nodes in proposal.kept],
         prefix=PREFIX,
         always_return_tuple=True,
     )

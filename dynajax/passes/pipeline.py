@@ -10,8 +10,9 @@ from dynajax.passes.sizes import ComputeSizesFromInputs
 from dynajax.passes.unused_vectors import DropUnusedVectors
 
 
-def _graph_is_valid(gm: torch.fx.GraphModule) -> None:
-    gm.graph.lint()
+def _graph_is_valid(module: torch.nn.Module) -> None:
+    if isinstance(module, torch.fx.GraphModule):
+        module.graph.lint()
 
 
 def run_passes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

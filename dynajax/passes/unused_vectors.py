@@ -38,10 +38,13 @@ def _fake_value(node: torch.fx.Node):
     def val(a):
         return a.meta["val"] if isinstance(a, torch.fx.Node) else a
 
+    first, target = node.args[0], node.target
+    if not isinstance(first, torch.fx.Node) or not callable(target):
+        raise TypeError(f"'{node.name}' is not a call on a tensor node")
     args = torch.fx.node.map_aggregate(node.args, val)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
-    with node.args[0].meta["val"].fake_mode:
-        return node.target(*args, **kwargs)
+    with first.meta["val"].fake_mode:
+        return target(*args, **kwargs)
 
 
 class DropUnusedVectors(PassBase):

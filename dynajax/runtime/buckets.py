@@ -407,7 +407,7 @@ def check_padding(
         outs = _walk(ja.jaxpr, jb.jaxpr, a, b)
     except _Leak as e:
         return str(e)
-    want = [set() for _ in out_present]
+    want: list[set[int]] = [set() for _ in out_present]
     for k, d in plan.out_dims:
         want[k].add(d)
     want = [w for w, present in zip(want, out_present, strict=True) if present]

@@ -1,10 +1,9 @@
-"""CompiledPartition: one JAX partition, jitted, with conversion at its edges; and the
-callable that goes back to aot_autograd for a stitched graph.
+"""CompiledPartition: one JAX partition, jitted, with conversion at its edges.
 
 The per-call path of a partition is, in full:
 
     arrays = InputCache.arrays(tensors)      # cached jax.Arrays, NumPy views for the rest
-    x64 on (thread-local swap, ~0.3 µs)       # int64/float64 stay 64-bit, as in torch
+    x64 on (thread-local swap, ~0.3 µs)       # int64/float64 stay 64-bit (jax_internals)
     outs = executable(*arrays)               # the AOT executable's C++ dispatch
     [torch.from_numpy(np.asarray(o)) ...]    # zero-copy views of XLA's output buffers
 
@@ -40,17 +39,9 @@ from dynajax.runtime.conversion import (
     to_torch,
     zero_copy_array,
 )
-from dynajax.runtime.executables import Executables, fast_call
+from dynajax.runtime.executables import Executables
 from dynajax.runtime.inputs import InputCache
-
-try:  # the thread-local switch behind jax.enable_x64(); ~1 µs cheaper per call
-    from jax._src.config import enable_x64 as _X64_STATE
-
-    _X64_STATE.swap_local  # noqa: B018
-    _X64_STATE.set_local  # noqa: B018
-except (ImportError, AttributeError):  # pragma: no cover - older/newer JAX
-    _X64_STATE = None
-
+from dynajax.runtime.jax_internals import X64, direct_executor, dispatch_of
 
 # From this many inputs, a call whose inputs are all cached skips the executable's
 # argument checks (``CompiledPartition._build_direct``); below, they cost less than
@@ -98,7 +89,9 @@ class CompiledPartition(torch.nn.Module):
         self.needs_seed = needs_seed
         self.__dict__["graph_module"] = graph  # not a submodule: never called
         owned = _own_outputs(fn)
-        self._jitted = jax.jit(owned)  # the raw-JAX floor of benchmarks/harness.py
+        # The partition's function under plain jax.jit: the raw-JAX floor the benchmarks
+        # compare against (the per-call path uses the AOT executable instead).
+        self.jitted = jax.jit(owned)
         devices = _placeholder_devices(graph)
         self.device_type = devices.pop() if len(devices) == 1 else None
         on_cpu = self.device_type == "cpu"
@@ -121,7 +114,9 @@ class CompiledPartition(torch.nn.Module):
             sharding=jax.sharding.SingleDeviceSharding(cpu_device()) if on_cpu else None,
             platform_name="cpu" if on_cpu else jax.default_backend(),
         )
-        self._call: Callable[..., Any] | None = None  # the executable, after the first call
+        # What a call of a static-shape partition runs: the AOT executable's dispatch,
+        # set at the first call. Benchmarks may set it to ``jitted`` to compare paths.
+        self.dispatch: Callable[..., Any] | None = None
         self._compiled: jax.stages.Compiled | None = None
         # (snapshot, execute, arguments, their positions): all inputs cached, no checks
         self._direct: tuple[Any, Callable[..., Any], list[Any], list[int]] | None = None
@@ -129,7 +124,7 @@ class CompiledPartition(torch.nn.Module):
         self._compile_lock = threading.Lock()
         n_inputs = len(self.executables.tensor_pos)  # static sizes are not converted
         if self.executables.dynamic:
-            self._run = self._run_dynamic  # type: ignore[method-assign]
+            self._run = self._run_dynamic  # type: ignore[method-assign,assignment]
         self.inputs = InputCache(n_inputs, convert, zero_copy_array, same_layout_reuse=on_cpu)
         self._to_torch = cpu_to_torch if on_cpu else to_torch
         quiet_readonly_warning()
@@ -140,15 +135,11 @@ class CompiledPartition(torch.nn.Module):
         if direct is not None and self.inputs.hit(tensors) is direct[0]:
             results = direct[1](direct[2]).disassemble_into_single_device_arrays()
             return [self._to_torch(r[0]) for r in results]
-        if _X64_STATE is None:  # pragma: no cover
-            with jax.enable_x64(True):
-                outs = self._run(tensors)
-        else:
-            prev = _X64_STATE.swap_local(True)
-            try:
-                outs = self._run(tensors)
-            finally:
-                _X64_STATE.set_local(prev)
+        token = X64.enable()  # int64/float64 stay 64-bit, as in torch
+        try:
+            outs = self._run(tensors)
+        finally:
+            X64.restore(token)
         if len(tensors) >= DIRECT_MIN_INPUTS and not self._direct_failed:
             snap = self.inputs.current
             if snap is not None and (direct is None or direct[0] is not snap):
@@ -168,23 +159,23 @@ class CompiledPartition(torch.nn.Module):
         identity, version and pointer ``InputCache.hit`` has just checked, those checks
         are known to pass, and the loaded executable can run the very same arrays
         (~0.15 µs per argument). Worth it from ``DIRECT_MIN_INPUTS`` inputs up. Checked
-        once against the regular path's outputs; on any mismatch or missing internal
-        API, the regular path stays for good.
+        once against the regular path's outputs; on any mismatch, or where this JAX
+        release lacks the entry point (``jax_internals.direct_executor``), the regular
+        path stays for good.
         """
         compiled = self._compiled
-        if compiled is None or self.needs_seed or self.executables.dynamic:
+        found = direct_executor(compiled) if compiled is not None else None
+        if found is None or self.needs_seed or self.executables.dynamic:
             self._direct_failed = True
             return None
+        kept, execute = found
+        args = [snap.arrays[i] for i in kept]
         try:
-            inner = compiled._executable
-            kept = sorted(inner._kept_var_idx)
-            args = [snap.arrays[i] for i in kept]
-            execute = inner.xla_executable.execute_sharded
             results = execute(args).disassemble_into_single_device_arrays()
-            check = [self._to_torch(r[0]) for r in results]
-        except Exception:  # an internal JAX API moved: the regular path stays
+        except (TypeError, ValueError, RuntimeError):  # XLA refused the arguments
             self._direct_failed = True
             return None
+        check = [self._to_torch(r[0]) for r in results]
         if not (
             len(check) == len(outs)
             and all(
@@ -200,7 +191,7 @@ class CompiledPartition(torch.nn.Module):
         arrays = self.inputs.arrays(tensors)
         if self.needs_seed:
             arrays.insert(0, _draw_seed())
-        call = self._call
+        call = self.dispatch
         if call is None:
             return list(map(self._to_torch, self._first_call(tensors, arrays)))
         outs = call(*arrays)
@@ -209,13 +200,13 @@ class CompiledPartition(torch.nn.Module):
     def _first_call(self, tensors: Sequence[Any], arrays: list[Any]) -> Any:
         """Compiles (or loads) the one executable of a static-shape graph and calls it."""
         with self._compile_lock:
-            if self._call is None:
+            if self.dispatch is None:
                 exe = self.executables.compile(tensors, arrays)
                 outs = exe(*arrays)  # sets up its C++ dispatch function
                 self._compiled = exe
-                self._call = fast_call(exe)
+                self.dispatch = dispatch_of(exe)
                 return outs
-        return self._call(*arrays)
+        return self.dispatch(*arrays)
 
     def _run_dynamic(self, args: Sequence[Any]) -> list[torch.Tensor]:
         """The per-call path under dynamic shapes: buckets, then the LRU of executables."""
@@ -289,103 +280,3 @@ def compile_partition(name: str, gm: torch.fx.GraphModule, **options: Any) -> Co
     ``CompiledPartition``.
     """
     return CompiledPartition(name, to_jax_function(gm), needs_key(gm), gm, **options)
-
-
-# -- the callable handed back to aot_autograd ----------------------------------------------
-
-
-def boxed_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
-    """The compiled callable for a stitched graph, in aot_autograd's boxed convention.
-
-    aot_autograd calls it with one list of inputs, which the callee clears so inputs can
-    be freed as soon as they are used. When the graph is a single JAX partition between
-    its inputs and outputs (the common case), the partition is called directly, without
-    the GraphModule and its nn.Module machinery; otherwise the GraphModule's generated
-    ``forward`` runs (eager fallback ops between partitions).
-    """
-    direct = _single_partition(gm)
-    if direct is not None:
-        run = direct
-    else:
-        forward = gm.forward
-
-        def run(args: list[Any]) -> Any:
-            inputs = tuple(args)
-            args.clear()
-            return forward(*inputs)
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    run.graph_module = gm  # type: ignore[attr-defined]
-    return run
-
-
-def _single_partition(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any] | None:
-    """A direct call of the graph's only partition, or None if the graph has more."""
-    placeholders: dict[torch.fx.Node, int] = {}
-    call = None
-    getitems: dict[torch.fx.Node, int] = {}
-    output = None
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            placeholders[node] = len(placeholders)
-        elif node.op == "call_module" and call is None and not node.kwargs:
-            if not isinstance(getattr(gm, str(node.target), None), CompiledPartition):
-                return None
-            call = node
-        elif (
-            node.op == "call_function"
-            and node.target is operator.getitem
-            and call is not None
-            and node.args[0] is call
-            and isinstance(node.args[1], int)
-        ):
-            getitems[node] = node.args[1]
-        elif node.op == "output":
-            output = node
-        else:
-            return None
-    if call is None or output is None or not isinstance(output.args[0], list | tuple):
-        return None
-    if not all(a in placeholders for a in call.args):
-        return None
-    part: CompiledPartition = getattr(gm, str(call.target))
-    in_idx = [placeholders[a] for a in call.args]
-    plan: list[tuple[int, Any]] = []  # (0, k): partition output k; (1, j): input j; (2, v)
-    for o in output.args[0]:
-        if o in getitems:
-            plan.append((0, getitems[o]))
-        elif o in placeholders:
-            plan.append((1, placeholders[o]))
-        elif o is None:
-            plan.append((2, None))
-        else:
-            return None
-    n_out = _n_outputs(part)
-    identity_in = in_idx == list(range(len(placeholders)))
-    identity_out = plan == [(0, k) for k in range(n_out)]
-    call_part = part.run
-
-    if identity_in and identity_out:
-
-        def run(args: list[Any]) -> list[torch.Tensor]:
-            outs = call_part(args)
-            args.clear()
-            return outs
-
-        return run
-
-    def run_mapped(args: list[Any]) -> list[Any]:
-        outs = call_part([args[i] for i in in_idx])
-        result = [outs[v] if kind == 0 else args[v] if kind == 1 else v for kind, v in plan]
-        args.clear()
-        return result
-
-    return run_mapped
-
-
-def _n_outputs(part: CompiledPartition) -> int:
-    for node in part.graph_module.graph.nodes:
-        if node.op == "output":
-            out = node.args[0]
-            return len(out) if isinstance(out, list | tuple) else 1
-    return -1

@@ -208,7 +208,7 @@ class Executables:
         with self._lock:
             if self.plans is not None:
                 return self.plans
-            plans = []
+            plans: list[SymbolPlan] = []
             present = [v is not None for v in self.outputs]
             for sym in sorted(free_symbols(self.placeholders), key=str):
                 found = occurrences(sym, self.placeholders, self.outputs)
@@ -222,7 +222,7 @@ class Executables:
                     )
                 else:
                     why = found
-                if why is None:
+                if why is None and isinstance(found, SymbolPlan):
                     plans.append(found)
                     self.stats.buckets.append(f"{self.name}: {sym}")
                     log.info("%s: %s padded to powers of two", self.name, sym)
@@ -247,9 +247,3 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     out = t.new_zeros(shape)
     out.narrow(dim, 0, t.shape[dim]).copy_(t)
     return out
-
-
-def fast_call(compiled: jax.stages.Compiled) -> Callable[..., Any]:
-    """After ``compiled``'s first call: its C++ dispatch function, which ``Compiled.__call__``
-    looks up on every call (one Python frame saved); ``compiled`` itself if it has none."""
-    return getattr(compiled, "_call", None) or compiled

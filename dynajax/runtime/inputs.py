@@ -166,7 +166,7 @@ class InputCache:
             old_ref = prev.refs.get(i) if prev is not None else None
             if i in died or (old_ref is not None and old_ref() is not t):
                 continue  # a different object than last time: an activation
-            arr = self._reuse(prev, i, t) if old_ref is not None else None
+            arr = self._reuse(prev, i, t) if prev is not None and old_ref is not None else None
             if arr is None:
                 arr = self._make_cached(t)
             if arr is None:

@@ -43,8 +43,12 @@ def test_env_vars_set_every_option(monkeypatch) -> None:
         ("aten.sort", "aten.nonzero.default"),
         True,
     )
+    assert dynajax.Backend().options == o  # a Backend reads them too
     # Explicit options win over the environment.
     assert Options.resolve({"strict": False, "min_block_size": 2}).min_block_size == 2
+    assert dynajax.Backend(min_block_size=2).options.min_block_size == 2
+    monkeypatch.setenv("DYNAJAX_STRICT", "1")
+    assert Options.resolve().strict is True
 
 
 @pytest.mark.parametrize(
@@ -68,12 +72,23 @@ def test_bad_env_values_name_the_variable_and_valid_values(monkeypatch, var, raw
     [
         ({"strict": "yes"}, "strict must be True or False"),
         ({"min_block_size": 1.5}, "min_block_size must be an int >= 1"),
+        ({"min_block_size": "3"}, "min_block_size must be an int >= 1"),
+        ({"min_block_size": 0}, "min_block_size must be >= 1"),
         ({"fallback_ops": ["aten.sort.stabel"]}, "valid ones are .*'aten.sort.stable'"),
         ({"fallback_ops": ["sort"]}, "is not an op name; use 'aten.sort'"),
         ({"fallback_ops": [3]}, "neither an op name nor a torch op"),
         ({"min_blocksize": 3}, r"valid options are \['min_block_size', 'fallback_ops'"),
     ],
-    ids=["strict", "block", "overload", "no-namespace", "not-a-name", "unknown"],
+    ids=[
+        "strict",
+        "block",
+        "block-str",
+        "block-zero",
+        "overload",
+        "no-namespace",
+        "not-a-name",
+        "unknown",
+    ],
 )
 def test_bad_option_values(options, message) -> None:
     with pytest.raises(OptionsError, match=message):
@@ -159,4 +174,12 @@ def test_torch_compile_passes_fallback_ops_and_min_block_size_through(caplog) ->
 def test_torch_compile_rejects_bad_options() -> None:
     compiled = torch.compile(lambda x: x + 1, backend="dynajax", options={"strict": "1"})
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="strict must be"):
+        compiled(torch.randn(2))
+
+
+def test_torch_compile_rejects_unknown_options() -> None:
+    compiled = torch.compile(lambda x: x + 1, backend="dynajax", options={"bogus": 1})
+    with pytest.raises(
+        torch._dynamo.exc.BackendCompilerFailed, match=r"unknown dynajax option\(s\) \['bogus'\]"
+    ):
         compiled(torch.randn(2))

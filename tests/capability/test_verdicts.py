@@ -14,6 +14,7 @@ import dynajax
 from dynajax import Reason
 from dynajax.capability import META_KEY, Supported
 from dynajax.lowering import registry
+from tests.helpers import compare_with_eager
 from tests.tolerances import assert_same
 
 aten = torch.ops.aten
@@ -88,43 +89,21 @@ def rule_for_reduce_rows(monkeypatch):
     return install
 
 
-def _run(fn, *args, **options):
-    backend = dynajax.Backend(**options)
-    out = torch.compile(fn, backend=backend)(*args)
-    assert_same(out, fn(*args))
-    return dynajax.Report(backend.graphs)
-
-
 def _by_target(report, target):
     return [f for f in report.fallbacks if f.target == target]
 
 
 # ---------------------------------------------------------------------------------
-# Supported and NO_LOWERING
+# Supported (NO_LOWERING, for a custom and an ATen op: tests/test_fallback.py)
 # ---------------------------------------------------------------------------------
 
 
 def test_supported_nodes_carry_supported_verdicts() -> None:
-    report = _run(lambda x: torch.sin(x) * 2 + 1, torch.randn(8))
+    report = compare_with_eager(lambda x: torch.sin(x) * 2 + 1, torch.randn(8))
     assert report.fallbacks == []
     [graph] = report.graphs
     verdicts = [n.meta[META_KEY] for n in graph.snapshot.nodes if n.op == "call_function"]
     assert verdicts and all(isinstance(v, Supported) for v in verdicts)
-
-
-def test_no_lowering_for_custom_op() -> None:
-    def f(x):
-        return torch.cos(norule(torch.sin(x)))
-
-    report = _run(f, torch.randn(8))
-    [fb] = report.fallbacks
-    assert (fb.target, fb.reason, fb.node) == (
-        "dynajax_captest.norule.default",
-        Reason.NO_LOWERING,
-        "norule",
-    )
-    assert fb.source_line.startswith(__file__)
-    assert "return torch.cos(norule(torch.sin(x)))" in fb.source_line
 
 
 # ---------------------------------------------------------------------------------
@@ -138,7 +117,7 @@ def test_check_refuses_argument_value_without_running_the_rule(rule_for_reduce_r
     def f(x):
         return reduce_rows(x.sin(), "sum") + reduce_rows(x.cos(), "max")
 
-    report = _run(f, torch.randn(4, 6))
+    report = compare_with_eager(f, torch.randn(4, 6))
     [fb] = report.fallbacks
     assert fb.reason is Reason.CHECK_REFUSED
     assert fb.detail == "reduction mode 'max' not supported (only 'sum')"
@@ -158,7 +137,7 @@ def test_check_refuses_argument_value_without_running_the_rule(rule_for_reduce_r
 )
 def test_abstract_evaluation_refuses(rule_for_reduce_rows, rule, detail) -> None:
     rule_for_reduce_rows(rule)
-    report = _run(lambda x: reduce_rows(x, "sum") * 2, torch.randn(4, 6))
+    report = compare_with_eager(lambda x: reduce_rows(x, "sum") * 2, torch.randn(4, 6))
     [fb] = report.fallbacks
     assert fb.reason is Reason.CHECK_REFUSED
     assert fb.detail.startswith(detail)
@@ -167,7 +146,7 @@ def test_abstract_evaluation_refuses(rule_for_reduce_rows, rule, detail) -> None
 def test_a_rule_raising_outside_jax_is_refused_with_a_warning(rule_for_reduce_rows, caplog) -> None:
     rule_for_reduce_rows(_own_type_error_rule)
     with caplog.at_level(logging.WARNING, logger="dynajax.capability"):
-        report = _run(lambda x: reduce_rows(x, "sum") * 2, torch.randn(4, 6))
+        report = compare_with_eager(lambda x: reduce_rows(x, "sum") * 2, torch.randn(4, 6))
     [fb] = report.fallbacks
     assert fb.reason is Reason.CHECK_REFUSED
     assert fb.detail.startswith("the rule itself raised TypeError")
@@ -205,7 +184,7 @@ def test_data_dependent_ops_run_eagerly(case) -> None:
     with torch._dynamo.config.patch(
         capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True
     ):
-        report = _run(lambda x: fn(torch.sin(x)), torch.randn(16))
+        report = compare_with_eager(lambda x: fn(torch.sin(x)), torch.randn(16))
     producers = _by_target(report, target)
     assert producers, str(report)
     assert all(p.reason is Reason.DATA_DEPENDENT_SHAPE for p in producers)
@@ -224,7 +203,7 @@ def test_unbacked_size_flowing_into_a_creation_op() -> None:
         return torch.ones(n, 2) * x.sum(), x.cos()
 
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        report = _run(f, torch.randn(10))
+        report = compare_with_eager(f, torch.randn(10))
     reasons = {f.target: f.reason for f in report.fallbacks}
     assert reasons["aten.nonzero.default"] is Reason.DATA_DEPENDENT_SHAPE
     taker = [f for f in report.fallbacks if f.target in ("aten.full.default", "aten.ones.default")]
@@ -235,7 +214,7 @@ def test_unbacked_size_flowing_into_a_creation_op() -> None:
 def test_index_with_integer_indices_stays_in_jax() -> None:
     # aten.index.Tensor carries the dynamic_output_shape tag; with integer indices its
     # shape is known, so it is not refused.
-    report = _run(lambda x, i: x[i] * 2, torch.randn(6, 3), torch.tensor([0, 2, 5]))
+    report = compare_with_eager(lambda x, i: x[i] * 2, torch.randn(6, 3), torch.tensor([0, 2, 5]))
     assert report.fallbacks == []
 
 
@@ -253,7 +232,7 @@ def test_dtype_jax_lacks() -> None:
     def f(x):
         return x.to(torch.complex32).to(torch.complex64).real + x.sin()
 
-    report = _run(f, torch.randn(5))
+    report = compare_with_eager(f, torch.randn(5))
     dtype = [fb for fb in report.fallbacks if fb.reason is Reason.DTYPE]
     assert dtype and all("torch.complex32 has no JAX equivalent" in fb.detail for fb in dtype)
     assert all(fb.target == "aten._to_copy.default" for fb in dtype)
@@ -266,7 +245,7 @@ def test_dtype_is_decided_before_the_table() -> None:
     def f(x):
         return norule(x.to(torch.complex32)).to(torch.complex64).real
 
-    report = _run(f, torch.randn(5))
+    report = compare_with_eager(f, torch.randn(5))
     reasons = {fb.target: fb.reason for fb in report.fallbacks}
     assert reasons["dynajax_captest.norule.default"] is Reason.DTYPE
     assert report.what_if() == []
@@ -278,7 +257,9 @@ def test_dtype_is_decided_before_the_table() -> None:
     ids=["packet-name", "overload-name", "packet", "overload"],
 )
 def test_user_fallback(entry) -> None:
-    report = _run(lambda x: torch.cos(torch.sin(x)) + 1, torch.randn(8), fallback_ops=[entry])
+    report = compare_with_eager(
+        lambda x: torch.cos(torch.sin(x)) + 1, torch.randn(8), fallback_ops=[entry]
+    )
     [fb] = report.fallbacks
     assert (fb.target, fb.reason) == ("aten.cos.default", Reason.USER_FALLBACK)
     assert len(report.partitions) == 2
@@ -289,7 +270,7 @@ def test_block_too_small() -> None:
         a = norule(x.sin())
         return norule(a.cos() * a.exp() + 1)
 
-    report = _run(f, torch.randn(8), min_block_size=3)
+    report = compare_with_eager(f, torch.randn(8), min_block_size=3)
     small = [fb for fb in report.fallbacks if fb.reason is Reason.BLOCK_TOO_SMALL]
     assert [fb.target for fb in small] == ["aten.sin.default"]
     assert "min_block_size=3" in small[0].detail
@@ -351,7 +332,7 @@ def test_unbacked_sizes_across_forward_and_backward() -> None:
 def test_linalg_error_check_runs_on_the_host_after_jax() -> None:
     # linalg.inv is inv_ex in JAX plus an effectful _linalg_check_errors(info): the
     # check reads info on the host and is not a fallback of tensor work.
-    report = _run(torch.linalg.inv, torch.randn(3, 3) + 3 * torch.eye(3))
+    report = compare_with_eager(torch.linalg.inv, torch.randn(3, 3) + 3 * torch.eye(3))
     assert report.fallbacks == [], str(report)
     assert [v.target for v in report.graphs[0].host_scalars] == [
         "torch.ops.higher_order.with_effects"

@@ -14,7 +14,7 @@ import dynajax
 from dynajax import DynajaxError, Reason
 from dynajax.diagnostics.logs import ARTIFACT_NAME, forget_logged_fallbacks
 from dynajax.lowering import registry
-from tests.tolerances import assert_same
+from tests.helpers import compare_with_eager
 
 
 @torch.library.custom_op("dynajax_diagtest::first", mutates_args=())
@@ -44,20 +44,13 @@ def chain(x):
     return torch.tanh(second(torch.exp(b)))
 
 
-def _compile(fn, *args, **options):
-    backend = dynajax.Backend(**options)
-    out = torch.compile(fn, backend=backend)(*args)
-    assert_same(out, fn(*args))
-    return dynajax.Report(backend.graphs)
-
-
 # ---------------------------------------------------------------------------------
 # What-if
 # ---------------------------------------------------------------------------------
 
 
 def test_what_if_ranks_missing_rules_by_partitions_merged() -> None:
-    report = _compile(chain, torch.randn(8))
+    report = compare_with_eager(chain, torch.randn(8))
     [graph] = report.graphs
     assert len(graph.partitions) == 4
     best, runner_up = graph.what_if
@@ -82,13 +75,15 @@ def test_what_if_ranks_missing_rules_by_partitions_merged() -> None:
 
 def test_what_if_prediction_matches_compiling_with_the_rule(monkeypatch) -> None:
     [predicted] = [
-        w for w in _compile(chain, torch.randn(8)).what_if() if w.op.endswith("second.default")
+        w
+        for w in compare_with_eager(chain, torch.randn(8)).what_if()
+        if w.op.endswith("second.default")
     ]
     registry.supported_ops()
     op = torch.ops.dynajax_diagtest.second.default
     monkeypatch.setitem(registry._TABLE, op, registry.Rule(op, lambda x: x - jnp.ones((), x.dtype)))
     torch._dynamo.reset()
-    after = _compile(chain, torch.randn(8))
+    after = compare_with_eager(chain, torch.randn(8))
     assert len(after.partitions) == predicted.partitions_after
     assert after.jax_ops == predicted.jax_ops_after
 
@@ -98,12 +93,12 @@ def test_what_if_leaves_out_ops_a_rule_cannot_help() -> None:
         return torch.nonzero(x.sin() > 0).sum() + first(x).sum()
 
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        report = _compile(f, torch.randn(8))
+        report = compare_with_eager(f, torch.randn(8))
     assert [w.op for w in report.what_if()] == ["dynajax_diagtest.first.default"]
 
 
 def test_report_lists_partitions_fallbacks_and_source_lines() -> None:
-    text = str(_compile(chain, torch.randn(8)))
+    text = str(compare_with_eager(chain, torch.randn(8)))
     assert "graph 0 (inference): 7 ATen ops, 4 JAX partition(s), 3 op(s) in PyTorch" in text
     assert "jax_0        1 ops   sin.default x1" in text
     assert "dynajax_diagtest.first.default   first     NO_LOWERING" in text
@@ -117,7 +112,7 @@ def test_report_lists_partitions_fallbacks_and_source_lines() -> None:
 
 
 def test_to_dot_colours_partitions_and_marks_fallbacks() -> None:
-    report = _compile(chain, torch.randn(8), fallback_ops=["aten.tanh"])
+    report = compare_with_eager(chain, torch.randn(8), fallback_ops=["aten.tanh"])
     dot = report.to_dot()
     assert dot.startswith("digraph dynajax {")
     assert 'subgraph cluster_0 {\n    label="graph 0 (inference)";' in dot
@@ -141,7 +136,7 @@ def test_to_dot_colours_partitions_and_marks_fallbacks() -> None:
 
 
 def test_save_svg_without_pydot_names_the_extra(monkeypatch, tmp_path) -> None:
-    report = _compile(chain, torch.randn(8))
+    report = compare_with_eager(chain, torch.randn(8))
     monkeypatch.setitem(sys.modules, "pydot", None)  # import pydot -> ImportError
     with pytest.raises(DynajaxError, match=r"pip install dynajax\[viz\]"):
         report.save_svg(tmp_path / "r.svg")
@@ -149,7 +144,7 @@ def test_save_svg_without_pydot_names_the_extra(monkeypatch, tmp_path) -> None:
 
 def test_save_svg_without_graphviz_says_how_to_install(monkeypatch, tmp_path) -> None:
     pytest.importorskip("pydot", reason="pydot is the viz extra: pip install dynajax[viz]")
-    report = _compile(chain, torch.randn(8))
+    report = compare_with_eager(chain, torch.randn(8))
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(DynajaxError, match="Graphviz's `dot` program"):
         report.save_svg(tmp_path / "r.svg")
@@ -161,7 +156,7 @@ def test_save_svg_without_graphviz_says_how_to_install(monkeypatch, tmp_path) ->
 )
 def test_save_svg_renders(tmp_path) -> None:
     pytest.importorskip("pydot", reason="pydot is the viz extra: pip install dynajax[viz]")
-    report = _compile(chain, torch.randn(8))
+    report = compare_with_eager(chain, torch.randn(8))
     path = tmp_path / "report.svg"
     report.save_svg(path)
     svg = path.read_text()
@@ -181,10 +176,10 @@ def test_each_distinct_fallback_is_logged_once(caplog) -> None:
         return first(x.cos()) * 3
 
     with caplog.at_level(logging.INFO, logger="dynajax.capability"):
-        _compile(chain, torch.randn(8))
+        compare_with_eager(chain, torch.randn(8))
         torch._dynamo.reset()
-        _compile(g, torch.randn(8))
-        _compile(chain, torch.randn(8), fallback_ops=["aten.sin"])
+        compare_with_eager(g, torch.randn(8))
+        compare_with_eager(chain, torch.randn(8), fallback_ops=["aten.sin"])
     messages = [r.getMessage() for r in caplog.records if r.name == "dynajax.capability"]
     first_logs = [m for m in messages if m.startswith("dynajax_diagtest.first.default")]
     second_logs = [m for m in messages if m.startswith("dynajax_diagtest.second.default")]
@@ -206,7 +201,7 @@ def test_report_is_a_structured_trace_artifact() -> None:
     handler = Capture()
     trace_log.addHandler(handler)
     try:
-        _compile(chain, torch.randn(8))
+        compare_with_eager(chain, torch.randn(8))
     finally:
         trace_log.removeHandler(handler)
     ours = [r for r in records if r.metadata.get("artifact", {}).get("name") == ARTIFACT_NAME]
@@ -236,7 +231,7 @@ def test_picture_partitions_are_the_compiled_partitions() -> None:
         y = first(x.sin() * 2)
         return second(y.cos().exp()), y.tanh()
 
-    report = _compile(f, torch.randn(8), min_block_size=2)
+    report = compare_with_eager(f, torch.randn(8), min_block_size=2)
     [graph] = report.graphs
     nodes = {n.name: n for n in graph.snapshot.nodes}
     drawn = collections.Counter(

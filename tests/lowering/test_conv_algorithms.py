@@ -55,11 +55,11 @@ def test_convolution_forms_match_pytorch(case, form):
     with jax.enable_x64(True):
         args = (to_jax(x), to_jax(w), list(stride), list(padding), list(dilation), groups)
         if form == "matmul":
-            actual = ca._matmul(*args, out, jnp.float64)
+            actual = ca.matmul_convolution(*args, out, jnp.float64)
         elif form == "tap_sum":
-            actual = ca._tap_sum(*args, out, jnp.float64)
+            actual = ca.tap_sum_convolution(*args, out, jnp.float64)
         else:
-            actual = ca._xla(*args, jnp.float64)
+            actual = ca.xla_convolution(*args, jnp.float64)
     torch.testing.assert_close(to_torch(actual), expected, rtol=1e-12, atol=1e-12)
 
 
@@ -75,9 +75,9 @@ def test_transposed_forms_match_pytorch(case, form):
             list(v) for v in (stride, padding, dilation, output_padding)
         )
         if form == "col2im":
-            actual = ca._col2im(*args, groups, jnp.float64)
+            actual = ca.col2im_transposed(*args, groups, jnp.float64)
         else:
-            actual = ca._xla_transposed(*args, groups, jnp.float64)
+            actual = ca.xla_transposed(*args, groups, jnp.float64)
     torch.testing.assert_close(to_torch(actual), expected, rtol=1e-12, atol=1e-12)
 
 
@@ -85,28 +85,34 @@ def test_transposed_forms_match_pytorch(case, form):
     "form,fn,xs,ws",
     [
         # ResNet's last stage: a 3x3 kernel over a 2x2 map (matmul, kernel wider)
-        ("_matmul", lambda x, w: F.conv2d(x, w, padding=1), (2, 8, 2, 2), (8, 8, 3, 3)),
+        ("matmul_convolution", lambda x, w: F.conv2d(x, w, padding=1), (2, 8, 2, 2), (8, 8, 3, 3)),
         # MobileNet/ConvNeXt depthwise (tap sum)
         (
-            "_tap_sum",
+            "tap_sum_convolution",
             lambda x, w: F.conv2d(x, w, padding=3, groups=8),
             (2, 8, 9, 9),
             (8, 1, 7, 7),
         ),
         # a decoder's first upsampling of a 2x2 map (col2im)
         (
-            "_col2im",
+            "col2im_transposed",
             lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1),
             (2, 8, 2, 2),
             (8, 4, 4, 4),
         ),
         # large patches stay on XLA's convolution
-        ("_xla", lambda x, w: F.conv2d(x, w, padding=1), (4, 16, 96, 96), (4, 16, 3, 3)),
+        ("xla_convolution", lambda x, w: F.conv2d(x, w, padding=1), (4, 16, 96, 96), (4, 16, 3, 3)),
     ],
 )
 def test_each_form_trains_through_the_backend(form, fn, xs, ws, monkeypatch):
     chosen = []
-    for name in ("_matmul", "_tap_sum", "_col2im", "_xla", "_xla_transposed"):
+    for name in (
+        "matmul_convolution",
+        "tap_sum_convolution",
+        "col2im_transposed",
+        "xla_convolution",
+        "xla_transposed",
+    ):
         original = getattr(ca, name)
 
         def spy(*args, _name=name, _original=original):
@@ -139,8 +145,8 @@ def test_half_precision_forms_accumulate_in_float32():
     w = torch.tensor([2.0**k, 1.0, 1.0], dtype=torch.bfloat16).reshape(1, 3, 1, 1)
     args = (to_jax(x), to_jax(w), [1, 1], [0, 0], [1, 1], 1)
     for out in (
-        ca._matmul(*args, [1, 1], jnp.float32),
-        ca._tap_sum(*args, [1, 1], jnp.float32),
+        ca.matmul_convolution(*args, [1, 1], jnp.float32),
+        ca.tap_sum_convolution(*args, [1, 1], jnp.float32),
     ):
         assert out.dtype == jnp.float32
         assert np.asarray(out).item() == 2.0**k + 2
@@ -192,8 +198,8 @@ def test_input_gradient_by_col2im_matches_pytorch(
     monkeypatch.setattr(ca, "TAP_SUM_TERMS", 0)
     monkeypatch.setattr(ca, "COL2IM_ELEMENTS", 1 << 30)
     used = []
-    original = ca._col2im
-    monkeypatch.setattr(ca, "_col2im", lambda *a: (used.append(1), original(*a))[1])
+    original = ca.col2im_transposed
+    monkeypatch.setattr(ca, "col2im_transposed", lambda *a: (used.append(1), original(*a))[1])
     nd = len(ws) - 2
     conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
 

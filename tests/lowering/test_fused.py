@@ -8,18 +8,8 @@ import pytest
 import torch
 
 import dynajax
+from tests.helpers import assert_ops_in_jax, compile_with
 from tests.tolerances import assert_same
-
-
-def _compile(fn):
-    backend = dynajax.Backend()
-    return torch.compile(fn, backend=backend), backend
-
-
-def _ops_in_jax(backend: dynajax.Backend) -> set[str]:
-    report = dynajax.Report(backend.graphs)
-    assert report.fallbacks == [], str(report)
-    return {op for g in report.graphs for p in g.partitions for op in p.ops}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -27,9 +17,9 @@ def test_addcdiv_rounds_once_like_the_kernel(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     x, a = torch.randn(4096, dtype=dtype) * 8, torch.randn(4096, dtype=dtype)
     b = torch.rand(4096, dtype=dtype) + 0.05
-    fn, backend = _compile(lambda x, a, b: torch.addcdiv(x, a, b))
+    fn, backend = compile_with(lambda x, a, b: torch.addcdiv(x, a, b))
     assert torch.equal(fn(x, a, b), torch.addcdiv(x, a, b))
-    assert "aten.addcdiv.default" in _ops_in_jax(backend)
+    assert_ops_in_jax(backend, "aten.addcdiv.default")
 
 
 @pytest.mark.parametrize(
@@ -52,20 +42,20 @@ def test_addr_matches_the_kernel(dtype: torch.dtype, beta, alpha) -> None:
         m, u, v = (torch.randint(-9, 9, s) for s in ((30, 40), (30,), (40,)))
     else:
         m, u, v = (torch.randn(s, dtype=dtype) for s in ((30, 40), (30,), (40,)))
-    fn, backend = _compile(lambda m, u, v: torch.addr(m, u, v, beta=beta, alpha=alpha))
+    fn, backend = compile_with(lambda m, u, v: torch.addr(m, u, v, beta=beta, alpha=alpha))
     got, want = fn(m, u, v), torch.addr(m, u, v, beta=beta, alpha=alpha)
     if dtype == torch.float32:  # rounding errors of float32 products, within tolerance
         assert_same(got, want)
     else:  # each product rounded to the dtype, in the kernel's order: bit for bit
         assert got.dtype == want.dtype
         assert torch.equal(got, want)
-    assert "aten.addr.default" in _ops_in_jax(backend)
+    assert_ops_in_jax(backend, "aten.addr.default")
 
 
 def test_addr_with_beta_zero_ignores_nan_input() -> None:
     m = torch.full((3, 4), float("nan"))
     u, v = torch.randn(3), torch.randn(4)
-    fn, _ = _compile(lambda m, u, v: torch.addr(m, u, v, beta=0))
+    fn, _ = compile_with(lambda m, u, v: torch.addr(m, u, v, beta=0))
     assert_same(fn(m, u, v), torch.addr(m, u, v, beta=0))
     assert not fn(m, u, v).isnan().any()
 
@@ -73,7 +63,7 @@ def test_addr_with_beta_zero_ignores_nan_input() -> None:
 def test_addr_gradients_match_eager() -> None:
     torch.manual_seed(0)
     args = [torch.randn(s, requires_grad=True) for s in ((5, 6), (5,), (6,))]
-    fn, _ = _compile(lambda m, u, v: torch.addr(m, u, v, beta=0.5, alpha=2.0).sin().sum())
+    fn, _ = compile_with(lambda m, u, v: torch.addr(m, u, v, beta=0.5, alpha=2.0).sin().sum())
     fn(*args).backward()
     got = [a.grad.clone() for a in args]
     for a in args:
@@ -89,26 +79,26 @@ def test_linalg_cross_rounds_each_product_like_the_kernel(dtype: torch.dtype) ->
         a, b = torch.randint(-50, 50, (2000, 3)), torch.randint(-50, 50, (1, 3))
     else:
         a, b = torch.randn(2000, 3, dtype=dtype) * 3, torch.randn(1, 3, dtype=dtype) * 3
-    fn, backend = _compile(lambda a, b: torch.linalg.cross(a, b))
+    fn, backend = compile_with(lambda a, b: torch.linalg.cross(a, b))
     got, want = fn(a, b), torch.linalg.cross(a, b)
     if dtype == torch.float32:
         assert_same(got, want)
     else:  # bfloat16: the float32 decomposition differed from eager in half the rows
         assert got.dtype == want.dtype
         assert torch.equal(got, want)
-    assert "aten.linalg_cross.default" in _ops_in_jax(backend)
+    assert_ops_in_jax(backend, "aten.linalg_cross.default")
 
 
 def test_integer_linspace_runs_in_pytorch_and_float_linspace_in_jax() -> None:
     # linspace(0, 7, 50) into int64: the float32 decomposition truncated 3.9999998 to 3
     # where the kernel gives 4; the integer case is refused and runs eagerly.
-    fn, backend = _compile(lambda: torch.linspace(0, 7, 50, dtype=torch.int64))
+    fn, backend = compile_with(lambda: torch.linspace(0, 7, 50, dtype=torch.int64))
     assert torch.equal(fn(), torch.linspace(0, 7, 50, dtype=torch.int64))
     (fallback,) = dynajax.Report(backend.graphs).fallbacks
     assert fallback.target == "aten.linspace.default" and "integer" in fallback.detail
-    fn, backend = _compile(lambda: torch.linspace(-2.5, 4.0, 33))
+    fn, backend = compile_with(lambda: torch.linspace(-2.5, 4.0, 33))
     assert_same(fn(), torch.linspace(-2.5, 4.0, 33))
-    assert "aten.linspace.default" in _ops_in_jax(backend)
+    assert_ops_in_jax(backend, "aten.linspace.default")
 
 
 @pytest.mark.parametrize(
@@ -125,11 +115,11 @@ def test_logspace_rounds_start_and_end_like_the_kernel(dtype: torch.dtype, steps
     def logspace():
         return torch.logspace(4.3, -3.7, steps, base=3.0 if steps == 7 else 10.0, dtype=dtype)
 
-    fn, backend = _compile(logspace)
+    fn, backend = compile_with(logspace)
     got, want = fn(), logspace()
     assert got.dtype == want.dtype
     assert torch.equal(got, want), (got, want)
-    assert "aten.logspace.default" in _ops_in_jax(backend)
+    assert_ops_in_jax(backend, "aten.logspace.default")
 
 
 def test_logspace_with_tensor_bounds_matches_the_kernel() -> None:
@@ -138,6 +128,6 @@ def test_logspace_with_tensor_bounds_matches_the_kernel() -> None:
     def fn(s, e):
         return torch.logspace(s, e, 4, dtype=torch.bfloat16)
 
-    compiled, backend = _compile(fn)
+    compiled, backend = compile_with(fn)
     assert torch.equal(compiled(start, end), fn(start, end))
-    assert "aten.logspace.Tensor_Tensor" in _ops_in_jax(backend)
+    assert_ops_in_jax(backend, "aten.logspace.Tensor_Tensor")

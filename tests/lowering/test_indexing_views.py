@@ -8,54 +8,25 @@ NaN, duplicates), and refusals that must stay refusals.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 
-import dynajax
 from dynajax.capability import Reason
+from tests.helpers import (
+    Case,
+    assert_ops_in_jax,
+    case_params,
+    compare_with_eager,
+    compile_with,
+    partition_ops,
+    run_case,
+)
 from tests.tolerances import assert_same
 
 NAN = float("nan")
 
 # PyTorch warns that index_reduce is a beta API on every eager call.
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    fn: Callable[..., Any]
-    inputs: Callable[[], tuple[Any, ...]]
-    ops: tuple[str, ...]  # ATen overloads that must run in JAX
-
-
-def _compile(fn, inputs, **options):
-    backend = dynajax.Backend(**options)
-    actual = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    return actual, dynajax.Report(backend.graphs)
-
-
-def _partition_ops(report) -> set[str]:
-    return {op for p in report.partitions for op in p.ops}
-
-
-def _clone(inputs):
-    return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)
-
-
-def _check(case: Case) -> None:
-    torch.manual_seed(0)
-    inputs = case.inputs()
-    expected = case.fn(*_clone(inputs))
-    actual, report = _compile(case.fn, inputs)
-    assert_same(actual, expected)
-    assert report.fallbacks == [], report.fallbacks
-    missing = set(case.ops) - _partition_ops(report)
-    assert not missing, f"{sorted(missing)} did not run in a JAX partition"
 
 
 def arange(*shape, dtype=torch.float32):
@@ -139,9 +110,9 @@ AS_STRIDED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", AS_STRIDED_CASES, ids=[c.id for c in AS_STRIDED_CASES])
+@pytest.mark.parametrize("case", case_params(AS_STRIDED_CASES))
 def test_as_strided(case: Case):
-    _check(case)
+    run_case(case)
 
 
 def test_as_strided_partial_view_input_reads_only_its_elements():
@@ -151,10 +122,9 @@ def test_as_strided_partial_view_input_reads_only_its_elements():
     def fn(x):
         return torch.as_strided(x, (2, 2), (1, 2), 10)
 
-    actual, report = _compile(fn, (x,))
-    assert_same(actual, fn(x))
+    report = compare_with_eager(fn, x, fullgraph=True)
     assert report.fallbacks == []
-    assert AS_STRIDED in _partition_ops(report)
+    assert AS_STRIDED in partition_ops(report)
 
 
 def _refusal(report, target: str):
@@ -172,8 +142,7 @@ def test_as_strided_outside_the_input_is_refused():
     def fn(x):
         return torch.as_strided(x, (2, 2), (1, 2), 0)
 
-    actual, report = _compile(fn, (x,))
-    assert_same(actual, fn(x))
+    report = compare_with_eager(fn, x, fullgraph=True)
     assert "holds no element of the input" in _refusal(report, AS_STRIDED)
 
 
@@ -190,8 +159,7 @@ def test_as_strided_of_noncontiguous_computed_tensor_is_refused():
         return torch.as_strided(x.t() * 2, (2, 2), (1, 2), 1)
 
     x = arange(3, 3)
-    actual, report = _compile(fn, (x,))
-    assert_same(actual, fn(x))
+    report = compare_with_eager(fn, x, fullgraph=True)
     assert "no known eager layout" in _refusal(report, AS_STRIDED)
     copies = _eager_storage(report)
     assert set(copies) == {"aten.empty_strided.default", "aten.copy.default"}
@@ -207,8 +175,7 @@ def test_as_strided_in_eager_reads_views_of_a_computed_tensor_in_eager():
         return torch.as_strided(y, (2, 3), (1, 4), 0) + 1
 
     x = arange(3, 4)
-    actual, report = _compile(fn, (x,))
-    assert_same(actual, fn(x))
+    report = compare_with_eager(fn, x, fullgraph=True)
     kept = _eager_storage(report)
     assert {"aten.slice.Tensor", "aten.permute.default", "aten.copy.default"} <= set(kept)
 
@@ -220,8 +187,7 @@ def test_as_strided_in_fallback_ops_reads_the_inputs_storage():
         return torch.as_strided(x.t()[1:], (2, 2), (1, 3), 2) * 3
 
     x = arange(3, 4)
-    actual, report = _compile(fn, (x,), fallback_ops=["aten.as_strided"])
-    assert_same(actual, fn(x))
+    report = compare_with_eager(fn, x, fullgraph=True, fallback_ops=["aten.as_strided"])
     kept = _eager_storage(report)
     assert {"aten.slice.Tensor", "aten.permute.default"} <= set(kept)
     assert "aten.copy.default" not in kept  # the graph input owns eager's storage
@@ -231,7 +197,7 @@ def test_as_strided_scatter_with_overlapping_writes_is_refused():
     def fn(x, src):
         return torch.as_strided_scatter(x, src, (2, 2), (1, 1))
 
-    _, report = _compile(fn, (arange(3, 3), arange(2, 2)))
+    report = compare_with_eager(fn, arange(3, 3), arange(2, 2), fullgraph=True)
     assert "twice" in _refusal(report, "aten.as_strided_scatter.default")
 
 
@@ -239,14 +205,11 @@ def test_as_strided_dynamic_shapes_stays_correct():
     def fn(x):
         return torch.as_strided(x, (2, 2), (1, 2), 1) * 2
 
-    backend = dynajax.Backend()
-    compiled = torch.compile(fn, backend=backend, dynamic=True)
+    compiled, backend = compile_with(fn, dynamic=True)
     for n in (5, 7, 9):
         x = arange(n)
         assert_same(compiled(x), fn(x))
-    report = dynajax.Report(backend.graphs)
-    assert report.fallbacks == []
-    assert AS_STRIDED in _partition_ops(report)
+    assert_ops_in_jax(backend, AS_STRIDED)
 
 
 # ---------------------------------------------------------------------------------
@@ -384,9 +347,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", case_params(CASES))
 def test_rule(case: Case):
-    _check(case)
+    run_case(case)
 
 
 # ---------------------------------------------------------------------------------
@@ -434,9 +397,9 @@ SEGMENT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c.id for c in SEGMENT_CASES])
+@pytest.mark.parametrize("case", case_params(SEGMENT_CASES))
 def test_segment_reduce(case: Case):
-    _check(case)
+    run_case(case)
 
 
 # ---------------------------------------------------------------------------------
@@ -504,6 +467,6 @@ HISTOGRAM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", HISTOGRAM_CASES, ids=[c.id for c in HISTOGRAM_CASES])
+@pytest.mark.parametrize("case", case_params(HISTOGRAM_CASES))
 def test_histogram(case: Case):
-    _check(case)
+    run_case(case)

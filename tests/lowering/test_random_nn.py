@@ -12,46 +12,18 @@ variants) are in ``tests/training/test_random.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import warnings
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dynajax
+from tests.helpers import Case, case_params, randn, run_case
 from tests.tolerances import assert_same
 
 NAN, INF = float("nan"), float("inf")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    fn: Callable[..., Any]
-    inputs: Callable[[], tuple[Any, ...]]
-    ops: tuple[str, ...]  # ATen overloads that must run in JAX
-    grad: tuple[int, ...] = ()  # positions of the inputs whose gradients are compared
-
-
-def randn(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype)
-
-
-def _partition_ops(backend: dynajax.Backend) -> set[str]:
-    return {op for p in dynajax.Report(backend.graphs).partitions for op in p.ops}
-
-
-def _grads(out: Any, inputs: tuple[Any, ...]) -> list[torch.Tensor | None]:
-    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    outs = [o for o in torch.utils._pytree.tree_leaves(out) if o.requires_grad]
-    loss = sum(
-        (o * torch.linspace(-1, 2, o.numel(), dtype=o.dtype).reshape(o.shape)).sum() for o in outs
-    )
-    return list(torch.autograd.grad(loss, leaves, allow_unused=True))
 
 
 # ---------------------------------------------------------------------------------
@@ -336,34 +308,12 @@ if importlib.util.find_spec("torch.nn.modules.linear_cross_entropy_options") is 
 CASES = FRACTIONAL + GRID + ANTIALIAS + NORM_LOSS
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", case_params(CASES))
 def test_rule(case: Case):
-    torch.manual_seed(0)
-    inputs = case.inputs()
-    if case.grad:
-        inputs = tuple(t.detach().requires_grad_(i in case.grad) for i, t in enumerate(inputs))
-    eager_inputs = tuple(
-        t.clone().detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-        for t in inputs
-    )
     with warnings.catch_warnings():
         # linear_cross_entropy's options are a prototype and say so.
         warnings.filterwarnings("ignore", module=r"torch\.")
-        expected = case.fn(*eager_inputs)
-        backend = dynajax.Backend()
-        actual = torch.compile(case.fn, backend=backend)(*inputs)
-    assert_same(actual, expected)
-    # In-place updates (batch norm's running stats) must land as in eager.
-    assert_same(
-        [t for t in inputs if isinstance(t, torch.Tensor)],
-        [t for t in eager_inputs if isinstance(t, torch.Tensor)],
-        path="inputs",
-    )
-    if case.grad:
-        assert_same(_grads(actual, inputs), _grads(expected, eager_inputs), path="grad")
-    assert dynajax.Report(backend.graphs).fallbacks == []
-    missing = set(case.ops) - _partition_ops(backend)
-    assert not missing, f"{sorted(missing)} did not run in a JAX partition"
+        run_case(case, fullgraph=False)
 
 
 # ---------------------------------------------------------------------------------

@@ -10,26 +10,14 @@ fell back with the rule's reason).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 
 import dynajax
+from tests.helpers import Case, case_params, run_case
 from tests.tolerances import assert_same
 
 INF, NAN = float("inf"), float("nan")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    fn: Callable[..., Any]
-    inputs: Callable[[], tuple[Any, ...]]
-    op: str  # the ATen overload that must run in JAX
-    refused: str | None = None  # instead: the check refuses it with this in its reason
 
 
 # ---------------------------------------------------------------------------------
@@ -83,7 +71,9 @@ def _unary_cases():
         )
         cases.append(Case(f"{name}-bool", fn, lambda: (torch.tensor([True, False]),), op))
         refused = "off by up to 3e-6" if name in FLOAT64_REFUSED else None
-        cases.append(Case(f"{name}-float64", fn, lambda: (_edges(torch.float64),), op, refused))
+        cases.append(
+            Case(f"{name}-float64", fn, lambda: (_edges(torch.float64),), op, refused=refused)
+        )
     return cases
 
 
@@ -194,24 +184,9 @@ def _polynomial_cases():
 CASES = _unary_cases() + _polynomial_cases()
 
 
-def _partition_ops(backend: dynajax.Backend) -> set[str]:
-    return {op for p in dynajax.Report(backend.graphs).partitions for op in p.ops}
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", case_params(CASES))
 def test_special(case: Case):
-    inputs = case.inputs()
-    expected = case.fn(*inputs)
-    backend = dynajax.Backend()
-    actual = torch.compile(case.fn, backend=backend, fullgraph=True)(*inputs)
-    assert_same(actual, expected)
-    fallbacks = dynajax.Report(backend.graphs).fallbacks
-    if case.refused:
-        assert [f.target for f in fallbacks] == [case.op]
-        assert case.refused in fallbacks[0].detail
-    else:
-        assert fallbacks == []
-        assert case.op in _partition_ops(backend), f"{case.op} did not run in a JAX partition"
+    run_case(case)
 
 
 def test_hankel_region_float32_phase():

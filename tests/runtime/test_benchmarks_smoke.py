@@ -1,15 +1,19 @@
-"""The benchmark harness runs end to end on its tiniest workload (structure only: no
-timing is asserted)."""
+"""The benchmark harness runs end to end on its tiniest workload (no timing is
+asserted), and the JAX floor it takes from dynajax computes the eager answer."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 
+import jax
+import numpy as np
 import pytest
+import torch
 
 from benchmarks import harness, run
 from benchmarks.workloads import WORKLOADS
+from tests.tolerances import assert_same
 
 
 def test_registry_rows_are_well_formed() -> None:
@@ -57,6 +61,13 @@ def test_first_call_worker_runs_in_a_fresh_process() -> None:
 
 @pytest.mark.parametrize("name", ["mlp", "100-inputs"])  # 100-inputs: the direct path
 def test_floor_from_the_dynajax_lowered_function(name: str) -> None:
-    step = harness.dynajax_lowered_step(WORKLOADS[name])
-    assert step is not None
-    step()
+    """The floor calls the JAX function dynajax lowered, on the arguments dynajax gave
+    it: its result is the eager model's on the workload's (seeded) inputs."""
+    w = WORKLOADS[name]
+    floor = harness.dynajax_lowered_step(w)
+    assert floor is not None, f"{name} did not lower to one JAX partition"
+    eager = w.setup(lambda f: f)  # setup seeds: the same weights and inputs
+    with torch.no_grad():
+        expected = eager()
+    actual = [torch.from_numpy(np.array(a)) for a in jax.tree_util.tree_leaves(floor())]
+    assert_same(actual, [expected], model=True)

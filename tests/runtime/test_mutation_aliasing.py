@@ -99,16 +99,6 @@ def test_duplicate_outputs_are_one_tensor_as_in_eager() -> None:
     assert_same(b, e_b)  # in eager both names are one tensor: the write shows in both
 
 
-def test_output_that_is_an_input_is_that_input() -> None:
-    def f(x, y):
-        return x, y * 2
-
-    x, y = torch.randn(3), torch.randn(3)
-    out = _compile(f)(x, y)
-    assert out[0] is x
-    assert_same(out[1], y * 2)
-
-
 @pytest.mark.parametrize(
     "view",
     [
@@ -138,11 +128,12 @@ def test_writing_an_output_does_not_corrupt_later_calls() -> None:
         return x + 1, x.clone(), torch.ones(3), x.new_zeros(3)
 
     x = torch.randn(3)
+    x_before = x.clone()
     cf = _compile(f)
     first = cf(x)
     for t in first:
         t.add_(100)
-    assert_same(x + 100, x + 100)  # x untouched by writes to x.clone()'s output
+    assert_same(x, x_before)  # x untouched by writes to x.clone()'s output
     assert_same(cf(x), f(x))
 
 

@@ -7,29 +7,26 @@ import pytest
 import torch
 
 import dynajax
+from tests.helpers import compile_with, report_of
 from tests.models import gpt2, mlp, tokens
 from tests.tolerances import assert_same
 
 
 def _compile(fn, **options):
-    backend = dynajax.Backend(cache_dir="", **options)
-    return torch.compile(fn, backend=backend, dynamic=True), backend
+    """``fn`` compiled with dynamic shapes, without the persistent cache (so compile
+    counts are this test's own)."""
+    return compile_with(fn, dynamic=True, cache_dir="", **options)
 
 
 def _compile_rows(fn, **options):
     """``fn`` compiled with only dimension 0 of its argument dynamic."""
-    backend = dynajax.Backend(cache_dir="", **options)
-    compiled = torch.compile(fn, backend=backend)
+    compiled, backend = compile_with(fn, cache_dir="", **options)
 
     def call(x):
         torch._dynamo.mark_dynamic(x, 0)
         return compiled(x)
 
     return call, backend
-
-
-def _report(backend) -> dynajax.Report:
-    return dynajax.Report(backend.graphs)
 
 
 # -- sizes used as values inside JAX ----------------------------------------------------
@@ -70,7 +67,7 @@ def test_symbolic_sizes_run_in_jax(fn) -> None:
     for n in (2, 3, 5):
         x = torch.randn(n, n + 1, 4)
         assert_same(f(x), fn(x))
-    report = _report(backend)
+    report = report_of(backend)
     assert report.fallbacks == [], str(report)
     # one executable per concrete shape; Dynamo compiled the graph once
     assert len(backend.graphs) == 1
@@ -90,7 +87,7 @@ def test_sizes_of_intermediates_keep_one_partition() -> None:
     for past in (3, 4, 6):
         cache, new = torch.randn(2, 4, past, 8), torch.randn(2, 4, 1, 8)
         assert_same(f(cache, new), _cache_step(cache, new))
-    report = _report(backend)
+    report = report_of(backend)
     assert report.fallbacks == [], str(report)
     [graph] = report.graphs
     assert len(graph.partitions) == 1, str(report)
@@ -113,7 +110,7 @@ def test_llama_greedy_generation_with_kv_cache_matches_eager() -> None:
         model.forward = torch.compile(model.forward, backend=backend)
         actual = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(actual, expected)
-    report = _report(backend)
+    report = report_of(backend)
     assert report.fallbacks == [], str(report)
     # one JAX partition per graph: the cache's growing length never splits them
     assert all(len(g.partitions) == 1 for g in report.graphs), str(report)
@@ -139,7 +136,7 @@ def test_llama_generation_with_a_static_cache_compiles_two_executables() -> None
             ids, max_new_tokens=10, do_sample=False, cache_implementation="static"
         )
     assert torch.equal(actual, expected)
-    report = _report(backend)
+    report = report_of(backend)
     assert report.fallbacks == [], str(report)
     assert len(report.graphs) == 2, str(report)
     assert report.compile_stats.xla_compiles == 2, str(report)
@@ -162,7 +159,7 @@ def test_mark_dynamic_and_automatic_dynamic() -> None:
         for n in (3, 5, 7, 11):
             y = torch.randn(n, 32)
             assert_same(g(y), model(y))
-    assert not _report(backend).fallbacks
+    assert not report_of(backend).fallbacks
 
 
 def test_gpt2_dynamic_sequence_length_stays_in_jax() -> None:
@@ -175,7 +172,7 @@ def test_gpt2_dynamic_sequence_length_stays_in_jax() -> None:
             ids = tokens(2, length)
             torch._dynamo.mark_dynamic(ids, 1)
             assert_same(f(ids).logits, model(ids).logits, model=True)
-    report = _report(backend)
+    report = report_of(backend)
     assert len(backend.graphs) == 1, str(report)
     symbolic = [f for f in report.fallbacks if "symbolic" in f.detail]
     assert symbolic == [], str(report)
@@ -190,7 +187,7 @@ def test_encoder_layer_batch_padded_to_buckets() -> None:
         for batch in (2, 3, 5):
             x = torch.randn(batch, 6, 32)
             assert_same(f(x), layer(x), model=True)
-    stats = _report(backend).compile_stats
+    stats = report_of(backend).compile_stats
     # layer norm, softmax and matmuls stay within a row of the batch
     assert len(stats.buckets) == 1 and not stats.exact, stats
     assert stats.xla_compiles == 3  # buckets 2, 4, 8
@@ -206,7 +203,7 @@ def test_gpt2_dynamic_batch_with_buckets_asked() -> None:
             ids = tokens(batch, 6)
             torch._dynamo.mark_dynamic(ids, 0)
             assert_same(f(ids).logits, model(ids).logits, model=True)
-    stats = _report(backend).compile_stats
+    stats = report_of(backend).compile_stats
     # One decision for the batch symbol, with its reason when refused (today: the
     # attention mask is indexed along the batch, and JAX's index normalization adds the
     # batch size as a value).
@@ -226,7 +223,7 @@ def test_training_with_dynamic_batch() -> None:
         ref(x).square().mean().backward()
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             assert_same(p.grad, q.grad)
-    stats = _report(backend).compile_stats
+    stats = report_of(backend).compile_stats
     # the weight gradients contract over the batch: the backward is not padded
     assert any("dot_general contracts" in e for e in stats.exact), stats.exact
 
@@ -239,7 +236,7 @@ def test_executables_per_partition_are_bounded() -> None:
     for n in (2, 3, 4, 2, 4):
         x = torch.randn(n, 3)
         assert_same(f(x), torch.tanh(x) * 3)
-    stats = _report(backend).compile_stats
+    stats = report_of(backend).compile_stats
     # 2, 3, 4 compile (2 is dropped), 2 compiles again (3 is dropped), 4 is kept
     assert stats.xla_compiles == 4
     assert stats.evictions == 2
@@ -278,7 +275,7 @@ def test_buckets_compile_once_per_power_of_two(fn) -> None:
     for n in range(2, 10):
         x = torch.randn(n, 4)
         assert_same(f(x), fn(x))
-    stats = _report(backend).compile_stats
+    stats = report_of(backend).compile_stats
     assert len(stats.buckets) == 1 and not stats.exact, stats
     assert stats.xla_compiles == 4  # buckets 2, 4, 8, 16
 
@@ -304,7 +301,7 @@ def test_buckets_refused_where_padding_would_leak(fn) -> None:
     for n in (3, 5, 6):
         x = torch.randn(n, 4) + 1
         assert_same(f(x), fn(x))
-    stats = _report(backend).compile_stats
+    stats = report_of(backend).compile_stats
     assert stats.buckets == [], stats
     assert stats.exact, stats
     assert stats.xla_compiles == 3  # one per exact size
@@ -313,6 +310,6 @@ def test_buckets_refused_where_padding_would_leak(fn) -> None:
 def test_report_lists_buckets() -> None:
     f, backend = _compile_rows(lambda x: x.sum(0), pad_to_buckets=True)
     f(torch.randn(3, 2))
-    text = str(_report(backend))
+    text = str(report_of(backend))
     assert "compiles: 1 XLA compile(s)" in text
     assert "not padded: jax_0: " in text and "reduce_sum reduces over" in text

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import dynajax
+from tests.helpers import param_grads
 from tests.tolerances import assert_same
 
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
@@ -52,7 +53,7 @@ def train(
         loss.backward()
         losses.append(loss.detach().clone())
         step()
-    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    grads = param_grads(model)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return Trace(losses, grads, state)
 

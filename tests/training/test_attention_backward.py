@@ -1,4 +1,4 @@
-"""The attention-backward decomposition (dynajax/passes/decompositions.py) agrees with
+"""The attention-backward decomposition (dynajax/aot.py) agrees with
 PyTorch's CPU flash-attention backward kernel fed the kernel's own forward outputs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynajax.passes.decompositions import training_corrections
+from dynajax.aot import corrections
 from tests.tolerances import assert_same
 
 aten = torch.ops.aten
@@ -42,7 +42,7 @@ def test_matches_the_eager_kernel(case: str) -> None:
     op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     expected = op(grad, q, k, v, out, lse, 0.0, causal, attn_mask=kernel_mask, scale=scale)
     # The decomposition never reads out/lse: garbage there must not matter.
-    actual = training_corrections()[op](
+    actual = corrections()[op](
         grad, q, k, v, out * 0, lse * 0, 0.0, causal, attn_mask=ours_mask, scale=scale
     )
     assert_same(actual, expected)

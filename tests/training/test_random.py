@@ -18,6 +18,7 @@ from torch import nn
 
 import dynajax
 from dynajax.lowering.registry import get_rule
+from tests.helpers import assert_ops_in_jax, param_grads
 from tests.tolerances import assert_same
 from tests.training.harness import assert_all_in_jax
 
@@ -126,8 +127,7 @@ def test_seeded_reproducible_fresh_and_distributed(name: str) -> None:
     check(other)
     assert_all_in_jax(backend, "inference")
     if op is not None:
-        ops = {k for p in backend.graphs[0].partitions for k in p.ops}
-        assert op in ops, f"{op} not in the JAX partition ({sorted(ops)})"
+        assert_ops_in_jax(backend, op)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
@@ -199,8 +199,7 @@ def test_dropout_training_gradients_match_eager_given_the_same_mask() -> None:
     expected, _ = model(x, mask)
     expected.square().mean().backward()
     assert_same(out, expected, model=True)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-        assert_same(q.grad, p.grad, model=True, path=f"grad[{name}]")
+    assert_same(param_grads(twin), param_grads(model), model=True, path="grad")
     assert_all_in_jax(backend, "forward")
     assert_all_in_jax(backend, "backward")
 
@@ -284,12 +283,6 @@ def _seeded_twice(fn: Callable, *args, seed: int = 0):
     return backend, first, again, following
 
 
-def _assert_ops_in_jax(backend: dynajax.Backend, *ops: str) -> None:
-    present = {k for g in backend.graphs for p in g.partitions for k in p.ops}
-    missing = set(ops) - present
-    assert not missing, f"{sorted(missing)} not in a JAX partition ({sorted(present)})"
-
-
 def test_multinomial_with_replacement_draws_in_proportion_to_the_weights() -> None:
     weights = torch.tensor([[0.0, 1.0, 2.0, 7.0], [5.0, 0.0, 0.0, 5.0]])
     backend, first, again, following = _seeded_twice(
@@ -302,7 +295,7 @@ def test_multinomial_with_replacement_draws_in_proportion_to_the_weights() -> No
         assert (freq - w.double() / w.sum()).abs().max() < 0.01, freq
         assert (freq[w == 0] == 0).all(), "a zero-weight category was drawn"
     assert_all_in_jax(backend, "inference")
-    _assert_ops_in_jax(backend, "aten.multinomial.default")
+    assert_ops_in_jax(backend, "aten.multinomial.default")
 
 
 def test_multinomial_without_replacement_draws_distinct_categories_by_weight() -> None:
@@ -324,7 +317,7 @@ def test_multinomial_without_replacement_draws_distinct_categories_by_weight() -
     assert (f0 - p).abs().max() < 0.01, f0
     assert (f1 - second).abs().max() < 0.01, (f1, second)
     assert_all_in_jax(backend, "inference")
-    _assert_ops_in_jax(backend, "aten.multinomial.default")
+    assert_ops_in_jax(backend, "aten.multinomial.default")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -350,7 +343,7 @@ def test_rrelu_training_draws_uniform_slopes_for_non_positive_inputs(dtype) -> N
     assert abs(neg.std().item() - (upper - lower) / 12**0.5) < 0.005
     torch.testing.assert_close(out[: N // 2], x[: N // 2] * noise[: N // 2])
     assert_all_in_jax(backend, "inference")
-    _assert_ops_in_jax(backend, "aten.rrelu_with_noise_functional.default")
+    assert_ops_in_jax(backend, "aten.rrelu_with_noise_functional.default")
 
 
 def test_rrelu_module_in_training_mode_matches_its_noise() -> None:
@@ -392,7 +385,7 @@ def test_fractional_max_pool_windows_are_random_and_the_values_their_maxima(nd: 
     start = indices[..., 1] % 15 - 1  # the second window of the last axis
     assert set(start.flatten().tolist()) == {3, 4}
     assert_all_in_jax(backend, "inference")
-    _assert_ops_in_jax(backend, f"aten.fractional_max_pool{nd}d.default")
+    assert_ops_in_jax(backend, f"aten.fractional_max_pool{nd}d.default")
 
 
 def test_complex_samplers_draw_both_parts_as_pytorch() -> None:

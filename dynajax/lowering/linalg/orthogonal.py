@@ -1,5 +1,13 @@
 """QR, Householder products, singular value and eigen decompositions, pseudo-inverse.
 
+Why "orthogonal": LAPACK computes every one of these by orthogonal (unitary, for
+complex) transformations, Householder reflections and Givens rotations: QR directly;
+SVD by reduction to bidiagonal form, then QR iterations; eig by reduction to Hessenberg
+form, then the QR algorithm; eigh by reduction to tridiagonal form, then QR or
+divide-and-conquer; the pseudo-inverse through the SVD. That is also why their vectors
+depend on each library's sign conventions, below. (Not "decompositions": in dynajax
+that word means aot_autograd's decomposition table.)
+
 PyTorch's CPU build calls MKL's LAPACK; XLA's CPU kernels call the LAPACK that SciPy
 ships (reference LAPACK on OpenBLAS). Unique results (singular values, eigenvalues,
 the pseudo-inverse, ranks) agree to rounding whatever the routine. Vectors are defined
@@ -28,17 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering.linalg.common import conj_transpose, lapack_dtype_check
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
-
-
-def _float_check(A) -> str | None:
-    if not (jnp.issubdtype(A.dtype, jnp.floating) or jnp.issubdtype(A.dtype, jnp.complexfloating)):
-        return f"linear algebra on {np.dtype(A.dtype).name} (PyTorch takes float and complex)"
-    if np.dtype(A.dtype) in (np.float16, jnp.bfloat16):
-        return f"linear algebra on {np.dtype(A.dtype).name} (PyTorch's CPU LAPACK has none)"
-    return None
 
 
 def _is_complex(dtype) -> bool:
@@ -47,10 +48,6 @@ def _is_complex(dtype) -> bool:
 
 def _real_dtype(dtype):
     return jnp.finfo(dtype).dtype
-
-
-def _adjoint(x):
-    return jnp.conj(jnp.swapaxes(x, -1, -2))
 
 
 def _eye(batch, m, n, dtype):
@@ -79,18 +76,18 @@ def _orgqr(a, tau):
     return jax.lax.linalg.householder_product(a, tau)
 
 
-@lower(aten.geqrf.default, check=_float_check)
+@lower(aten.geqrf.default, check=lapack_dtype_check)
 def _geqrf_rule(A):
     return _geqrf(A)
 
 
-@lower(aten.linalg_householder_product.default, check=lambda A, tau: _float_check(A))
+@lower(aten.linalg_householder_product.default, check=lambda A, tau: lapack_dtype_check(A))
 def _linalg_householder_product(A, tau):
     return _orgqr(A, tau)
 
 
 def _ormqr_check(A, tau, C, left=True, transpose=False):
-    return _float_check(A)
+    return lapack_dtype_check(A)
 
 
 @lower(aten.ormqr.default, check=_ormqr_check)
@@ -103,7 +100,7 @@ def _ormqr(A, tau, C, left=True, transpose=False):
 def _qr_check(A, mode="reduced"):
     if mode not in ("reduced", "complete", "r"):
         return f"linalg_qr mode {mode!r}"
-    return _float_check(A)
+    return lapack_dtype_check(A)
 
 
 @lower(aten.linalg_qr.default, check=_qr_check)
@@ -131,7 +128,7 @@ def _linalg_qr(A, mode="reduced"):
 def _svd_check(A, full_matrices=False, compute_uv=True, *, driver=None):
     if driver is not None:
         return f"linalg.svd driver={driver!r} (PyTorch takes a driver on CUDA only)"
-    if reason := _float_check(A):
+    if reason := lapack_dtype_check(A):
         return reason
     if compute_uv and not _is_complex(A.dtype):
         return (
@@ -170,7 +167,7 @@ def _linalg_svd(A, full_matrices=False, compute_uv=True, *, driver=None):
 
 
 def _eigh_check(A, UPLO="L", compute_v=True):
-    if reason := _float_check(A):
+    if reason := lapack_dtype_check(A):
         return reason
     if compute_v:
         return (
@@ -192,7 +189,7 @@ def _linalg_eigh(A, UPLO="L", compute_v=True):
 
 
 def _eig_check(A):
-    if reason := _float_check(A):
+    if reason := lapack_dtype_check(A):
         return reason
     if not _is_complex(A.dtype):
         return (
@@ -220,7 +217,7 @@ def _pinv_check(A, *, atol=None, rtol=None, hermitian=False):
     for name, tol in (("atol", atol), ("rtol", rtol)):
         if tol is not None and _is_complex(tol.dtype):
             return f"linalg.pinv with a complex {name}"
-    return _float_check(A)
+    return lapack_dtype_check(A)
 
 
 @lower(aten.linalg_pinv.atol_rtol_tensor, check=_pinv_check)
@@ -244,8 +241,8 @@ def _linalg_pinv(A, *, atol=None, rtol=None, hermitian=False):
         largest = jnp.max(mag, axis=-1, keepdims=True)
         tol = jnp.maximum(atol_t[..., None], rtol[..., None] * largest)
         inv = jnp.where(mag > tol, 1 / S, 0).astype(A.dtype)
-        return (U * inv[..., None, :]) @ _adjoint(U)
+        return (U * inv[..., None, :]) @ conj_transpose(U)
     U, S, Vh = jax.lax.linalg.svd(A, full_matrices=False)
     tol = jnp.maximum(atol_t[..., None], rtol[..., None] * S[..., :1])
     inv = jnp.where(S > tol, 1 / S, 0).astype(A.dtype)
-    return (_adjoint(Vh) * inv[..., None, :]) @ _adjoint(U)
+    return (conj_transpose(Vh) * inv[..., None, :]) @ conj_transpose(U)

@@ -1,39 +1,25 @@
-"""Decompositions (QR, SVD, eigen, LU, Cholesky, LDL, pseudo-inverse) against eager PyTorch.
+"""Linear algebra (QR, SVD, eigen, LU, Cholesky, LDL, pseudo-inverse) against eager PyTorch:
+the rules of ``dynajax/lowering/linalg/`` (``factorizations``, ``orthogonal``, ``ldl``).
 
 Each case compiles one small function with dynajax, compares it with eager
 (``tests.tolerances.assert_same``: vectors included, so a sign convention that differs
 from PyTorch's MKL fails), and checks that the op ran in a JAX partition. The refused
 cases check that the node falls back with its reason instead.
 
-    pytest -q tests/lowering/test_decompositions.py -k qr
+    pytest -q tests/lowering/test_linalg.py -k qr
 """
 
 from __future__ import annotations
-
-import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 import dynajax
+from tests.helpers import Case, case_params, randn, run_case
 from tests.tolerances import assert_same
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.cholesky is deprecated:UserWarning")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    fn: Callable[..., Any]
-    inputs: Callable[[], tuple[Any, ...]]
-    ops: tuple[str, ...]  # ATen overloads that must run in JAX
-
-
-def randn(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype)
 
 
 def spd(*shape, dtype=torch.float64):
@@ -352,21 +338,9 @@ CASES = [
 ]
 
 
-def _partition_ops(backend: dynajax.Backend) -> set[str]:
-    return {op for p in dynajax.Report(backend.graphs).partitions for op in p.ops}
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", case_params(CASES))
 def test_decomposition(case: Case):
-    torch.manual_seed(0)
-    inputs = case.inputs()
-    expected = case.fn(*[t.clone() for t in inputs])
-    backend = dynajax.Backend()
-    actual = torch.compile(case.fn, backend=backend, fullgraph=True)(*inputs)
-    assert_same(actual, expected)
-    assert dynajax.Report(backend.graphs).fallbacks == []
-    missing = set(case.ops) - _partition_ops(backend)
-    assert not missing, f"{sorted(missing)} did not run in a JAX partition"
+    run_case(case)
 
 
 # ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ too; pivots are converted to LAPACK's 1-based convention. ``info`` follows LAPAC
 not positive definite (potrf), 0 on success.
 
 QR, singular value and eigen decompositions, whose vectors are defined only up to
-sign, live in ``decompositions.py``.
+sign, live in ``orthogonal.py``; LDL in ``ldl.py``.
 """
 
 from __future__ import annotations
@@ -19,17 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering.linalg.common import conj_transpose, lapack_dtype_check
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
-
-
-def _square_check(A, *args, **kwargs):
-    if not (jnp.issubdtype(A.dtype, jnp.floating) or jnp.issubdtype(A.dtype, jnp.complexfloating)):
-        return f"linear algebra on {np.dtype(A.dtype).name} (PyTorch takes float and complex)"
-    if np.dtype(A.dtype) in (np.float16, jnp.bfloat16):
-        return f"linear algebra on {np.dtype(A.dtype).name} (PyTorch's CPU LAPACK has none)"
-    return None
 
 
 def _lu(A):
@@ -60,7 +53,7 @@ def _lu_solve(lu, perm, B):
     return jax.lax.linalg.triangular_solve(lu, y, left_side=True, lower=False)
 
 
-@lower(aten.linalg_lu_factor_ex.default, check=_square_check)
+@lower(aten.linalg_lu_factor_ex.default, check=lapack_dtype_check)
 def _linalg_lu_factor_ex(A, *, pivot=True, check_errors=False):
     lu, pivots, _, info = _lu(A)
     return lu, pivots, info
@@ -75,7 +68,7 @@ def _det_lu(A):
     return _lu(jnp.swapaxes(A, -1, -2))
 
 
-@lower(aten._linalg_det.default, check=_square_check)
+@lower(aten._linalg_det.default, check=lapack_dtype_check)
 def _linalg_det(A):
     lu, pivots, _, _ = _det_lu(A)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
@@ -83,7 +76,7 @@ def _linalg_det(A):
     return det, lu, pivots
 
 
-@lower(aten._linalg_slogdet.default, check=_square_check)
+@lower(aten._linalg_slogdet.default, check=lapack_dtype_check)
 def _linalg_slogdet(A):
     lu, pivots, _, _ = _det_lu(A)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
@@ -97,7 +90,7 @@ def _linalg_slogdet(A):
 def _solve_check(A, B, *, left=True, check_errors=False):
     if not left:
         return "linalg.solve with left=False"
-    return _square_check(A)
+    return lapack_dtype_check(A)
 
 
 def _is_vector_rhs(A, B):
@@ -114,7 +107,7 @@ def _linalg_solve_ex(A, B, *, left=True, check_errors=False):
     return (x[..., 0] if vector else x), lu, pivots, info
 
 
-@lower(aten.linalg_inv_ex.default, check=_square_check)
+@lower(aten.linalg_inv_ex.default, check=lapack_dtype_check)
 def _linalg_inv_ex(A, *, check_errors=False):
     lu, _, perm, info = _lu(A)
     eye = jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
@@ -145,17 +138,13 @@ def _lu_solve_op(lu, perm, B, adjoint):
     return jnp.take_along_axis(z, inverse[..., None], axis=-2)
 
 
-def _adjoint(x):
-    return jnp.conj(jnp.swapaxes(x, -1, -2))
-
-
-@lower(aten.linalg_lu_solve.default, check=_square_check)
+@lower(aten.linalg_lu_solve.default, check=lapack_dtype_check)
 def _linalg_lu_solve(LU, pivots, B, *, left=True, adjoint=False):
     perm = _permutation(pivots, LU.shape[-1])
     if left:
         return _lu_solve_op(LU, perm, B, adjoint)
     # X op(A) = B  <=>  op(A)^H X^H = B^H.
-    return _adjoint(_lu_solve_op(LU, perm, _adjoint(B), not adjoint))
+    return conj_transpose(_lu_solve_op(LU, perm, conj_transpose(B), not adjoint))
 
 
 @lower(aten.lu_unpack.default)
@@ -186,7 +175,7 @@ def _broadcast_batch(A, B):
     return jnp.broadcast_to(A, batch + A.shape[-2:]), jnp.broadcast_to(B, batch + B.shape[-2:])
 
 
-@lower(aten.linalg_solve_triangular.default, check=_square_check)
+@lower(aten.linalg_solve_triangular.default, check=lapack_dtype_check)
 def _linalg_solve_triangular(A, B, *, upper, left=True, unitriangular=False):
     A, B = _broadcast_batch(A, B)
     return jax.lax.linalg.triangular_solve(
@@ -194,7 +183,7 @@ def _linalg_solve_triangular(A, B, *, upper, left=True, unitriangular=False):
     )
 
 
-@lower(aten.triangular_solve.default, check=lambda B, A, *a, **k: _square_check(A))
+@lower(aten.triangular_solve.default, check=lambda B, A, *a, **k: lapack_dtype_check(A))
 def _triangular_solve(B, A, upper=True, transpose=False, unitriangular=False):
     A, B = _broadcast_batch(A, B)
     x = jax.lax.linalg.triangular_solve(
@@ -203,7 +192,7 @@ def _triangular_solve(B, A, upper=True, transpose=False, unitriangular=False):
     return x, A
 
 
-@lower(aten.cholesky_solve.default, check=lambda B, L, *a, **k: _square_check(L))
+@lower(aten.cholesky_solve.default, check=lambda B, L, *a, **k: lapack_dtype_check(L))
 def _cholesky_solve(B, L, upper=False):
     # A = L L^H (or U^H U): two triangular solves.
     L, B = _broadcast_batch(L, B)
@@ -250,7 +239,7 @@ def _cholesky_info(A):
     return info
 
 
-@lower(aten.linalg_cholesky_ex.default, check=_square_check)
+@lower(aten.linalg_cholesky_ex.default, check=lapack_dtype_check)
 def _linalg_cholesky_ex(A, *, upper=False, check_errors=False):
     # Only one triangle is read, as in LAPACK: the lower one, or for upper=True the
     # upper one (the lower triangle of A^H). When A is not positive definite, info is
@@ -264,11 +253,11 @@ def _linalg_cholesky_ex(A, *, upper=False, check_errors=False):
 
 
 # aten.cholesky has no rule: it raises on a matrix that is not positive definite, which
-# XLA cannot; passes/decompositions.py rewrites it to linalg_cholesky_ex plus the host
+# XLA cannot; dynajax/aot.py rewrites it to linalg_cholesky_ex plus the host
 # error check.
 
 
-@lower(aten.cholesky_inverse.default, check=_square_check)
+@lower(aten.cholesky_inverse.default, check=lapack_dtype_check)
 def _cholesky_inverse(L, upper=False):
     # (L L^H)^-1 = L^-H L^-1, or (U^H U)^-1 = U^-1 U^-H; LAPACK's potri reads only the
     # factor's triangle.
@@ -278,14 +267,14 @@ def _cholesky_inverse(L, upper=False):
     eye = jnp.broadcast_to(jnp.eye(n, dtype=L.dtype), L.shape)
     inv = jax.lax.linalg.triangular_solve(L, eye, left_side=True, lower=not upper)
     if upper:
-        return inv @ _adjoint(inv)
-    return _adjoint(inv) @ inv
+        return inv @ conj_transpose(inv)
+    return conj_transpose(inv) @ inv
 
 
 def _lu_check(A, *, pivot=True):
     if not pivot:
         return "linalg.lu with pivot=False (PyTorch's CPU kernel has no unpivoted LU)"
-    return _square_check(A)
+    return lapack_dtype_check(A)
 
 
 @lower(aten.linalg_lu.default, check=_lu_check)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering.factorizations import _square_check
+from dynajax.lowering.linalg.common import lapack_dtype_check
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -151,7 +151,7 @@ def _factor(A, hermitian):
 
 
 def _ldl_factor_check(A, *, hermitian=False, check_errors=False):
-    return _square_check(A)
+    return lapack_dtype_check(A)
 
 
 @lower(aten.linalg_ldl_factor_ex.default, check=_ldl_factor_check)
@@ -228,7 +228,7 @@ def _solve(LD, ipiv, B, hermitian):
 
 
 def _ldl_solve_check(LD, pivots, B, *, hermitian=False):
-    return _square_check(LD)
+    return lapack_dtype_check(LD)
 
 
 @lower(aten.linalg_ldl_solve.default, check=_ldl_solve_check)

@@ -1,4 +1,11 @@
-"""Matrix products, pairwise distances, and the matrix exponential."""
+"""Matrix products, pairwise distances, and the matrix exponential.
+
+The products (mm, bmm, matmul, dot, addmm and its batched forms, trilinear) follow
+PyTorch's CPU accumulation: integers in their own dtype, half precision in float32 and
+rounded where the eager kernel rounds. The distances (cdist, pdist) and the matrix
+exponential are built from them. ``pnorm`` is public: ``nn``'s ``embedding_renorm``
+takes its row norms with it too.
+"""
 
 from __future__ import annotations
 
@@ -88,6 +95,8 @@ def _addbmm(bias, b1, b2, *, beta=1, alpha=1):
 
 
 def pnorm(diff, p, axis=-1):
+    """The p-norm of ``diff`` along ``axis`` (p = 0 counts the nonzeros, p = inf is the
+    largest magnitude), as PyTorch's distance kernels compute it."""
     a = jnp.abs(diff)
     if p == 0:
         return jnp.sum(a != 0, axis=axis).astype(diff.dtype)

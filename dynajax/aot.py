@@ -1,0 +1,171 @@
+"""The aot stage: how aot_autograd turns Dynamo's graph into ATen graphs for dynajax.
+
+aot_autograd functionalizes Dynamo's FX graph, decomposes it to ATen with the table
+``decompositions()`` and, for training, splits it into forward and backward graphs;
+each ATen graph then goes to ``Backend.compile_aten_graph``. Every decision about that
+table lives here:
+
+* PyTorch's core ATen decompositions are the base.
+* ``CORRECTIONS`` replace entries that are wrong for us (see below).
+* ``FUSED_KERNELS`` are taken out of the table, because our JAX rules reproduce the
+  rounding of PyTorch's fused CPU kernels for them, which their decompositions miss
+  (the rules and the measurements are in ``lowering/fused.py``).
+
+The corrections:
+
+``_scaled_dot_product_flash_attention_for_cpu`` (what ``F.scaled_dot_product_attention``
+and ``nn.MultiheadAttention`` dispatch to on CPU) is decomposed into the math
+attention, whose second output is the attention-weight matrix, not the logsumexp that
+the op's autograd formula saves for ``_scaled_dot_product_flash_attention_for_cpu_backward``.
+That backward op is not decomposed, so it reads the wrong tensor and returns wrong
+query/key gradients (on ``nn.TransformerEncoderLayer`` the ``in_proj`` gradients come
+out several times their true size; eager and ``aot_eager`` are right). The backward
+here recomputes the attention from query, key and value instead, so it never reads
+the saved output or logsumexp:
+
+    before: ..._for_cpu_backward(grad, q, k, v, out, lse, 0.0, False)   # wrong lse
+    after:  s = q @ k^T * scale (+ mask); p = softmax(s)
+            grad_v = p^T @ grad;  dp = grad @ v^T;  ds = p * (dp - sum(dp * p))
+            grad_q = ds @ k * scale;  grad_k = ds^T @ q * scale
+
+``torch.cholesky`` raises inside its kernel when its input is not positive definite;
+it becomes ``linalg_cholesky_ex`` (a JAX rule) plus the effectful
+``_linalg_check_errors``, which raises eager's own error on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._decomp import core_aten_decompositions
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+aten = torch.ops.aten
+
+# Ops kept whole (not decomposed): PyTorch runs each as one CPU kernel whose rounding
+# its decomposition misses, and lowering/fused.py has a rule that follows the kernel.
+# Autograd still differentiates them with PyTorch's own formulas.
+FUSED_KERNELS: tuple[torch._ops.OpOverload, ...] = (
+    aten.addcdiv.default,
+    aten.addr.default,
+    aten.linalg_cross.default,
+    aten.linspace.default,
+    aten.linspace.Tensor_Tensor,
+    aten.linspace.Tensor_Scalar,
+    aten.linspace.Scalar_Tensor,
+    aten.logspace.default,
+    aten.logspace.Tensor_Tensor,
+    aten.logspace.Tensor_Scalar,
+    aten.logspace.Scalar_Tensor,
+)
+
+
+# -- corrections ---------------------------------------------------------------------------
+
+
+def _flash_attention_for_cpu_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(dropout_p == 0.0, lambda: f"dropout probability must be zero, got {dropout_p}")
+    dtype = query.dtype
+    # Half-precision inputs accumulate in float32, as the math attention does on CPU.
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    q, k, v, g = (t.to(compute) for t in (query, key, value, grad_out))
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    groups = query.size(1) // key.size(1)  # grouped-query attention shares k/v heads
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(s.size(-2), s.size(-1), dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask.to(compute)
+    p = torch.softmax(s, dim=-1)
+    grad_v = torch.matmul(p.transpose(-2, -1), g)
+    dp = torch.matmul(g, v.transpose(-2, -1))
+    ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True))
+    grad_q = torch.matmul(ds, k) * scale
+    grad_k = torch.matmul(ds.transpose(-2, -1), q) * scale
+    if groups > 1:
+        grad_k = grad_k.unflatten(1, (key.size(1), groups)).sum(dim=2)
+        grad_v = grad_v.unflatten(1, (key.size(1), groups)).sum(dim=2)
+    return grad_q.to(dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
+def _cholesky(a: torch.Tensor, upper: bool = False) -> torch.Tensor:
+    """``torch.cholesky`` as ``linalg_cholesky_ex`` (a JAX rule) plus the effectful
+    ``_linalg_check_errors`` (run on the host after the partition): it raises eager's
+    own error, message included, where a JAX rule for the whole op could only give NaN."""
+    factor, info = aten.linalg_cholesky_ex.default(a, upper=upper)
+    aten._linalg_check_errors.default(info, "cholesky", is_matrix=a.dim() == 2)
+    return factor
+
+
+def corrections() -> dict[Any, Callable[..., Any]]:
+    """Entries that replace or extend PyTorch's core ATen decompositions."""
+    table: dict[Any, Callable[..., Any]] = {
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
+            _flash_attention_for_cpu_backward
+        ),
+    }
+    if hasattr(aten, "cholesky"):  # removed in torch 2.14 (torch.cholesky is deprecated)
+        table[aten.cholesky.default] = _cholesky
+    return table
+
+
+# -- the table and the compiler ------------------------------------------------------------
+
+
+@functools.cache
+def decompositions() -> dict[Any, Callable[..., Any]]:
+    """aot_autograd's decomposition table: PyTorch's core ATen decompositions with
+    ``corrections()``, less ``FUSED_KERNELS``."""
+    table = {**core_aten_decompositions(), **corrections()}
+    for op in FUSED_KERNELS:
+        table.pop(op, None)
+    return table
+
+
+# compile_aten_graph(gm, example_inputs, kind=...) -> the compiled callable
+GraphCompiler = Callable[..., Callable[..., Any]]
+
+
+def aot_compile(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_aten_graph: GraphCompiler
+) -> Callable[..., Any]:
+    """Runs aot_autograd on Dynamo's graph and hands each ATen graph it makes to
+    ``compile_aten_graph(graph, inputs, kind=...)``, ``kind`` being ``inference``,
+    ``forward`` or ``backward``."""
+    compiler = aot_autograd(
+        fw_compiler=functools.partial(compile_aten_graph, kind="forward"),
+        bw_compiler=functools.partial(compile_aten_graph, kind="backward"),
+        inference_compiler=functools.partial(compile_aten_graph, kind="inference"),
+        decompositions=decompositions(),
+        # What the backward needs is chosen as inductor chooses it: cheap ops (views,
+        # transposes, pointwise masks) are recomputed inside the backward's JAX
+        # partition instead of being materialized and saved by the forward. Random
+        # ops are never recomputed, so the backward reuses the forward's dropout mask.
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return compiler(gm, example_inputs)

@@ -1,0 +1,129 @@
+"""The stitched graph as the callable handed back to aot_autograd.
+
+After partitioning and compilation, the outer graph calls each ``jax_<n>`` submodule
+and runs the nodes left in PyTorch between them. ``stitched_callable`` wraps it in
+aot_autograd's boxed calling convention, and skips the GraphModule entirely when the
+graph is one partition between its inputs and outputs:
+
+    placeholders -> jax_0 -> getitem* -> output        (called as jax_0.run(args))
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.fx
+
+from dynajax.partition.partitioner import PREFIX
+
+
+@runtime_checkable
+class PartitionModule(Protocol):
+    """What the stitched graph needs of a compiled ``jax_<n>`` submodule."""
+
+    graph_module: torch.fx.GraphModule  # the ATen graph it computes
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors in (the submodule's placeholders, in order), its outputs out."""
+        ...
+
+
+def stitched_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """The compiled callable for a stitched graph, in aot_autograd's boxed convention.
+
+    aot_autograd calls it with one list of inputs, which the callee clears so inputs can
+    be freed as soon as they are used. When the graph is a single JAX partition between
+    its inputs and outputs (the common case), the partition is called directly, without
+    the GraphModule and its nn.Module machinery; otherwise the GraphModule's generated
+    ``forward`` runs (eager fallback ops between partitions).
+    """
+    direct = _single_partition(gm)
+    if direct is not None:
+        run = direct
+    else:
+        forward = gm.forward
+
+        def run(args: list[Any]) -> Any:
+            inputs = tuple(args)
+            args.clear()
+            return forward(*inputs)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.graph_module = gm  # type: ignore[attr-defined]
+    return run
+
+
+def _single_partition(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any] | None:
+    """A direct call of the graph's only partition, or None if the graph has more."""
+    placeholders: dict[torch.fx.Node, int] = {}
+    call = None
+    getitems: dict[torch.fx.Node, int] = {}
+    output = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            placeholders[node] = len(placeholders)
+        elif node.op == "call_module" and call is None and not node.kwargs:
+            sub = getattr(gm, str(node.target), None)
+            if not str(node.target).startswith(PREFIX) or not isinstance(sub, PartitionModule):
+                return None
+            call = node
+        elif (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and call is not None
+            and node.args[0] is call
+            and isinstance(node.args[1], int)
+        ):
+            getitems[node] = node.args[1]
+        elif node.op == "output":
+            output = node
+        else:
+            return None
+    if call is None or output is None or not isinstance(output.args[0], list | tuple):
+        return None
+    if not all(a in placeholders for a in call.args):
+        return None
+    part: PartitionModule = getattr(gm, str(call.target))
+    in_idx = [placeholders[a] for a in call.args]  # type: ignore[index]
+    plan: list[tuple[int, Any]] = []  # (0, k): partition output k; (1, j): input j; (2, v)
+    for o in output.args[0]:
+        if o in getitems:
+            plan.append((0, getitems[o]))  # type: ignore[index]
+        elif o in placeholders:
+            plan.append((1, placeholders[o]))  # type: ignore[index]
+        elif o is None:
+            plan.append((2, None))
+        else:
+            return None
+    n_out = _n_outputs(part)
+    identity_in = in_idx == list(range(len(placeholders)))
+    identity_out = plan == [(0, k) for k in range(n_out)]
+    call_part = part.run
+
+    if identity_in and identity_out:
+
+        def run(args: list[Any]) -> list[torch.Tensor]:
+            outs = call_part(args)
+            args.clear()
+            return outs
+
+        return run
+
+    def run_mapped(args: list[Any]) -> list[Any]:
+        outs = call_part([args[i] for i in in_idx])
+        result = [outs[v] if kind == 0 else args[v] if kind == 1 else v for kind, v in plan]
+        args.clear()
+        return result
+
+    return run_mapped
+
+
+def _n_outputs(part: PartitionModule) -> int:
+    for node in part.graph_module.graph.nodes:
+        if node.op == "output":
+            out = node.args[0]
+            return len(out) if isinstance(out, list | tuple) else 1
+    return -1

@@ -1,0 +1,110 @@
+"""Every private JAX internal dynajax uses, in one place, each with a public fallback.
+
+The per-call path of a partition is a few microseconds, and three of JAX's internals
+take a measurable part of it off (``benchmarks/overhead.py`` measures the layers):
+
+* ``X64``: the thread-local switch behind ``jax.enable_x64()``, flipped around each
+  call (about 1 µs cheaper than entering the public context manager). Public fallback:
+  ``jax.enable_x64(True)`` entered and exited by hand.
+* ``dispatch_of(compiled)``: the C++ dispatch function a ``jax.stages.Compiled`` sets up
+  at its first call and looks up on every later one (``Compiled._call``); calling it
+  directly saves a Python frame. Public fallback: the ``Compiled`` object itself.
+* ``direct_executor(compiled)``: the loaded XLA executable's own entry point
+  (``Compiled._executable.xla_executable.execute_sharded``, with the indices of the
+  arguments XLA kept, ``_kept_var_idx``), which skips the per-argument checks of the
+  dispatch path when the caller has already checked the arguments. Public fallback:
+  None (the caller stays on the dispatch path).
+
+``status()`` says which internals this JAX release has; the test suite asserts that all
+are present, so a JAX release that moves one fails loudly in CI instead of silently
+slowing every call, and it runs the fallbacks too. Nothing else in dynajax imports
+``jax._src`` or reads a private attribute of a JAX object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+
+class _X64Switch:
+    """Turns 64-bit types on for the current thread and restores the previous state.
+
+    token = X64.enable()
+    try: ...
+    finally: X64.restore(token)
+    """
+
+    def __init__(self, private: bool = True) -> None:
+        self._state = _private_x64_state() if private else None
+
+    @property
+    def uses_internal(self) -> bool:
+        return self._state is not None
+
+    def enable(self) -> Any:
+        if self._state is not None:
+            return self._state.swap_local(True)
+        ctx = jax.enable_x64(True)
+        ctx.__enter__()
+        return ctx
+
+    def restore(self, token: Any) -> None:
+        if self._state is not None:
+            self._state.set_local(token)
+        else:
+            token.__exit__(None, None, None)
+
+
+def _private_x64_state() -> Any | None:
+    try:
+        from jax._src.config import enable_x64 as state
+    except ImportError:
+        return None
+    if not (
+        callable(getattr(state, "swap_local", None)) and callable(getattr(state, "set_local", None))
+    ):
+        return None
+    return state
+
+
+X64 = _X64Switch()
+
+
+def dispatch_of(compiled: jax.stages.Compiled) -> Callable[..., Any]:
+    """After ``compiled``'s first call: its C++ dispatch function, else ``compiled``."""
+    fast = getattr(compiled, "_call", None)
+    return fast if callable(fast) else compiled
+
+
+# (indices of the arguments XLA kept, execute(list of arrays) -> sharded results)
+DirectExecutor = tuple[list[int], Callable[[Sequence[jax.Array]], Any]]
+
+
+def direct_executor(compiled: jax.stages.Compiled) -> DirectExecutor | None:
+    """The executable's own entry point and the arguments it takes, or None when this
+    JAX release does not expose them (callers then keep the dispatch path).
+
+    ``execute(arrays)`` returns XLA's sharded results; call
+    ``.disassemble_into_single_device_arrays()`` on them for per-output arrays.
+    """
+    inner = getattr(compiled, "_executable", None)
+    kept = getattr(inner, "_kept_var_idx", None)
+    xla = getattr(inner, "xla_executable", None)
+    execute = getattr(xla, "execute_sharded", None)
+    if kept is None or not callable(execute):
+        return None
+    return sorted(kept), execute
+
+
+def status() -> dict[str, bool]:
+    """Which private internals this JAX release has (all True on a supported one)."""
+    probe = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((1,), "float32")).compile()
+    probe(jax.numpy.zeros((1,), "float32"))  # the dispatch function exists after a call
+    return {
+        "x64_switch": _private_x64_state() is not None,
+        "dispatch": dispatch_of(probe) is not probe,
+        "direct_executor": direct_executor(probe) is not None,
+    }
