@@ -94,6 +94,7 @@ class Backend:
                     stats=stats,
                     max_executables=self.options.max_executables,
                     pad_to_buckets=self.options.pad_to_buckets,
+                    device=self.options.device,
                 )
                 setattr(gm, name, part)
         gm.recompile()

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax
 import torch
 
 from dynajax.errors import OptionsError
@@ -48,6 +49,15 @@ class Options:
             reshape or data movement across that dimension; checked on the traced JAX
             program); elsewhere the partition compiles per exact size, and the
             ``dynajax.shapes`` logger says why. Env: ``DYNAJAX_PAD_TO_BUCKETS``.
+        device: the JAX device the JAX partitions run on: a ``jax.Device`` or
+            ``"platform[:index]"`` (``"cpu:1"``, ``"gpu:0"``, ``"tpu"``). Parameters and
+            buffers are copied there once and stay resident between calls, refreshed
+            when PyTorch changes them (anything that bumps the tensor's version counter
+            or replaces its storage: optimizer steps, ``load_state_dict``,
+            ``p.data = ...``); other inputs are copied per call; outputs come back to
+            the inputs' PyTorch device. This runs a model on a device PyTorch has no
+            backend for. None (the default): where the tensors are (CPU tensors on
+            JAX's first CPU device, zero-copy). Env: ``DYNAJAX_DEVICE``.
     """
 
     min_block_size: int = 1
@@ -56,6 +66,7 @@ class Options:
     cache_dir: str | None = None
     max_executables: int = 16
     pad_to_buckets: bool = False
+    device: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_block_size, bool) or not isinstance(self.min_block_size, int):
@@ -86,6 +97,7 @@ class Options:
         if self.cache_dir is not None and not isinstance(self.cache_dir, str | os.PathLike):
             raise OptionsError(f"cache_dir must be a path or None, got {self.cache_dir!r}.")
         object.__setattr__(self, "fallback_ops", _normalize_ops(self.fallback_ops))
+        object.__setattr__(self, "device", _resolve_device(self.device))
 
     @classmethod
     def names(cls) -> list[str]:
@@ -174,6 +186,33 @@ def _op_name(op: Any) -> str:
     return op._qualified_op_name.replace("::", ".")
 
 
+def _resolve_device(value: Any) -> jax.Device | None:
+    """A ``jax.Device`` from a device or a ``"platform[:index]"`` string."""
+    if value is None or isinstance(value, jax.Device):
+        return value
+    if not isinstance(value, str):
+        raise OptionsError(
+            f"device must be a jax.Device or a string like 'cpu:1' or 'gpu:0', got {value!r}."
+        )
+    platform, _, index = value.strip().partition(":")
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        available = sorted({d.platform for d in jax.devices()} | {"cpu"})
+        raise OptionsError(
+            f"device {value!r}: JAX has no {platform!r} devices here; available platforms: "
+            f"{', '.join(available)}."
+        ) from None
+    if not index:
+        return devices[0]
+    if not index.isdigit() or int(index) >= len(devices):
+        raise OptionsError(
+            f"device {value!r}: JAX has {len(devices)} {platform} device(s), numbered "
+            f"0 to {len(devices) - 1}."
+        )
+    return devices[int(index)]
+
+
 def _parse_bool(name: str, raw: str) -> bool:
     low = raw.strip().lower()
     if low in _TRUE:
@@ -200,6 +239,7 @@ _ENV = {
     "DYNAJAX_CACHE_DIR": ("cache_dir", lambda n, r: r),
     "DYNAJAX_MAX_EXECUTABLES": ("max_executables", _parse_int),
     "DYNAJAX_PAD_TO_BUCKETS": ("pad_to_buckets", _parse_bool),
+    "DYNAJAX_DEVICE": ("device", lambda n, r: r),
 }
 
 

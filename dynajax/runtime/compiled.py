@@ -66,6 +66,10 @@ class CompiledPartition(torch.nn.Module):
         stats: where compiles, cache hits and misses are counted (the Report's).
         max_executables: executables kept under dynamic shapes (an LRU).
         pad_to_buckets: pad provably safe symbolic sizes to powers of two.
+        device: the JAX device to run on (None: where the tensors are). Inputs that
+            ``InputCache`` keeps (parameters, buffers) are copied there once and stay
+            resident until PyTorch changes them; the rest are copied per call; outputs
+            come back to the tensors' device.
 
     Executables are compiled ahead of time and called directly (``executables.py``):
     one, built at the first call, for a graph of static shapes; one per concrete shape
@@ -83,6 +87,7 @@ class CompiledPartition(torch.nn.Module):
         stats: CompileStats | None = None,
         max_executables: int = 16,
         pad_to_buckets: bool = False,
+        device: jax.Device | None = None,
     ) -> None:
         super().__init__()
         self.name = name
@@ -95,10 +100,22 @@ class CompiledPartition(torch.nn.Module):
         devices = _placeholder_devices(graph)
         self.device_type = devices.pop() if len(devices) == 1 else None
         on_cpu = self.device_type == "cpu"
-        if on_cpu and jax.default_backend() != "cpu":
+        if device is not None and on_cpu and device == cpu_device():
+            device = None  # where CPU tensors run anyway (zero-copy)
+        make_cached: Callable[[torch.Tensor], Any] = zero_copy_array
+        if device is not None:
+            convert, make_cached = _placed_on(device)
+        elif on_cpu and jax.default_backend() != "cpu":
             convert = _committed_cpu  # NumPy would land on JAX's default accelerator
         else:
             convert = fast_to_jax
+        if device is not None:
+            sharding, platform = jax.sharding.SingleDeviceSharding(device), device.platform
+        elif on_cpu:
+            sharding, platform = jax.sharding.SingleDeviceSharding(cpu_device()), "cpu"
+        else:
+            sharding, platform = None, jax.default_backend()
+        self.device = device
         vals = [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]
         self.stats = stats if stats is not None else CompileStats()
         self.executables = Executables(
@@ -111,8 +128,8 @@ class CompiledPartition(torch.nn.Module):
             stats=self.stats,
             max_executables=max_executables,
             pad_to_buckets=pad_to_buckets,
-            sharding=jax.sharding.SingleDeviceSharding(cpu_device()) if on_cpu else None,
-            platform_name="cpu" if on_cpu else jax.default_backend(),
+            sharding=sharding,
+            platform_name=platform,
         )
         # What a call of a static-shape partition runs: the AOT executable's dispatch,
         # set at the first call. Benchmarks may set it to ``jitted`` to compare paths.
@@ -125,7 +142,11 @@ class CompiledPartition(torch.nn.Module):
         n_inputs = len(self.executables.tensor_pos)  # static sizes are not converted
         if self.executables.dynamic:
             self._run = self._run_dynamic  # type: ignore[method-assign,assignment]
-        self.inputs = InputCache(n_inputs, convert, zero_copy_array, same_layout_reuse=on_cpu)
+        # A resident copy on another device is stale after any in-place update; a
+        # zero-copy array on the CPU is the tensor's memory and sees it.
+        self.inputs = InputCache(
+            n_inputs, convert, make_cached, same_layout_reuse=on_cpu and device is None
+        )
         self._to_torch = cpu_to_torch if on_cpu else to_torch
         quiet_readonly_warning()
 
@@ -267,6 +288,23 @@ def _placeholder_devices(graph: torch.fx.GraphModule) -> set[str]:
 
 def _committed_cpu(t: torch.Tensor) -> jax.Array:
     return jax.device_put(to_jax(t), cpu_device(), may_alias=True)
+
+
+def _placed_on(
+    device: jax.Device,
+) -> tuple[Callable[[torch.Tensor], jax.Array], Callable[[torch.Tensor], jax.Array | None]]:
+    """Converters for a partition placed on ``device``: per call, and for the inputs
+    ``InputCache`` keeps resident (a copy on ``device``, made once per tensor version)."""
+
+    def per_call(t: torch.Tensor) -> jax.Array:
+        return jax.device_put(to_jax(t), device)
+
+    def resident(t: torch.Tensor) -> jax.Array | None:
+        if zero_copy_array(t) is None:
+            return None  # versions cannot track it (inference tensor, empty, ...)
+        return jax.device_put(to_jax(t), device)
+
+    return per_call, resident
 
 
 def _draw_seed() -> np.ndarray:

@@ -107,10 +107,16 @@ class InputCache:
     @property
     def cached_positions(self) -> list[int]:
         """Positions whose arrays are currently reused (for tests and reports)."""
+        return list(self.resident)
+
+    @property
+    def resident(self) -> dict[int, Any]:
+        """The arrays currently kept for reuse, by input position (for tests, reports,
+        and the placement of state: under ``device=`` they live on that device)."""
         snap = self._snap
         if snap is None:
-            return []
-        return [i for i, a in enumerate(snap.arrays) if a is not None]
+            return {}
+        return {i: a for i, a in enumerate(snap.arrays) if a is not None}
 
     def hit(self, ts: Sequence[torch.Tensor]) -> _Snapshot | None:
         """The current snapshot if *every* input is cached and unchanged, else None.

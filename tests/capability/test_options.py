@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import pytest
 import torch
 
@@ -49,6 +50,8 @@ def test_env_vars_set_every_option(monkeypatch) -> None:
     assert dynajax.Backend(min_block_size=2).options.min_block_size == 2
     monkeypatch.setenv("DYNAJAX_STRICT", "1")
     assert Options.resolve().strict is True
+    monkeypatch.setenv("DYNAJAX_DEVICE", "cpu:0")
+    assert Options.resolve().device == jax.devices("cpu")[0]
 
 
 @pytest.mark.parametrize(
@@ -58,8 +61,9 @@ def test_env_vars_set_every_option(monkeypatch) -> None:
         ("DYNAJAX_MIN_BLOCK_SIZE", "many", "DYNAJAX_MIN_BLOCK_SIZE='many' is not an integer"),
         ("DYNAJAX_MIN_BLOCK_SIZE", "0", "DYNAJAX_MIN_BLOCK_SIZE='0': min_block_size must be >= 1"),
         ("DYNAJAX_FALLBACK_OPS", "aten.nonzer", "did you mean 'aten.nonzero'"),
+        ("DYNAJAX_DEVICE", "cpu:9", "DYNAJAX_DEVICE='cpu:9': device 'cpu:9': JAX has 1 cpu"),
     ],
-    ids=["strict", "block-not-int", "block-zero", "op-typo"],
+    ids=["strict", "block-not-int", "block-zero", "op-typo", "device"],
 )
 def test_bad_env_values_name_the_variable_and_valid_values(monkeypatch, var, raw, message) -> None:
     monkeypatch.setenv(var, raw)
