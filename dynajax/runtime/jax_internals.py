@@ -23,6 +23,7 @@ slowing every call, and it runs the fallbacks too. Nothing else in dynajax impor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,30 +33,36 @@ import jax
 class _X64Switch:
     """Turns 64-bit types on for the current thread and restores the previous state.
 
-    token = X64.enable()
-    try: ...
-    finally: X64.restore(token)
+        token = X64.enable()
+        try: ...
+        finally: X64.restore(token)
+
+    With the internal switch, ``enable`` and ``restore`` are its own methods (bound once
+    here), so the per-call path pays no extra Python frame for going through the shim.
     """
 
+    enable: Callable[[], Any]
+    restore: Callable[[Any], None]
+
     def __init__(self, private: bool = True) -> None:
-        self._state = _private_x64_state() if private else None
-
-    @property
-    def uses_internal(self) -> bool:
-        return self._state is not None
-
-    def enable(self) -> Any:
-        if self._state is not None:
-            return self._state.swap_local(True)
-        ctx = jax.enable_x64(True)
-        ctx.__enter__()
-        return ctx
-
-    def restore(self, token: Any) -> None:
-        if self._state is not None:
-            self._state.set_local(token)
+        state = _private_x64_state() if private else None
+        self.uses_internal = state is not None
+        if state is not None:
+            self.enable = functools.partial(state.swap_local, True)
+            self.restore = state.set_local
         else:
-            token.__exit__(None, None, None)
+            self.enable = _enter_x64
+            self.restore = _exit_x64
+
+
+def _enter_x64() -> Any:
+    ctx = jax.enable_x64(True)
+    ctx.__enter__()
+    return ctx
+
+
+def _exit_x64(ctx: Any) -> None:
+    ctx.__exit__(None, None, None)
 
 
 def _private_x64_state() -> Any | None:
