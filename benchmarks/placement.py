@@ -37,8 +37,6 @@ def _per_call_s(fn: Callable[[], Any], calls: int) -> float:
 
 
 def _rows(rounds: int, calls: int) -> None:
-    import dynajax
-
     torch.manual_seed(0)
     models = {
         "MLP 512-2048-512, batch 8": (
@@ -50,37 +48,44 @@ def _rows(rounds: int, calls: int) -> None:
     }
     print(f"{'model':<28} {'way':<26} {'ms/call':>9} {'x default':>10}")
     for name, (model, x) in models.items():
-        params = list(model.parameters())
-        runs: dict[str, Callable[[], Any]] = {}
         with torch.no_grad():
-            default = torch.compile(model, backend=dynajax.Backend(cache_dir=""))
-            placed = torch.compile(model, backend=dynajax.Backend(cache_dir="", device="cpu:1"))
-
-            def bump() -> None:
-                for p in params:
-                    p.add_(0)
-
-            def copied() -> Any:
-                bump()
-                return placed(x)
-
-            runs = {
-                "default": lambda: default(x),
-                "device, resident": lambda: placed(x),
-                "device, copied per call": copied,
-                "(version bump alone)": bump,
-            }
-            for f in runs.values():
-                for _ in range(20):
-                    f()
-            samples: dict[str, list[float]] = {k: [] for k in runs}
-            for _ in range(rounds):
-                for k, f in runs.items():
-                    samples[k].append(_per_call_s(f, calls))
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        med["device, copied per call"] -= med.pop("(version bump alone)")
+            med = _time_ways(model, x, rounds, calls)
         for way, s in med.items():
             print(f"{name:<28} {way:<26} {s * 1e3:>9.3f} {s / med['default']:>10.2f}")
+
+
+def _time_ways(model: torch.nn.Module, x: torch.Tensor, rounds: int, calls: int) -> dict:
+    """Median seconds per call of each way, interleaved round by round."""
+    import dynajax
+
+    params = list(model.parameters())
+    default = torch.compile(model, backend=dynajax.Backend(cache_dir=""))
+    placed = torch.compile(model, backend=dynajax.Backend(cache_dir="", device="cpu:1"))
+
+    def bump() -> None:
+        for p in params:
+            p.add_(0)
+
+    def copied() -> Any:
+        bump()
+        return placed(x)
+
+    runs: dict[str, Callable[[], Any]] = {
+        "default": lambda: default(x),
+        "device, resident": lambda: placed(x),
+        "device, copied per call": copied,
+        "(version bump alone)": bump,
+    }
+    for f in runs.values():
+        for _ in range(20):
+            f()
+    samples: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, f in runs.items():
+            samples[k].append(_per_call_s(f, calls))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    med["device, copied per call"] -= med.pop("(version bump alone)")
+    return med
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,8 @@ from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, Report, WhatIf
 from dynajax.diagnostics.explain import explain
 from dynajax.errors import DynajaxError, OptionsError, UnsupportedNodesError
+from dynajax.interop import JaxFunction, jax_function
+from dynajax.interop.call_jax import call_jax
 from dynajax.lowering.registry import supported_ops
 
 __version__ = "0.1.0"
@@ -19,6 +21,7 @@ __all__ = [
     "Backend",
     "DynajaxError",
     "GraphReport",
+    "JaxFunction",
     "Options",
     "OptionsError",
     "Reason",
@@ -28,7 +31,9 @@ __all__ = [
     "UnsupportedNodesError",
     "WhatIf",
     "__version__",
+    "call_jax",
     "dynajax_backend",
     "explain",
+    "jax_function",
     "supported_ops",
 ]

@@ -36,3 +36,42 @@ class UnsupportedNodesError(DynajaxError):
 
 class ConversionError(DynajaxError, TypeError):
     """A value cannot cross the torch/JAX boundary."""
+
+
+class JaxFunctionError(DynajaxError, TypeError):
+    """A model cannot become a JAX function, or its JAX function was called with
+    arguments it cannot take (a missing PRNG key, missing or extra state entries,
+    inputs of another structure, dtype or static size)."""
+
+
+class CallbackOpsError(UnsupportedNodesError):
+    """Raised by ``jax_function(..., strict=True)`` when ops of the model cannot run in JAX.
+
+    Without ``strict`` those ops run in eager PyTorch through host callbacks; with it,
+    one error lists every such op, with its reason and source line.
+
+    Attributes:
+        verdicts: the ``Unsupported`` verdicts of every op that would need a callback.
+    """
+
+    def __init__(self, verdicts: list) -> None:
+        self.verdicts = list(verdicts)
+        lines = [f"  - {v.describe()}" for v in self.verdicts]
+        DynajaxError.__init__(
+            self,
+            f"strict=True: {len(self.verdicts)} op(s) of the exported graph cannot run in "
+            "JAX (no rule, or the rule refuses these arguments) and would run in eager "
+            "PyTorch through a host callback:\n"
+            + "\n".join(lines)
+            + "\nTo run them through host callbacks (the eager answer, slower, not "
+            "exportable with jax.export), call jax_function without strict=True, or list "
+            "them in fallback_ops; to run them in JAX, write or extend a rule for each op "
+            "(dynajax/lowering/).",
+        )
+
+
+class CallJaxError(DynajaxError):
+    """The JAX function given to ``dynajax.call_jax`` failed on the inputs it was given,
+    or returned values that cannot come back as tensors. The message names the function,
+    the shapes and dtypes it was called with, and its static arguments; the original
+    exception is the ``__cause__``."""

@@ -19,6 +19,7 @@ from dynajax.lowering import (  # noqa: F401  (each registers its rules on impor
     fft,
     fused,
     indexing,
+    interop,
     nn,
     random,
     reductions,

@@ -136,10 +136,12 @@ def _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode,
 
     # The values come from a plain max window (NaN propagates through XLA's max), the
     # indices from the variadic one: an inference graph drops the indices, and XLA then
-    # drops their (twice as costly) reduction.
+    # drops their (twice as costly) reduction. JAX cannot differentiate a variadic
+    # window reduction, and the integer indices have no gradient: it reads x through
+    # stop_gradient, so that jax.grad of a jax_function differentiates the values only.
     vals = jax.lax.reduce_window(
         x,
-        jnp.asarray(lowest, x.dtype),
+        np.asarray(lowest, x.dtype),  # concrete: the differentiable max window
         jax.lax.max,
         window,
         strides,
@@ -147,7 +149,7 @@ def _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode,
         window_dilation=dil,
     )
     _, inds = jax.lax.reduce_window(
-        (x, idx),
+        (jax.lax.stop_gradient(x), idx),
         (jnp.asarray(lowest, x.dtype), jnp.asarray(-1, np.int64)),
         select,
         window,

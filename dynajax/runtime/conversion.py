@@ -50,10 +50,27 @@ def to_jax(t: torch.Tensor) -> Any:
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     if t.device.type != "cpu":
-        return jax.dlpack.from_dlpack(t.contiguous())
+        return dlpack_to_jax(t.contiguous())
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(_BF16) if t.dim() else _bf16_scalar(t)
     return t.numpy()
+
+
+def dlpack_to_jax(t: torch.Tensor) -> jax.Array:
+    """A ``jax.Array`` sharing ``t``'s memory through DLPack, on ``t``'s device.
+
+    The path of tensors on accelerators (``to_jax``, ``dynajax.call_jax``); it works
+    on CPU tensors too, which is how CI, without a GPU, exercises it. Pass a
+    contiguous tensor without a lazy conjugate or negative bit (``to_jax`` makes it so):
+    DLPack would hand JAX other strides as a layout, and drops the lazy bits.
+    """
+    return jax.dlpack.from_dlpack(t)
+
+
+def dlpack_to_torch(a: jax.Array) -> torch.Tensor:
+    """A tensor sharing the buffer of ``a`` through DLPack, on ``a``'s device (the
+    DLPack protocol synchronizes the producer's stream). Works on CPU arrays too."""
+    return torch.from_dlpack(a)
 
 
 def fast_to_jax(t: torch.Tensor) -> Any:
@@ -116,7 +133,7 @@ def cpu_device() -> Any:
 def to_torch(a: jax.Array) -> torch.Tensor:
     """A torch tensor viewing the buffer of the JAX array ``a`` (blocks until ready)."""
     if a.platform() != "cpu":
-        return torch.from_dlpack(a)
+        return dlpack_to_torch(a)
     if not _warned:
         quiet_readonly_warning()
     return cpu_to_torch(a)

@@ -1,0 +1,42 @@
+"""Interoperation with JAX programs: a torch model as a JAX function (``jax_function``).
+
+The names are imported on first use (PEP 562), so that importing a submodule of this
+package (the lowering table imports ``dynajax.interop.call_jax``) never pulls in the
+capability and lowering stages that ``jax_function`` builds on: they import the
+lowering table themselves, which would be a cycle.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dynajax.interop.callbacks import CallbackOp
+    from dynajax.interop.function import (
+        BufferUpdatesDiscardedWarning,
+        JaxFunction,
+        jax_function,
+    )
+
+# public name -> the submodule that defines it
+_LAZY = {
+    "BufferUpdatesDiscardedWarning": "dynajax.interop.function",
+    "CallbackOp": "dynajax.interop.callbacks",
+    "JaxFunction": "dynajax.interop.function",
+    "jax_function": "dynajax.interop.function",
+}
+
+__all__ = [
+    "BufferUpdatesDiscardedWarning",
+    "CallbackOp",
+    "JaxFunction",
+    "jax_function",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dynajax.interop' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

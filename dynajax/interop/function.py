@@ -1,0 +1,705 @@
+"""A torch model as a pure JAX function: ``fn, state = dynajax.jax_function(model, x)``.
+
+    fn, state = dynajax.jax_function(model, x)          # state: {"0.weight": Array, ...}
+    y = jax.jit(fn)(state, x)                            # eager's answer, as jax.Arrays
+    grads = jax.grad(lambda p: loss(fn({**p, **buffers}, x)))(params)
+    y, state = fn.with_state(state, x)                   # models that update buffers
+    y = fn(state, x, key=jax.random.key(0))              # models with random ops
+
+How it is built: ``torch.export.export`` captures the module (in its current train/eval
+mode; a plain function is wrapped in a module), ``run_decompositions`` with dynajax's
+table gives the core ATen graph the backend sees, then the backend's own stages run on
+it: ``run_passes``, the capability verdicts, and the lowering table through
+``ExportInterpreter``. There is no partitioning: the whole graph is one JAX function.
+Ops without a JAX rule run in eager PyTorch through host callbacks
+(``interop/callbacks.py``), listed in ``fn.callbacks``; ``strict=True`` refuses them.
+
+The export's graph signature maps the graph's placeholders to state names
+(``inputs_to_parameters``, ``inputs_to_buffers``), lifted tensor constants (closed over,
+converted once, not state) and user inputs, and its outputs to user outputs and the new
+values of mutated buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import sympy
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from dynajax.aot import decompositions
+from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_of
+from dynajax.capability.verdict import source_line
+from dynajax.errors import CallbackOpsError, JaxFunctionError
+from dynajax.interop.callbacks import CallbackOp, flat_outputs, from_numpy
+from dynajax.interop.interpreter import ExportInterpreter, SizeBindings
+from dynajax.lowering.dtypes import TORCH_TO_JAX
+from dynajax.lowering.registry import get_rule
+from dynajax.passes import run_passes
+from dynajax.runtime.conversion import to_jax
+
+aten = torch.ops.aten
+
+State = dict[str, jax.Array]
+
+# JAX's warning when a 64-bit dtype is asked for with its 64-bit mode off.
+_TRUNCATION_WARNING = "Explicitly requested dtype"
+
+
+class BufferUpdatesDiscardedWarning(UserWarning):
+    """``fn(state, ...)`` was called on a model that updates buffers: the updates are
+    dropped (``fn.with_state`` returns them)."""
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def _fused_cpu_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+) -> bool:
+    """Whether eager's CPU dispatch runs ``scaled_dot_product_attention`` through its
+    fused kernel (``_scaled_dot_product_flash_attention_for_cpu``) for these
+    arguments: the conditions of ``use_flash_attention_cpp`` in PyTorch's
+    ``sdp_utils_cpp``, else it runs the math kernel."""
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    if query.device.type != "cpu" or dropout_p != 0.0:
+        return False
+    if not (query.dim() == key.dim() == value.dim() == 4):
+        return False
+    if query.dtype not in dtypes or not (query.dtype == key.dtype == value.dtype):
+        return False
+    batch, heads, length, dim = query.shape
+    if not (key.size(0) == value.size(0) == batch and key.size(1) == value.size(1)):
+        return False
+    if heads % key.size(1) != 0 or not (key.size(-1) == value.size(-1) == dim):
+        return False
+    if length == 0 or key.size(2) == 0:
+        return False
+    if any(t.stride(-1) != 1 for t in (query, key, value)):
+        return False
+    if attn_mask is None:
+        return True
+    if attn_mask.size(-2) not in (length, 1) or attn_mask.size(-1) not in (key.size(2), 1):
+        return False
+    if attn_mask.dim() == 2:
+        return True
+    return (
+        attn_mask.dim() == 4 and attn_mask.size(0) in (batch, 1) and attn_mask.size(1) in (heads, 1)
+    )
+
+
+def _sdpa_as_exported(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with the output strides torch.export recorded.
+
+    torch.export records the op whole, with the strides of the kernel eager's CPU
+    dispatch picks (the fused kernel lays its output out as (batch, sequence, heads,
+    dim); the math kernel's is contiguous), and later views of the output rely on
+    them. ``run_decompositions`` then decomposes it through its CompositeImplicit
+    kernel, which on fake tensors takes the math kernel and its strides, so a later
+    ``view`` fails ("Cannot view a tensor with shape ..."; pytorch/pytorch#136543;
+    GPT-2 and LLaMA of ``transformers`` hit it). Here the math kernel computes the
+    values (PyTorch's decomposition of the fused kernel does the same) and, where eager
+    picks the fused kernel (``_fused_cpu_kernel``), a copy gives them its layout, so
+    every recorded view stays valid; XLA sees the copy as a transpose pair. A boolean
+    mask becomes the additive one the kernels take (0 where kept, -inf elsewhere, in
+    the query's dtype), as the op's own kernel does before dispatching.
+    """
+    fused = _fused_cpu_kernel(query, key, value, attn_mask, dropout_p)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=query.dtype, device=attn_mask.device)
+        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), zero)
+    out = aten._scaled_dot_product_attention_math.default(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+    )[0]
+    if fused:
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    return out
+
+
+@functools.cache
+def export_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The backend's decomposition table (``dynajax.aot.decompositions``), plus the
+    attention entry that ``run_decompositions`` needs (``_sdpa_as_exported``)."""
+    return {
+        **decompositions(),
+        aten.scaled_dot_product_attention.default: _sdpa_as_exported,
+    }
+
+
+class _FunctionModule(nn.Module):
+    """A plain function as a module, for torch.export (it has no state of its own:
+    tensors it closes over become constants of the JAX function)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def export(
+    module_or_fn: nn.Module | Callable[..., Any],
+    example_args: tuple[Any, ...],
+    dynamic_shapes: Any = None,
+) -> ExportedProgram:
+    """The core ATen ``ExportedProgram`` of a module (in its current mode) or function."""
+    module = module_or_fn if isinstance(module_or_fn, nn.Module) else _FunctionModule(module_or_fn)
+    ep = torch.export.export(module, example_args, dynamic_shapes=dynamic_shapes, strict=False)
+    return ep.run_decompositions(export_decompositions())
+
+
+# -- the function ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    """One placeholder of the graph: where its value comes from when the function runs."""
+
+    kind: InputKind
+    name: str  # the state name, constant name, or user input's position
+    example: Any  # its fake value (a FakeTensor, or a Python value)
+
+
+def _jax_dtype(t: torch.Tensor) -> np.dtype:
+    """The JAX dtype of a torch tensor in the caller's JAX mode (int64 is int32 when
+    JAX's 64-bit mode is off)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(TORCH_TO_JAX[t.dtype]))
+
+
+# The dtype a 64-bit value has when it was made with JAX's 64-bit mode off; the function
+# casts such inputs back up when it runs with 64-bit mode on.
+_NARROWED = {
+    np.dtype(np.int64): np.dtype(np.int32),
+    np.dtype(np.uint64): np.dtype(np.uint32),
+    np.dtype(np.float64): np.dtype(np.float32),
+    np.dtype(np.complex128): np.dtype(np.complex64),
+}
+
+
+class JaxFunction:
+    """A torch model as a pure JAX function of its state and inputs.
+
+    ``fn(state, *args, key=None)`` returns the model's outputs as ``jax.Array``s, nested
+    as the torch outputs (a tensor, tuple, list or dict; a ``transformers`` ModelOutput
+    becomes a dict of its fields). ``state`` is a dict of every parameter and buffer by
+    its torch name (``jax_function`` returns one); ``args`` are arrays (or NumPy
+    arrays) nested as the example arguments.
+
+    **Buffer updates.** A model may update buffers in place (BatchNorm's running
+    statistics and ``num_batches_tracked`` in train mode). The convention is one
+    function, one output structure: ``fn(...)`` always returns the outputs only, and
+    ``fn.with_state(state, *args, key=None)`` always returns ``(outputs, new_state)``,
+    ``new_state`` having exactly ``state``'s keys, with the updated buffers replaced. So
+    each form has the same structure whatever the model does: ``fn`` drops into
+    ``jax.grad`` and ``jax.vmap`` like any loss function, and ``with_state`` into
+    ``jax.lax.scan`` with the state as the carry. What cannot be done by accident is
+    losing the updates silently: calling ``fn(...)`` on a model that updates buffers
+    warns once (``BufferUpdatesDiscardedWarning``), and ``fn.mutated_buffers`` names
+    them; use ``fn.with_state(...)[0]`` to drop them on purpose, or ``model.eval()``
+    before ``jax_function``.
+
+    **Tied weights.** Parameters that are one tensor under two names (GPT-2's
+    ``lm_head.weight`` is ``transformer.wte.weight``) are one state entry, under the
+    name ``model.named_parameters()`` gives it, so their gradient is the sum over both
+    uses, as in PyTorch, and an optimizer keeps them tied.
+
+    **Gradients.** Differentiate with respect to the parameters only (buffers may be
+    integers, which ``jax.grad`` refuses): ``params, buffers = fn.split_state(state)``,
+    then ``jax.grad(lambda p: loss(fn({**p, **buffers}, x)))(params)``.
+
+    **Randomness.** Random ops (dropout in train mode) draw from the JAX PRNG key
+    passed as ``key=``: the same key gives the same numbers, a model with random ops
+    called without one raises ``JaxFunctionError``. The numbers are JAX's, not those
+    eager PyTorch draws (same distributions).
+
+    **64-bit types.** The function runs in the caller's JAX mode, because ``jax.jit``
+    lowers it after it returns, under the caller's settings (a trace switching
+    ``jax.enable_x64`` inside would be lowered in the other mode). With 64-bit mode on
+    (``jax.config.update("jax_enable_x64", True)`` or ``with jax.enable_x64(True)``),
+    torch's dtypes are kept exactly, as dynajax's backend keeps them: int64 token ids,
+    buffers and outputs, float64 models, and the rules that compute in float64 to
+    round as eager does. With it off (JAX's default), 64-bit values are 32-bit, as
+    everywhere in JAX: ``num_batches_tracked`` and ``argmax`` are int32, a float64
+    model computes in float32, and the few rules that divide or accumulate in float64
+    for eager's exact rounding do it in float32 (results within float32 tolerance of
+    eager's). Build the state in the mode the function will run in.
+
+    Attributes:
+        parameter_names: the state entries that are parameters, in the model's order.
+        buffer_names: the state entries that are buffers.
+        mutated_buffers: the buffers (and parameters) the model updates in place, whose
+            new values ``with_state`` returns.
+        mutated_inputs: positions (among the flattened user inputs) of inputs the model
+            updates in place; JAX arrays are immutable, so those updates are not seen
+            by the caller (return the value from the model instead).
+        random_ops: the random ops that draw from ``key`` (empty: no key needed).
+        callbacks: every op that runs in eager PyTorch through a host callback.
+        graph_module: the annotated core ATen graph the function interprets.
+        exported_program: the ``ExportedProgram`` it came from.
+    """
+
+    def __init__(
+        self,
+        ep: ExportedProgram,
+        gm: torch.fx.GraphModule,
+        callbacks: tuple[CallbackOp, ...],
+        random_ops: tuple[str, ...],
+        aliases: Mapping[str, str],
+    ) -> None:
+        self.exported_program = ep
+        self.graph_module = gm
+        self.callbacks = callbacks
+        self.random_ops = random_ops
+        sig = ep.graph_signature
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(sig.input_specs):
+            raise JaxFunctionError(
+                f"the exported graph has {len(placeholders)} inputs but its signature "
+                f"lists {len(sig.input_specs)}; please report this dynajax bug."
+            )
+        self._inputs: list[_Input] = []
+        user = 0
+        for node, spec in zip(placeholders, sig.input_specs, strict=True):
+            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                assert spec.target is not None
+                name = aliases.get(spec.target, spec.target)
+            elif spec.kind is InputKind.CONSTANT_TENSOR:
+                assert spec.target is not None
+                name = spec.target
+            elif spec.kind is InputKind.USER_INPUT:
+                name, user = str(user), user + 1
+            else:
+                raise JaxFunctionError(
+                    f"the exported graph takes a {spec.kind.name} input ('{node.name}'); "
+                    "jax_function supports models whose inputs are parameters, buffers, "
+                    "tensor constants and tensors (no script objects or effect tokens)."
+                )
+            self._inputs.append(_Input(spec.kind, name, node.meta.get("val")))
+        # Tied tensors (GPT-2's lm_head.weight is transformer.wte.weight) are one entry.
+        self.parameter_names = tuple(
+            dict.fromkeys(i.name for i in self._inputs if i.kind is InputKind.PARAMETER)
+        )
+        self.buffer_names = tuple(
+            dict.fromkeys(i.name for i in self._inputs if i.kind is InputKind.BUFFER)
+        )
+        self._constants = {
+            i.name: _constant_array(ep, i.name)
+            for i in self._inputs
+            if i.kind is InputKind.CONSTANT_TENSOR
+        }
+        self._outputs: list[tuple[OutputKind, str | None]] = []
+        for spec in sig.output_specs:
+            if spec.kind not in (
+                OutputKind.USER_OUTPUT,
+                OutputKind.BUFFER_MUTATION,
+                OutputKind.PARAMETER_MUTATION,
+                OutputKind.USER_INPUT_MUTATION,
+            ):
+                raise JaxFunctionError(
+                    f"the exported graph returns a {spec.kind.name} output; jax_function "
+                    "supports user outputs and buffer updates only."
+                )
+            self._outputs.append((spec.kind, spec.target))
+        self._outputs = [
+            (k, aliases.get(t, t) if t is not None else None) for k, t in self._outputs
+        ]
+        self.mutated_buffers = tuple(
+            t
+            for k, t in self._outputs
+            if k in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION) and t
+        )
+        user_input_names = [s.arg.name for s in sig.input_specs if s.kind is InputKind.USER_INPUT]
+        self.mutated_inputs = tuple(
+            user_input_names.index(t)
+            for k, t in self._outputs
+            if k is OutputKind.USER_INPUT_MUTATION and t in user_input_names
+        )
+        self._in_spec = ep.call_spec.in_spec
+        self._out_spec = ep.call_spec.out_spec
+        self._range = dict(ep.range_constraints)
+        self._warned = False
+        self.__name__ = "jax_function"
+        self.__qualname__ = "jax_function"
+
+    # -- public ------------------------------------------------------------------------
+
+    def __call__(self, state: Mapping[str, Any], *args: Any, key: Any = None) -> Any:
+        """The model's outputs on ``args`` with ``state`` (buffer updates dropped)."""
+        if self.mutated_buffers and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"this model updates buffers in place ({', '.join(self.mutated_buffers)}), "
+                "and fn(state, ...) returns the outputs only, dropping the new values. "
+                "Use fn.with_state(state, ...) -> (outputs, new_state) to keep them (or "
+                "[0] of it to drop them on purpose), or export the model in eval mode.",
+                BufferUpdatesDiscardedWarning,
+                stacklevel=2,
+            )
+        outputs, _ = self._run(state, args, key)
+        return outputs
+
+    def with_state(
+        self, state: Mapping[str, Any], *args: Any, key: Any = None
+    ) -> tuple[Any, State]:
+        """``(outputs, new_state)``: ``new_state`` has ``state``'s keys, the buffers the
+        model updates (``mutated_buffers``) replaced by their new values."""
+        outputs, updates = self._run(state, args, key)
+        new_state = dict(state)
+        new_state.update(updates)
+        return outputs, new_state
+
+    def split_state(self, state: Mapping[str, Any]) -> tuple[State, State]:
+        """``(parameters, buffers)`` of a state dict: differentiate the first."""
+        params = {n: state[n] for n in self.parameter_names if n in state}
+        buffers = {n: v for n, v in state.items() if n not in params}
+        return params, buffers
+
+    @property
+    def report(self) -> str:
+        """What runs where: the op count in JAX and every host callback."""
+        nodes = [
+            n
+            for n in self.graph_module.graph.nodes
+            if n.op == "call_function"
+            and n.target is not operator.getitem
+            and not _is_host_scalar(n)
+        ]
+        lines = [
+            f"dynajax jax_function: {len(nodes) - len(self.callbacks)}/{len(nodes)} ATen ops "
+            f"in JAX, {len(self.callbacks)} host callback(s)"
+        ]
+        if self.callbacks:
+            lines.append("  run in eager PyTorch through host callbacks:")
+            lines += [f"    {c.describe()}" for c in self.callbacks]
+        if self.random_ops:
+            lines.append(f"  random ops (need key=): {', '.join(self.random_ops)}")
+        if self.mutated_buffers:
+            lines.append(f"  buffers updated (fn.with_state): {', '.join(self.mutated_buffers)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"<dynajax.JaxFunction: {len(self.parameter_names)} parameters, "
+            f"{len(self.buffer_names)} buffers, {len(self.callbacks)} host callback(s)>"
+        )
+
+    # -- the trace ---------------------------------------------------------------------
+
+    def _run(
+        self, state: Mapping[str, Any], args: tuple[Any, ...], key: Any
+    ) -> tuple[Any, dict[str, jax.Array]]:
+        if key is None and self.random_ops:
+            first = self.random_ops[0]
+            more = len(self.random_ops) - 1
+            raise JaxFunctionError(
+                f"this model draws random numbers ({first}"
+                + (f", and {more} more random op(s): fn.random_ops" if more else "")
+                + "), so its JAX function needs a PRNG key: fn(state, *args, "
+                "key=jax.random.key(0)). The same key gives the same numbers; split it "
+                "(jax.random.split) for fresh ones. In eval mode dropout draws nothing."
+            )
+        if not isinstance(state, Mapping):
+            raise JaxFunctionError(
+                f"the first argument must be the state dict jax_function returned, got "
+                f"{type(state).__name__}."
+            )
+        self._check_state_keys(state)
+        leaves, spec = pytree.tree_flatten((tuple(args), {}))
+        if spec != self._in_spec:
+            raise JaxFunctionError(
+                f"fn takes its arguments nested as the example arguments were: {self._in_spec}; "
+                f"got {spec}."
+            )
+        with warnings.catch_warnings():
+            # Rules ask for int64/float64 by name; with JAX's 64-bit mode off JAX warns
+            # that it gives 32 bits, which is this mode's documented behaviour.
+            warnings.filterwarnings("ignore", _TRUNCATION_WARNING, UserWarning)
+            sizes = SizeBindings()
+            values = []
+            for inp in self._inputs:
+                if inp.kind is InputKind.CONSTANT_TENSOR:
+                    values.append(jnp.asarray(self._constants[inp.name]))
+                elif inp.kind is InputKind.USER_INPUT:
+                    position = int(inp.name)
+                    values.append(self._user_input(position, leaves[position], inp.example, sizes))
+                else:
+                    values.append(_array(state[inp.name], inp.example, f"state['{inp.name}']"))
+            self._check_ranges(sizes)
+            results = ExportInterpreter(self.graph_module, key, sizes).run(*values)
+            user_outputs, updates = [], {}
+            for (kind, target), value in zip(self._outputs, results, strict=True):
+                if kind is OutputKind.USER_OUTPUT:
+                    user_outputs.append(value)
+                elif kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION):
+                    assert target is not None
+                    updates[target] = value
+            return _unflatten(self._out_spec, iter(user_outputs)), updates
+
+    def _check_state_keys(self, state: Mapping[str, Any]) -> None:
+        names = set(self.parameter_names) | set(self.buffer_names)
+        missing = sorted(names - set(state))
+        extra = sorted(set(state) - names)
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            if extra:
+                parts.append(f"unknown {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+            raise JaxFunctionError(
+                "the state must have exactly the model's parameters and buffers by torch "
+                f"name (the dict jax_function returned): {'; '.join(parts)}."
+            )
+
+    def _user_input(self, position: int, value: Any, example: Any, sizes: SizeBindings) -> Any:
+        where = f"input {position}"
+        if not isinstance(example, torch.Tensor):
+            # Python values are specialized by torch.export: they must not change.
+            if value != example:
+                raise JaxFunctionError(
+                    f"{where} was {example!r} when the model was exported, and its value is "
+                    f"part of the graph; got {value!r}. Export again for another value."
+                )
+            return value
+        if isinstance(value, torch.Tensor):
+            value = to_jax(value)
+        array = _array(value, example, where, static_only=True)
+        for dim, (size, want) in enumerate(zip(array.shape, example.shape, strict=True)):
+            if isinstance(want, torch.SymInt) and isinstance(want.node.expr, sympy.Symbol):
+                sizes.bind(want.node.expr, size, f"dim {dim} of {where}")
+        return array
+
+    def _check_ranges(self, sizes: SizeBindings) -> None:
+        for symbol, value in sizes.values.items():
+            bounds = self._range.get(symbol)
+            if bounds is None or not isinstance(value, int):
+                continue
+            low, high = bounds.lower, bounds.upper
+            size = sympy.Integer(value)
+            if bool(size < low) or bool(size > high):  # bounds may be (int_)oo
+                raise JaxFunctionError(
+                    f"a dynamic dimension ({symbol}) has size {value}, outside the range "
+                    f"[{low}, {high}] torch.export allowed for it. Export with "
+                    "dynamic_shapes whose Dim(min=..., max=...) include this size."
+                )
+
+
+def _is_host_scalar(n: torch.fx.Node) -> bool:
+    verdict = verdict_of(n)
+    return isinstance(verdict, Unsupported) and verdict.reason is Reason.HOST_SCALAR
+
+
+def _constant_array(ep: ExportedProgram, name: str) -> np.ndarray:
+    """A lifted tensor constant as a NumPy copy, made once; each trace embeds it in the
+    caller's JAX mode."""
+    value = ep.constants[name]
+    if not isinstance(value, torch.Tensor):
+        raise JaxFunctionError(
+            f"the model's constant '{name}' is a {type(value).__name__}, not a tensor; "
+            "jax_function supports tensor constants only."
+        )
+    return np.array(to_jax(value.detach().cpu()))
+
+
+def _array(value: Any, example: Any, where: str, *, static_only: bool = False) -> Any:
+    """``value`` as a JAX value of ``example``'s dtype and shape (dynamic dims free)."""
+    if not isinstance(value, jax.Array):
+        try:
+            value = jnp.asarray(value)
+        except TypeError as e:
+            raise JaxFunctionError(
+                f"{where} must be an array, got {type(value).__name__}: {e}"
+            ) from e
+    want = _jax_dtype(example)
+    if value.dtype != want:
+        if _NARROWED.get(want) == value.dtype:
+            value = value.astype(want)  # made with 64-bit mode off, run with it on
+        else:
+            raise JaxFunctionError(
+                f"{where} has dtype {value.dtype}; the model was exported with {want}. "
+                f"Convert it (x.astype(jnp.{want.name}))."
+            )
+    if len(value.shape) != example.dim():
+        raise JaxFunctionError(
+            f"{where} has shape {tuple(value.shape)}; the model was exported with "
+            f"{example.dim()} dims ({tuple(example.shape)})."
+        )
+    for dim, (got, want_size) in enumerate(zip(value.shape, example.shape, strict=True)):
+        if isinstance(want_size, int) and got != want_size:
+            dynamic = " (pass dynamic_shapes to jax_function to let it vary)" if static_only else ""
+            raise JaxFunctionError(
+                f"dim {dim} of {where} has size {got}; the model was exported with the "
+                f"static size {want_size}{dynamic}."
+            )
+    return value
+
+
+def _unflatten(spec: pytree.TreeSpec, leaves: Any) -> Any:
+    """The torch output structure, with containers JAX can trace: tuples, lists,
+    namedtuples and dicts as themselves, any other container with keys (a
+    ``transformers`` ModelOutput) as a dict of its fields, the rest as tuples."""
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_unflatten(c, leaves) for c in spec.children()]
+    kind = spec.type
+    if kind in (tuple, list):
+        return kind(children)
+    if isinstance(spec.context, type) and issubclass(spec.context, tuple):  # namedtuple
+        return spec.context(*children)
+    context = spec.context
+    if isinstance(context, list | tuple) and len(context) == len(children):
+        return dict(zip(context, children, strict=True))
+    return tuple(children)
+
+
+# -- building ----------------------------------------------------------------------------
+
+
+def _differentiable(n: torch.fx.Node) -> bool:
+    def inexact(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+    ins = [a.meta.get("val") for a in n.all_input_nodes]
+    return any(inexact(t) for t in ins) and any(inexact(t) for t in flat_outputs(n.meta.get("val")))
+
+
+def _random_ops(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    ops = []
+    for n in gm.graph.nodes:
+        verdict = verdict_of(n)
+        if n.op == "call_function" and verdict is not None and verdict.supported:
+            rule = get_rule(n.target)
+            if rule is not None and rule.needs_key:
+                where = source_line(n)
+                ops.append(verdict.target + (f" at {where}" if where else ""))
+    return tuple(ops)
+
+
+def jax_function(
+    module_or_fn: nn.Module | Callable[..., Any],
+    *example_args: Any,
+    dynamic_shapes: Any = None,
+    strict: bool = False,
+    fallback_ops: Iterable[str] = (),
+) -> tuple[JaxFunction, State]:
+    """A torch model as a pure JAX function, and the model's state as a pytree.
+
+        fn, state = dynajax.jax_function(model, x)
+        y = jax.jit(fn)(state, x)                    # == model(x), as jax.Arrays
+
+    Args:
+        module_or_fn: an ``nn.Module`` (exported in its current train/eval mode) or a
+            function of tensors (tensors it closes over become constants, not state).
+        *example_args: example inputs (tensors or arrays, or tuples/lists/dicts of
+            them), as for ``torch.export.export``; the function takes arrays nested the
+            same way.
+        dynamic_shapes: ``torch.export``'s ``dynamic_shapes`` (``torch.export.Dim``) for
+            dims that may vary; other dims are fixed at the example's sizes. The JAX
+            function reads every size from the arrays it is traced with, so under
+            ``jax.jit`` it retraces per shape.
+        strict: raise ``CallbackOpsError`` listing every op without a JAX rule (with
+            its source line), instead of running those ops in eager PyTorch through
+            host callbacks.
+        fallback_ops: ops to run in eager PyTorch through host callbacks even where a
+            JAX rule exists, as the backend's option of that name: ``"aten.sort"`` (all
+            overloads) or ``"aten.sort.default"``. ``strict`` accepts these.
+
+    Returns:
+        ``(fn, state)``: the ``JaxFunction`` (``fn(state, *args, key=None)``; see its
+        docstring for buffer updates, gradients and random keys) and a dict of every
+        parameter and buffer as a ``jax.Array`` (a copy), keyed by its torch name
+        (``"0.weight"``).
+
+    Raises:
+        CallbackOpsError: ``strict`` and some ops have no JAX rule.
+        JaxFunctionError: the graph has what a JAX function cannot express (sizes that
+            depend on tensor data, dtypes JAX lacks, control-flow submodules).
+    """
+    examples = pytree.tree_map(_example_tensor, tuple(example_args))
+    ep = export(module_or_fn, examples, dynamic_shapes)
+    gm = run_passes(ep.graph_module)
+    refused = CapabilityChecker(fallback_ops).annotate(gm)
+    impossible = [v for v in refused if v.reason in (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE)]
+    if impossible:
+        raise JaxFunctionError(
+            "these ops of the exported graph cannot be part of a JAX function (JAX needs "
+            "every shape at trace time, and the dtypes to exist in JAX):\n"
+            + "\n".join(f"  - {v.describe()}" for v in impossible)
+        )
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        raise JaxFunctionError(
+            "the exported graph has submodules (torch.cond, torch.while_loop or other "
+            "control-flow operators), which jax_function does not lower yet."
+        )
+    nodes = {n.name: n for n in gm.graph.nodes}
+    # A getitem picking an output of a callback is no callback of its own.
+    refused = [v for v in refused if nodes[v.node].target is not operator.getitem]
+    unwanted = [v for v in refused if not v.reason.is_choice]
+    if strict and unwanted:
+        raise CallbackOpsError(unwanted)
+    callbacks = tuple(CallbackOp.from_verdict(v, _differentiable(nodes[v.node])) for v in refused)
+    fn = JaxFunction(ep, gm, callbacks, _random_ops(gm), _tied_names(module_or_fn))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _TRUNCATION_WARNING, UserWarning)
+        state = {name: _state_array(ep, name) for name in (*fn.parameter_names, *fn.buffer_names)}
+    return fn, state
+
+
+def _example_tensor(value: Any) -> Any:
+    """An example argument for torch.export: arrays (JAX or NumPy) as tensors (copies)."""
+    if isinstance(value, jax.Array | np.ndarray):
+        return from_numpy(np.array(value))
+    return value
+
+
+def _tied_names(module_or_fn: Any) -> dict[str, str]:
+    """Each name of a parameter or buffer that is also reachable under an earlier name
+    (a tied weight), mapped to that first name: the one ``named_parameters()`` and
+    ``named_buffers()`` give it."""
+    if not isinstance(module_or_fn, nn.Module):
+        return {}
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, t in (
+        *module_or_fn.named_parameters(remove_duplicate=False),
+        *module_or_fn.named_buffers(remove_duplicate=False),
+    ):
+        canonical = first.setdefault(id(t), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+def _state_array(ep: ExportedProgram, name: str) -> jax.Array:
+    value = ep.state_dict.get(name)
+    if value is None:
+        value = ep.constants.get(name)  # non-persistent buffers
+    if not isinstance(value, torch.Tensor):
+        raise JaxFunctionError(f"no tensor for the state entry '{name}' in the export.")
+    return jnp.array(to_jax(value.detach()))
