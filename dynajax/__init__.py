@@ -10,22 +10,27 @@ from dynajax.capability import Reason, Supported, Unsupported
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, Report, WhatIf
 from dynajax.diagnostics.explain import explain
-from dynajax.errors import DynajaxError, OptionsError, UnsupportedNodesError
+from dynajax.errors import DynajaxError, OptionsError, ShardingError, UnsupportedNodesError
 from dynajax.interop import JaxFunction, jax_function
 from dynajax.interop.call_jax import call_jax
 from dynajax.lowering.registry import supported_ops
+from dynajax.sharding import ShardingRules
+from dynajax.stablehlo import ExportedModel, export
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
     "DynajaxError",
+    "ExportedModel",
     "GraphReport",
     "JaxFunction",
     "Options",
     "OptionsError",
     "Reason",
     "Report",
+    "ShardingError",
+    "ShardingRules",
     "Supported",
     "Unsupported",
     "UnsupportedNodesError",
@@ -34,6 +39,7 @@ __all__ = [
     "call_jax",
     "dynajax_backend",
     "explain",
+    "export",
     "jax_function",
     "supported_ops",
 ]

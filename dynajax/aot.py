@@ -10,6 +10,9 @@ table lives here:
 * ``FUSED_KERNELS`` are taken out of the table, because our JAX rules reproduce the
   rounding of PyTorch's fused CPU kernels for them, which their decompositions miss
   (the rules and the measurements are in ``lowering/fused.py``).
+* ``CHECKED_KERNELS`` are taken out of the table, because eager's kernel raises on
+  argument values that their decompositions accept; their rules check the values
+  (``lowering/checks.py``).
 
 The corrections:
 
@@ -37,12 +40,14 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 from torch._decomp import core_aten_decompositions
+from torch._dynamo import convert_frame as _convert_frame
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -64,6 +69,12 @@ FUSED_KERNELS: tuple[torch._ops.OpOverload, ...] = (
     aten.logspace.Tensor_Scalar,
     aten.logspace.Scalar_Tensor,
 )
+
+
+# Ops kept whole (not decomposed) because eager's kernel raises on argument values that
+# the decomposition accepts, and the op's rule checks them (lowering/checks.py):
+# bernoulli(p) decomposes to rand < p, which takes any p; eager requires 0 <= p <= 1.
+CHECKED_KERNELS: tuple[torch._ops.OpOverload, ...] = (aten.bernoulli.default,)
 
 
 # -- corrections ---------------------------------------------------------------------------
@@ -140,15 +151,40 @@ def corrections() -> dict[Any, Callable[..., Any]]:
 @functools.cache
 def decompositions() -> dict[Any, Callable[..., Any]]:
     """aot_autograd's decomposition table: PyTorch's core ATen decompositions with
-    ``corrections()``, less ``FUSED_KERNELS``."""
+    ``corrections()``, less ``FUSED_KERNELS`` and ``CHECKED_KERNELS``."""
     table = {**core_aten_decompositions(), **corrections()}
-    for op in FUSED_KERNELS:
+    for op in (*FUSED_KERNELS, *CHECKED_KERNELS):
         table.pop(op, None)
     return table
 
 
 # compile_aten_graph(gm, example_inputs, kind=...) -> the compiled callable
 GraphCompiler = Callable[..., Callable[..., Any]]
+
+
+# Dynamo's lock around every compile it runs (a private name; a lock of our own where a
+# torch release lacks it, which still keeps our backward compiles apart).
+_COMPILE_LOCK = getattr(_convert_frame, "compile_lock", None) or threading.RLock()
+
+
+def _under_compile_lock(compile_graph: GraphCompiler) -> GraphCompiler:
+    """``compile_graph`` run under Dynamo's compile lock.
+
+    aot_autograd compiles a backward graph lazily, at its first backward call, outside
+    the lock that Dynamo holds while it compiles, so the first backwards of several
+    threads compile at once, with each other and with Dynamo's compiles. torch.fx keeps
+    its "preserve node meta" switch in a process-wide global: one thread's tracing then
+    gave the nodes another thread's partitioning created meta they must not have, and
+    fusing failed (``replace_with already has .meta keys``). Under Dynamo's lock (a
+    reentrant one), a backward compiles alone, as forward graphs already do.
+    """
+
+    @functools.wraps(compile_graph)
+    def locked(*args: Any, **kwargs: Any) -> Callable[..., Any]:
+        with _COMPILE_LOCK:
+            return compile_graph(*args, **kwargs)
+
+    return locked
 
 
 def aot_compile(
@@ -159,7 +195,7 @@ def aot_compile(
     ``forward`` or ``backward``."""
     compiler = aot_autograd(
         fw_compiler=functools.partial(compile_aten_graph, kind="forward"),
-        bw_compiler=functools.partial(compile_aten_graph, kind="backward"),
+        bw_compiler=_under_compile_lock(functools.partial(compile_aten_graph, kind="backward")),
         inference_compiler=functools.partial(compile_aten_graph, kind="inference"),
         decompositions=decompositions(),
         # What the backward needs is chosen as inductor chooses it: cheap ops (views,

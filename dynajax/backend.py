@@ -12,6 +12,7 @@ and ``jax.jit`` -> the stitched callable.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -31,6 +32,8 @@ from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitch
 from dynajax.passes import run_passes
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import compile_partition
+from dynajax.sharding import GraphSharding, Placement, StateName, dynamo_input_names
+from dynajax.sharding.names import aten_input_names, partition_input_names
 
 log = logging.getLogger("dynajax.backend")
 
@@ -50,7 +53,18 @@ class Backend:
     def __init__(self, **options: Any) -> None:
         self.options = Options.resolve(options)
         self.graphs: list[GraphReport] = []
-        self.cache = ExecutableCache.from_option(self.options.cache_dir)
+        self.cache = ExecutableCache.from_option(
+            self.options.cache_dir, self.options.cache_max_bytes
+        )
+        # Where partitions run when not where the tensors are: one device or a mesh.
+        o = self.options
+        self.placement: Placement | None = (
+            Placement(mesh=o.mesh, rules=o.sharding)
+            if o.mesh is not None
+            else Placement(device=o.device)
+            if o.device is not None
+            else None
+        )
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
@@ -66,12 +80,26 @@ class Backend:
                 "at compile time. Use torch.compile(m, backend=dynajax.Backend(**options)) "
                 'or torch.compile(m, backend="dynajax", options={...}).'
             )
-        return aot_compile(gm, example_inputs, self.compile_aten_graph)
+        compile_aten_graph: Callable[..., Any] = self.compile_aten_graph
+        if self.placement is not None:
+            # Parameter and buffer names, by Dynamo input, for the sharding rules.
+            names = dynamo_input_names(gm)
+            compile_aten_graph = functools.partial(compile_aten_graph, input_names=names)
+        return aot_compile(gm, example_inputs, compile_aten_graph)
 
     def compile_aten_graph(
-        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, kind: str
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        kind: str,
+        input_names: Sequence[StateName | None] = (),
     ) -> Callable[..., Any]:
-        """Compiles one ATen graph: JAX partitions for what JAX can run, eager for the rest."""
+        """Compiles one ATen graph: JAX partitions for what JAX can run, eager for the rest.
+
+        ``input_names``: the parameter or buffer each input of Dynamo's graph is (None
+        for other inputs), which the sharding rules match.
+        """
         gm = run_passes(gm)
         checker = CapabilityChecker(self.options.fallback_ops)
         refused = checker.annotate(gm)
@@ -85,8 +113,16 @@ class Backend:
         snapshot = snapshot_graph(gm)  # verdicts and partitions, before fusing
         gm = fuse_partitions(gm, proposal)
         stats = CompileStats()  # filled as the partitions compile, at their first calls
+        placement = self.placement
+        sharding = GraphSharding(placement) if placement is not None else None
+        names = (
+            partition_input_names(gm, aten_input_names(gm, input_names))
+            if placement is not None
+            else {}
+        )
         for name, sub in list(gm.named_children()):
             if name.startswith(PREFIX) and isinstance(sub, torch.fx.GraphModule):
+                vals = [n.meta.get("val") for n in sub.graph.nodes if n.op == "placeholder"]
                 part = compile_partition(
                     name,
                     sub,
@@ -94,8 +130,15 @@ class Backend:
                     stats=stats,
                     max_executables=self.options.max_executables,
                     pad_to_buckets=self.options.pad_to_buckets,
-                    device=self.options.device,
+                    checks=self.options.checks,
+                    placement=(
+                        placement.for_partition(names.get(name, []), vals)
+                        if placement is not None
+                        else None
+                    ),
                 )
+                if sharding is not None:
+                    sharding.add(part)
                 setattr(gm, name, part)
         gm.recompile()
         with self._lock:
@@ -108,6 +151,7 @@ class Backend:
                 self.options.min_block_size,
             )
             report.compile_stats = stats
+            report.sharding = sharding
             self.graphs.append(report)
         log_fallbacks_once(report.fallbacks)
         trace_artifact(report.__str__)

@@ -16,6 +16,7 @@ import jax
 import torch
 
 from dynajax.errors import OptionsError
+from dynajax.sharding.rules import ShardingRules
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -38,6 +39,9 @@ class Options:
             ``~/.cache/dynajax/xla``). Entries are keyed by the lowered program (graph,
             shapes, dtypes, everything the options changed in it), the platform and the
             versions of torch, jax, jaxlib and dynajax. Env: ``DYNAJAX_CACHE_DIR``.
+        cache_max_bytes: bound on the total size of the cache directory's entries
+            (default 1 GiB); beyond it the least recently used entries are removed.
+            ``None`` or ``0``: no bound. Env: ``DYNAJAX_CACHE_MAX_BYTES``.
         max_executables: under dynamic shapes, how many XLA executables (one per
             concrete shape, or per bucket) each JAX partition keeps; the least recently
             used is dropped beyond that (a later call with its shape compiles again, or
@@ -49,6 +53,15 @@ class Options:
             reshape or data movement across that dimension; checked on the traced JAX
             program); elsewhere the partition compiles per exact size, and the
             ``dynajax.shapes`` logger says why. Env: ``DYNAJAX_PAD_TO_BUCKETS``.
+        checks: raise where eager raises on argument values: an index out of range
+            (``embedding``, ``gather``, ``x[idx]``, scatters, ...), an integer division
+            or remainder by zero, invalid probabilities, ... (the list, with eager's
+            messages, is ``tests/lowering/value_checks.txt``). JAX clamps or fills such
+            values; with checks, each partition computes eager's checks inside its XLA
+            program and the call raises eager's exception type and message before any
+            output or in-place update reaches the user. Costs one small device-to-host
+            read per call of a partition with checks. False: no checks (invalid values
+            give unspecified numbers, as in ``jax.jit``). Env: ``DYNAJAX_CHECKS``.
         device: the JAX device the JAX partitions run on: a ``jax.Device`` or
             ``"platform[:index]"`` (``"cpu:1"``, ``"gpu:0"``, ``"tpu"``). Parameters and
             buffers are copied there once and stay resident between calls, refreshed
@@ -58,15 +71,30 @@ class Options:
             the inputs' PyTorch device. This runs a model on a device PyTorch has no
             backend for. None (the default): where the tensors are (CPU tensors on
             JAX's first CPU device, zero-copy). Env: ``DYNAJAX_DEVICE``.
+        mesh: a ``jax.sharding.Mesh``: the JAX partitions run on all its devices, SPMD,
+            with parameters and buffers resident and laid out by ``sharding``, other
+            tensor inputs split along their batch dimension, and outputs gathered back
+            to PyTorch as whole tensors. A mesh of one device is ``device=`` that
+            device. Not with ``device``. No environment variable (a mesh is an object).
+        sharding: how state and inputs are laid out on ``mesh``: a
+            ``dynajax.ShardingRules``, a mapping ``{regex: PartitionSpec}`` or a list of
+            ``(regex, PartitionSpec)`` pairs over parameter and buffer names (first
+            match wins; unmatched: replicated). None: everything replicated, inputs
+            split along dim 0 over the mesh's ``"data"`` axis if it has one (data
+            parallelism). Needs ``mesh``.
     """
 
     min_block_size: int = 1
     fallback_ops: tuple[str, ...] = ()
     strict: bool = False
     cache_dir: str | None = None
+    cache_max_bytes: int | None = 1 << 30
     max_executables: int = 16
     pad_to_buckets: bool = False
+    checks: bool = True
     device: Any = None
+    mesh: Any = None
+    sharding: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_block_size, bool) or not isinstance(self.min_block_size, int):
@@ -81,6 +109,8 @@ class Options:
             )
         if not isinstance(self.strict, bool):
             raise OptionsError(f"strict must be True or False, got {self.strict!r}.")
+        if not isinstance(self.checks, bool):
+            raise OptionsError(f"checks must be True or False, got {self.checks!r}.")
         if not isinstance(self.pad_to_buckets, bool):
             raise OptionsError(
                 f"pad_to_buckets must be True or False, got {self.pad_to_buckets!r}."
@@ -96,8 +126,27 @@ class Options:
             )
         if self.cache_dir is not None and not isinstance(self.cache_dir, str | os.PathLike):
             raise OptionsError(f"cache_dir must be a path or None, got {self.cache_dir!r}.")
+        if self.cache_max_bytes is not None and (
+            isinstance(self.cache_max_bytes, bool)
+            or not isinstance(self.cache_max_bytes, int)
+            or self.cache_max_bytes < 0
+        ):
+            raise OptionsError(
+                f"cache_max_bytes must be an int >= 0 (bytes; 0 or None: no bound), "
+                f"got {self.cache_max_bytes!r}."
+            )
         object.__setattr__(self, "fallback_ops", _normalize_ops(self.fallback_ops))
         object.__setattr__(self, "device", _resolve_device(self.device))
+        _check_mesh(self.mesh, self.device)
+        if self.sharding is not None and self.mesh is None:
+            raise OptionsError(
+                "sharding rules need a mesh to lay tensors out on: pass mesh=jax.sharding."
+                "Mesh(...) as well (or drop sharding)."
+            )
+        if self.mesh is not None:
+            rules = ShardingRules.coerce(self.sharding)
+            rules.validate(self.mesh)
+            object.__setattr__(self, "sharding", rules)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -113,6 +162,8 @@ class Options:
                 f"unknown dynajax option(s) {unknown}; valid options are {cls.names()}."
             )
         merged = _from_env()
+        if options.get("mesh") is not None and "device" not in options:
+            merged.pop("device", None)  # an explicit mesh beats DYNAJAX_DEVICE
         merged.update(options)
         return cls(**merged)
 
@@ -213,6 +264,28 @@ def _resolve_device(value: Any) -> jax.Device | None:
     return devices[int(index)]
 
 
+def _check_mesh(mesh: Any, device: Any) -> None:
+    if mesh is None:
+        return
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        raise OptionsError(
+            "mesh must be a concrete jax.sharding.Mesh with devices; an AbstractMesh has "
+            "none to place tensors on (build one with jax.make_mesh or "
+            "jax.sharding.Mesh(devices, axis_names))."
+        )
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise OptionsError(
+            f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('data',))), got "
+            f"{type(mesh).__name__}: {mesh!r}."
+        )
+    if device is not None:
+        raise OptionsError(
+            f"device={device} and mesh= both say where the JAX partitions run; pass one: "
+            "device= for one device, mesh= for several (a mesh of one device is the same "
+            "as device=)."
+        )
+
+
 def _parse_bool(name: str, raw: str) -> bool:
     low = raw.strip().lower()
     if low in _TRUE:
@@ -237,8 +310,10 @@ _ENV = {
     "DYNAJAX_FALLBACK_OPS": ("fallback_ops", lambda n, r: r),
     "DYNAJAX_STRICT": ("strict", _parse_bool),
     "DYNAJAX_CACHE_DIR": ("cache_dir", lambda n, r: r),
+    "DYNAJAX_CACHE_MAX_BYTES": ("cache_max_bytes", _parse_int),
     "DYNAJAX_MAX_EXECUTABLES": ("max_executables", _parse_int),
     "DYNAJAX_PAD_TO_BUCKETS": ("pad_to_buckets", _parse_bool),
+    "DYNAJAX_CHECKS": ("checks", _parse_bool),
     "DYNAJAX_DEVICE": ("device", lambda n, r: r),
 }
 

@@ -75,3 +75,44 @@ class CallJaxError(DynajaxError):
     or returned values that cannot come back as tensors. The message names the function,
     the shapes and dtypes it was called with, and its static arguments; the original
     exception is the ``__cause__``."""
+
+
+class ExportError(DynajaxError):
+    """``dynajax.export`` cannot turn the model into a serializable JAX program (random
+    ops or buffer updates of a model in train mode, inputs that are not tensors, an
+    unknown ``weights=`` choice, a file name that would clash)."""
+
+
+class ExportOpsError(CallbackOpsError, ExportError):
+    """Raised by ``dynajax.export`` when ops of the model have no JAX rule.
+
+    ``jax_function`` would run them in eager PyTorch through host callbacks, but an
+    exported StableHLO program cannot call PyTorch, so export needs every op in JAX.
+    One error lists every such op, with its reason and source line.
+
+    Attributes:
+        verdicts: the ``Unsupported`` verdicts of every op without a JAX rule.
+    """
+
+    def __init__(self, verdicts: list) -> None:
+        self.verdicts = list(verdicts)
+        lines = [f"  - {v.describe()}" for v in self.verdicts]
+        DynajaxError.__init__(
+            self,
+            f"dynajax.export: {len(self.verdicts)} op(s) of the model cannot run in JAX "
+            "(no rule, or the rule refuses these arguments), and an exported StableHLO "
+            "program cannot call PyTorch for them:\n"
+            + "\n".join(lines)
+            + "\nTo export this model, write or extend a JAX rule for each op "
+            "(dynajax/lowering/), or change the model code at these lines to use ops "
+            "that have one (dynajax.supported_ops()). dynajax.jax_function runs the model "
+            "as it is, calling PyTorch for these ops, but cannot be exported.",
+        )
+
+
+class ShardingError(DynajaxError, ValueError):
+    """A sharding rule cannot lay out the tensor it matched on the mesh (a sharded
+    dimension not divisible by its mesh axes' size, or more spec entries than the tensor
+    has dimensions). Raised when a graph is compiled; torch.compile wraps it in
+    ``torch._dynamo.exc.BackendCompilerFailed`` (the original is its
+    ``inner_exception``)."""

@@ -15,6 +15,13 @@ def test_fused_kernels_are_kept_whole_and_have_rules() -> None:
         assert op in dynajax.supported_ops(), f"{op} is kept whole but has no JAX rule"
 
 
+def test_checked_kernels_are_kept_whole_and_have_rules() -> None:
+    table = aot.decompositions()
+    for op in aot.CHECKED_KERNELS:
+        assert op not in table, f"{op} is decomposed, so its rule's value check is dead"
+        assert op in dynajax.supported_ops(), f"{op} is kept whole but has no JAX rule"
+
+
 def test_corrections_replace_core_decompositions() -> None:
     # Built afresh: torch registers more decompositions as its modules are imported.
     aot.decompositions.cache_clear()
@@ -24,4 +31,5 @@ def test_corrections_replace_core_decompositions() -> None:
     for op, fn in corrections.items():
         assert table[op] is fn
     # Everything else is PyTorch's own table.
-    assert set(table) == (set(core) | set(corrections)) - set(aot.FUSED_KERNELS)
+    kept = set(aot.FUSED_KERNELS) | set(aot.CHECKED_KERNELS)
+    assert set(table) == (set(core) | set(corrections)) - kept

@@ -16,7 +16,12 @@ EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if p.name != 
 
 
 def test_every_feature_example_is_listed() -> None:
-    assert {"jax_training.py", "pallas_in_torch.py", "resident_device.py"} <= set(EXAMPLES)
+    assert {
+        "export_gpt2.py",
+        "jax_training.py",
+        "pallas_in_torch.py",
+        "resident_device.py",
+    } <= set(EXAMPLES)
 
 
 @pytest.mark.parametrize("name", EXAMPLES, ids=[n.removesuffix(".py") for n in EXAMPLES])

@@ -14,6 +14,7 @@ from dynajax.capability import Reason, Unsupported, verdict_of
 from dynajax.diagnostics.whatif import WhatIf, current_partitions, rank, what_if
 from dynajax.partition import PREFIX, PartitionModule, compute_op_count
 from dynajax.runtime.cache import CompileStats, stats_of
+from dynajax.sharding.report import GraphSharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,10 @@ class GraphReport:
         compile_stats: XLA compiles, persistent-cache hits and misses (with reasons) and
             shape buckets of this graph's partitions, counted live as they compile (at
             their first calls, and at each new shape under dynamic shapes).
+        sharding: where the partitions placed their state (``device=``/``mesh=``): the
+            mesh, each parameter's and buffer's spec, and the bytes each device holds,
+            measured from the placed arrays when the report is read; None without a
+            placement.
     """
 
     kind: str
@@ -57,6 +62,7 @@ class GraphReport:
     snapshot: torch.fx.Graph | None = dataclasses.field(default=None, repr=False)
     min_block_size: int = 1
     compile_stats: CompileStats | None = None
+    sharding: GraphSharding | None = None
 
     @property
     def jax_ops(self) -> int:
@@ -108,6 +114,8 @@ class GraphReport:
                 out.append(f"    {w.op:<{width}}  {w.describe()}")
         if self.compile_stats is not None:
             out.extend(_stats_lines(self.compile_stats, "  "))
+        if self.sharding is not None:
+            out.extend(self.sharding.lines("  ", eager_ops=len(self.fallbacks)))
         if self.host_scalars:
             names = ", ".join(h.node for h in self.host_scalars[:8])
             more = ", ..." if len(self.host_scalars) > 8 else ""

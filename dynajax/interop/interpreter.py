@@ -14,7 +14,9 @@ nodes the capability stage kept out of JAX:
 Sizes are read from the arrays being traced (``x.shape[d]``), never from the hints
 torch.export recorded, so one graph serves every shape its dynamic dims allow: under
 ``jax.jit`` each new shape is a new trace. Size arithmetic stays Python arithmetic on
-those values, which ``jax.export`` would see as symbolic dimension expressions.
+those values, which ``jax.export`` sees as symbolic dimension expressions
+(``dynajax.export``); a rule that fails on them raises ``JaxFunctionError`` naming its
+op and source line.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from dynajax.capability import META_KEY, Reason, Unsupported
-from dynajax.errors import JaxFunctionError
+from dynajax.capability.verdict import source_line
+from dynajax.errors import DynajaxError, JaxFunctionError
 from dynajax.interop.callbacks import call_on_host, flat_outputs
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.interpreter import JaxInterpreter
@@ -85,6 +88,11 @@ class SizeBindings:
         if isinstance(size, torch.SymInt | torch.SymBool | torch.SymFloat):
             return self.evaluate(size.node.expr)
         return size
+
+    @property
+    def symbolic(self) -> bool:
+        """Whether some bound size is symbolic (a ``jax.export`` dimension variable)."""
+        return any(jax.export.is_symbolic_dim(v) for v in self.values.values())
 
     def evaluate(self, expr: Any) -> Any:
         """A sympy expression in the bound symbols, as a Python value.
@@ -152,6 +160,18 @@ class ExportInterpreter(JaxInterpreter):
         self.sizes = sizes
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        """The node's value; a rule failing on symbolic sizes (under ``jax.export``)
+        raises ``JaxFunctionError`` naming the op and its source line."""
+        try:
+            return self._run_node(n)
+        except DynajaxError:
+            raise
+        except Exception as e:
+            if not self.sizes.symbolic:
+                raise
+            raise _symbolic_size_error(n, e) from e
+
+    def _run_node(self, n: torch.fx.Node) -> Any:
         verdict = n.meta.get(META_KEY)
         if n.op != "call_function" or not isinstance(verdict, Unsupported):
             return super().run_node(n)
@@ -209,6 +229,24 @@ class ExportInterpreter(JaxInterpreter):
             f"node '{n.name}' ({_verdict_text(n)}) computes a host scalar from a tensor; a JAX "
             "function cannot read tensor values while tracing."
         )
+
+
+def _symbolic_size_error(n: torch.fx.Node, e: Exception) -> JaxFunctionError:
+    """The error of a node that failed while the traced sizes were symbolic: rules are
+    checked on concrete shapes, so the likely cause is a rule that needs a concrete size
+    (one it compares, or converts with ``int``)."""
+    verdict = n.meta.get(META_KEY)
+    op = verdict.target if verdict is not None else str(n.target)
+    where = source_line(n)
+    first = str(e).splitlines()[0] if str(e) else ""
+    return JaxFunctionError(
+        f"{op} (node '{n.name}'){f' [{where}]' if where else ''} failed on symbolic "
+        f"sizes (jax.export shape polymorphism): {type(e).__name__}: {first}\n"
+        "Its JAX rule needs a concrete value of a size that varies here. Keep that "
+        "dimension static (leave it out of dynamic_shapes), or bound it "
+        "(torch.export.Dim(..., min=..., max=...)) where the rule only needs to compare "
+        "it; or report the op, so that its rule learns symbolic sizes."
+    )
 
 
 def _verdict_text(n: torch.fx.Node) -> str:

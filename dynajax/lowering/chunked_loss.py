@@ -12,6 +12,7 @@ import torch
 # (torch 2.13 on; lowering/__init__.py imports this module only where it exists).
 from torch.nn.modules import linear_cross_entropy as _lce  # noqa: F401
 
+from dynajax.lowering import checks
 from dynajax.lowering.dtypes import is_floating
 from dynajax.lowering.registry import lower
 
@@ -25,6 +26,19 @@ def _lce_row_weights(target, weight, ignore_index, num_classes, wide):
     safe = jnp.where(ignored, 0, target)
     w = jnp.ones(target.shape, wide) if weight is None else weight.astype(wide)[safe]
     return jnp.where(ignored, jnp.zeros((), wide), w), safe
+
+
+def _check_targets(target, ignore_index, num_classes):
+    """Eager's check: the op gathers each chunk's logits at the targets not ignored, and
+    gather raises on a target out of range (in row order: chunks run in order)."""
+    if checks.checking():
+        checks.fail_if(
+            (target != ignore_index) & checks.out_of_bounds(target, num_classes, negative=False),
+            RuntimeError,
+            "index {value} is out of bounds for dimension 1 with size {size}",
+            value=target,
+            size=num_classes,
+        )
 
 
 def _lce_check(x, linear_weight, target, linear_bias, weight, *args):
@@ -61,8 +75,9 @@ def _linear_cross_entropy_batch_chunked(
     the op. The loss is -sum(w_n * log_softmax(x W^T + b)[n, t_n]) over rows not
     ignored, divided by sum(w_n) for "mean" (NaN when that is zero). Half-precision
     inputs compute in float32 (the op's acc_dtype). Targets out of range (not the
-    ignore index) make eager raise; they are clamped here (values are not checked).
+    ignore index) raise eager's error (a value check).
     """
+    _check_targets(target, ignore_index, linear_weight.shape[0])
     dtype = x.dtype
     wide = np.float64 if dtype == np.float64 else np.float32
     row_w, safe = _lce_row_weights(target, weight, ignore_index, linear_weight.shape[0], wide)
@@ -100,6 +115,7 @@ def _linear_cross_entropy_batch_chunked_no_reduction(
     acc_dtype,
 ):
     """Per-row loss -w_n * log_softmax(x W^T + b)[n, t_n], 0 on ignored rows."""
+    _check_targets(target, ignore_index, linear_weight.shape[0])
     wide = np.float64 if x.dtype == np.float64 else np.float32
     row_w, safe = _lce_row_weights(target, weight, ignore_index, linear_weight.shape[0], wide)
     logits = x.astype(wide) @ linear_weight.astype(wide).T

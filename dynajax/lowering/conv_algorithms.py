@@ -20,6 +20,8 @@ form accumulates in ``acc`` (float32 for half-precision inputs). The forms are p
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -73,19 +75,30 @@ def _windows(x, k, stride, padding, dilation, out):
     return windows
 
 
+def _surely(predicate: Callable[[], bool]) -> bool:
+    """``predicate()`` of sizes. Sizes may be symbolic (``jax.export``'s shape
+    polymorphism, e.g. a batch dimension ``b``): where the answer depends on their
+    values, it is False, so a form is picked only if it suits every size they may take
+    (within their declared bounds)."""
+    try:
+        return bool(predicate())
+    except jax.errors.InconclusiveDimensionOperation:
+        return False
+
+
 def choose(x_shape, w_shape, stride, padding, dilation, groups) -> str:
     """The form for a convolution of these shapes: "tap_sum", "matmul" or "xla"."""
     k = w_shape[2:]
     n, c = x_shape[:2]
     out = _out_sizes(x_shape[2:], k, stride, padding, dilation)
     taps = int(np.prod(k))
-    if min(out, default=1) <= 0 or 0 in x_shape or 0 in w_shape:
+    if _surely(lambda: min(out, default=1) <= 0) or 0 in x_shape or 0 in w_shape:
         return "xla"
-    if groups > 1 and c // groups * taps <= TAP_SUM_TERMS:
+    if groups > 1 and _surely(lambda: c // groups * taps <= TAP_SUM_TERMS):
         return "tap_sum"
-    kernel_wider = any(o < ki for o, ki in zip(out, k, strict=True))
+    kernel_wider = _surely(lambda: any(o < ki for o, ki in zip(out, k, strict=True)))
     limit = MATMUL_ELEMENTS_3D if len(k) == 3 else MATMUL_ELEMENTS
-    if kernel_wider or n * c * taps * int(np.prod(out)) <= limit:
+    if kernel_wider or _surely(lambda: n * c * taps * math.prod(out) <= limit):
         return "matmul"
     return "xla"
 
@@ -100,10 +113,10 @@ def choose_transposed(x_shape, w_shape, stride, groups) -> str:
     if 0 in x_shape or 0 in w_shape:
         return "xla"
     dilated = [(s - 1) * st + 1 for s, st in zip(x_shape[2:], stride, strict=True)]
-    kernel_wider = any(d < k for d, k in zip(dilated, w_shape[2:], strict=True))
+    kernel_wider = _surely(lambda: any(d < k for d, k in zip(dilated, w_shape[2:], strict=True)))
     cout = w_shape[1] * groups
-    cols = x_shape[0] * cout * int(np.prod(w_shape[2:])) * int(np.prod(x_shape[2:]))
-    small = cols <= COL2IM_ELEMENTS
+    cols = x_shape[0] * cout * int(np.prod(w_shape[2:])) * math.prod(x_shape[2:])
+    small = _surely(lambda: cols <= COL2IM_ELEMENTS)
     return "col2im" if kernel_wider or small or len(w_shape) == 5 else "xla"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.export import is_symbolic_dim
 
 from dynajax.lowering.dtypes import default_float, is_integral
 from dynajax.lowering.registry import lower
@@ -115,13 +116,25 @@ def _copy(x, src, non_blocking=False):
 def _arange_dtype(start, end, step, dtype):
     if dtype is not None:
         return dtype
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, step)):
+    if all(
+        (isinstance(v, int) and not isinstance(v, bool)) or is_symbolic_dim(v)
+        for v in (start, end, step)
+    ):
         return np.dtype(np.int64)
     return default_float()
 
 
 def _arange_length(start, end, step):
+    if any(is_symbolic_dim(v) for v in (start, end, step)):
+        # A size of jax.export's shape polymorphism (arange(x.shape[1])): an integer
+        # expression, so the ceiling is integer division.
+        return max(-((start - end) // step), 0)
     return max(int(np.ceil((end - start) / step)), 0)
+
+
+def _truncate(v):
+    """``int(v)``; a symbolic size (jax.export) is an integer already."""
+    return v if is_symbolic_dim(v) else int(v)
 
 
 @lower(aten.arange.start_step)
@@ -130,7 +143,7 @@ def _arange(start, end, step=1, *, dtype=None, layout=None, device=None, pin_mem
     if dt == np.int64:
         # PyTorch sizes an int64 arange from the truncated bounds and step
         # (arange(-0.9, 2.1, 2.0, dtype=int64) has 1 element, int32 has 2).
-        n = _arange_length(int(start), int(end), int(step))
+        n = _arange_length(_truncate(start), _truncate(end), _truncate(step))
     else:
         n = _arange_length(start, end, step)
     # start + i * step in PyTorch's accumulate type, then cast: float64 for floating
@@ -138,7 +151,8 @@ def _arange(start, end, step=1, *, dtype=None, layout=None, device=None, pin_mem
     # step (arange(-0.9, 2.1, 2.0, dtype=int32) is [0, 2]); the length comes from the
     # untruncated values.
     if is_integral(dt):
-        start_, step_ = jnp.asarray(int(start), np.int64), jnp.asarray(int(step), np.int64)
+        start_ = jnp.asarray(_truncate(start), np.int64)
+        step_ = jnp.asarray(_truncate(step), np.int64)
         return (start_ + jnp.arange(n, dtype=np.int64) * step_).astype(dt)
     acc = np.float64
     return (jnp.asarray(start, acc) + jnp.arange(n, dtype=acc) * jnp.asarray(step, acc)).astype(dt)

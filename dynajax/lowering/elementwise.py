@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch._inductor import inductor_prims  # noqa: F401  (defines prims.fma)
 
+from dynajax.lowering import checks
 from dynajax.lowering.dtypes import (
     as_dtype,
     divide,
@@ -319,10 +320,17 @@ def _div(x, other):
     return _true_div(x, other)
 
 
+def _check_int_division(x, other):
+    """Eager raises on an integer division or remainder by zero (XLA defines it)."""
+    if is_integral(result_type(x, other)):
+        checks.fail_if(jnp.asarray(other) == 0, RuntimeError, "ZeroDivisionError")
+
+
 @lower(aten.div.Tensor_mode, aten.div.Scalar_mode)
 def _div_mode(x, other, *, rounding_mode=None):
     if rounding_mode is None:
         return _true_div(x, other)
+    _check_int_division(x, other)
     if rounding_mode == "floor":
         return _floor_div(x, other)
     return _trunc_div(x, other)
@@ -339,12 +347,14 @@ def _int_zero_division_check(x, other, **_):
 
 @lower(aten.remainder.Tensor, aten.remainder.Scalar, check=_int_zero_division_check)
 def _remainder(x, other):
+    _check_int_division(x, other)
     a, b = promote(x, other)
     return jnp.remainder(a, b)
 
 
 @lower(aten.fmod.Tensor, aten.fmod.Scalar, check=_int_zero_division_check)
 def _fmod(x, other):
+    _check_int_division(x, other)
     a, b = promote(x, other)
     return jnp.fmod(a, b)
 

@@ -7,10 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering import checks
 from dynajax.lowering.registry import lower
 from dynajax.lowering.shape import norm_slice
 
 aten = torch.ops.aten
+
+# Eager's messages for indices out of bounds (lowering/checks.py; the list of checks
+# with their kernels is tests/lowering/value_checks.txt).
+_INDEX_MESSAGE = "index {value} is out of bounds for dimension {dim} with size {size}"
+_ALONG_MESSAGE = "index {value} is out of bounds for dimension {axis} with size {size}"
+_IN_SELF_MESSAGE = "index out of range in self"
 
 
 def _bool_index_check(x, indices):
@@ -25,9 +32,32 @@ def _index_tuple(x, indices):
     return idx
 
 
+def _check_indices(x, indices):
+    """Eager's bounds check of advanced indexing (index, index_put; indices in
+    ``[-size, size)``): the first failing element in row-major order of the broadcast
+    indices, and there the first failing index tensor. Eager's ``dimension`` counts
+    the index tensors (``x[:, idx]`` reports dimension 0); ``axis`` is x's own dim."""
+    if not checks.checking():
+        return
+    found = [(axis, i) for axis, i in enumerate(indices) if i is not None]
+    if not found:
+        return
+    shape = jnp.broadcast_shapes(*(i.shape for _, i in found))
+    values = jnp.stack([jnp.broadcast_to(i, shape).astype(np.int64) for _, i in found], -1)
+    checks.fail_if_out_of_bounds(
+        values,
+        np.array([x.shape[axis] for axis, _ in found], np.int64),
+        IndexError,
+        _INDEX_MESSAGE,
+        negative=True,
+        dim=np.arange(len(found), dtype=np.int64),
+        axis=np.array([axis for axis, _ in found], np.int64),
+    )
+
+
 @lower(aten.index.Tensor, check=_bool_index_check)
 def _index(x, indices):
-    # Out-of-range indices raise in PyTorch; XLA clamps. Valid programs agree.
+    _check_indices(x, indices)  # eager raises on indices out of range; XLA clamps
     return x[_index_tuple(x, indices)]
 
 
@@ -36,6 +66,7 @@ def _index(x, indices):
     check=lambda x, indices, values, accumulate=False: _bool_index_check(x, indices),
 )
 def _index_put(x, indices, values, accumulate=False):
+    _check_indices(x, indices)
     idx = _index_tuple(x, indices)
     if accumulate and x.dtype == np.bool_:  # bool addition is logical or
         return x.astype(np.int32).at[idx].add(values.astype(np.int32)) != 0
@@ -46,8 +77,24 @@ def _index_put(x, indices, values, accumulate=False):
 @lower(aten.index_select.default)
 def _index_select(x, dim, index):
     if x.ndim == 0:
+        checks.fail_if_out_of_bounds(index, 1, IndexError, _IN_SELF_MESSAGE, negative=False)
         return x
-    return jnp.take(x, index, axis=dim % x.ndim)
+    d = dim % x.ndim
+    checks.fail_if_out_of_bounds(
+        index,
+        x.shape[d],
+        RuntimeError,
+        "INDICES element is out of DATA bounds, id={value} axis_dim={size}",
+        negative=False,
+    )
+    return jnp.take(x, index, axis=d)
+
+
+def _check_along(x, dim, index):
+    """Eager's bounds check of gather and the scatters: indices in ``[0, size)``."""
+    d = dim % max(x.ndim, 1)
+    size = x.shape[d] if x.ndim else 1
+    checks.fail_if_out_of_bounds(index, size, RuntimeError, _ALONG_MESSAGE, negative=False, axis=d)
 
 
 def _along(x, dim, index):
@@ -59,6 +106,7 @@ def _along(x, dim, index):
 
 @lower(aten.gather.default)
 def _gather(x, dim, index, *, sparse_grad=False):
+    _check_along(x, dim, index)
     if index.size == 0:  # PyTorch accepts an empty index of any rank
         return jnp.zeros(index.shape, x.dtype)
     if x.ndim == 0:
@@ -68,6 +116,7 @@ def _gather(x, dim, index, *, sparse_grad=False):
 
 @lower(aten.scatter.src)
 def _scatter_src(x, dim, index, src):
+    _check_along(x, dim, index)
     if x.ndim == 0:
         return src.reshape(()).astype(x.dtype) if index.size else x
     src = src[tuple(slice(0, n) for n in index.shape)]
@@ -76,6 +125,7 @@ def _scatter_src(x, dim, index, src):
 
 @lower(aten.scatter.value)
 def _scatter_value(x, dim, index, value):
+    _check_along(x, dim, index)
     if x.ndim == 0:
         return jnp.asarray(value, x.dtype) if index.size else x
     return x.at[_along(x, dim, index)].set(jnp.asarray(value, x.dtype))
@@ -83,8 +133,13 @@ def _scatter_value(x, dim, index, value):
 
 @lower(aten.scatter_add.default)
 def _scatter_add(x, dim, index, src):
+    _check_along(x, dim, index)
+    return _scatter_add_values(x, dim, index, src)
+
+
+def _scatter_add_values(x, dim, index, src):
     if x.dtype == np.bool_:  # bool addition is logical or
-        return _scatter_add(x.astype(np.int32), dim, index, src.astype(np.int32)) != 0
+        return _scatter_add_values(x.astype(np.int32), dim, index, src.astype(np.int32)) != 0
     if x.ndim == 0:
         return x + src.reshape(()).astype(x.dtype) if index.size else x
     src = src[tuple(slice(0, n) for n in index.shape)]
@@ -148,12 +203,18 @@ def _reduction_identity(dtype, reduce):
 
 @lower(aten.scatter_reduce.two, check=_scatter_reduce_check)
 def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    _check_along(x, dim, index)
+    return _scatter_reduce_values(x, dim, index, src, reduce, include_self=include_self)
+
+
+def _scatter_reduce_values(x, dim, index, src, reduce, *, include_self=True):
     if x.dtype == np.bool_:  # sum, prod, amax, amin of bools: or, and, or, and
         ints = (x.astype(np.int32), dim, index, src.astype(np.int32), reduce)
-        return _scatter_reduce(*ints, include_self=include_self) != 0
+        return _scatter_reduce_values(*ints, include_self=include_self) != 0
     if x.ndim == 0:
         x, index, src = x.reshape(1), index.reshape(-1), src.reshape(-1)
-        return _scatter_reduce(x, 0, index, src, reduce, include_self=include_self).reshape(())
+        out = _scatter_reduce_values(x, 0, index, src, reduce, include_self=include_self)
+        return out.reshape(())
     src = src[tuple(slice(0, n) for n in index.shape)].astype(x.dtype)
     idx = _along(x, dim, index)
     base = x if include_self else x.at[idx].set(_reduction_identity(x.dtype, reduce))
@@ -203,6 +264,12 @@ def _masked_scatter(x, mask, source):
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     flat_x = jnp.broadcast_to(x, shape).reshape(-1)
     flat_m = jnp.broadcast_to(mask, shape).reshape(-1)
+    if checks.checking():
+        checks.fail_if(
+            jnp.sum(flat_m, dtype=np.int64) > source.size,
+            RuntimeError,
+            "Number of elements of source < number of ones in mask",
+        )
     if source.size == 0 or flat_x.size == 0:
         return flat_x.reshape(shape)
     # The k-th True of the mask (in row-major order) takes the k-th element of source.
@@ -228,6 +295,18 @@ def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
 @lower(aten.put.default)
 def _put(x, index, source, accumulate=False):
     # x.flatten()[index] = source (or +=): indices address x's row-major elements.
+    checks.fail_if(
+        x.size == 0 and index.size > 0,
+        IndexError,
+        "put_(): Tried to put elements into an empty tensor",
+    )
+    checks.fail_if_out_of_bounds(
+        index,
+        x.size,
+        IndexError,
+        "out of range: tried to access index {value} on a tensor of {size} elements.",
+        negative=True,
+    )
     if index.size == 0:
         return x
     flat = x.reshape(-1)
@@ -256,15 +335,21 @@ def _index_reduce_check(x, dim, index, source, reduce, *, include_self=True):
 def _index_reduce(x, dim, index, source, reduce, *, include_self=True):
     # index_reduce along dim is scatter_reduce with index broadcast across the other
     # dims: source's slice i goes to x's slice index[i].
+    size = x.shape[dim % x.ndim] if x.ndim else 1
+    checks.fail_if_out_of_bounds(index, size, IndexError, _IN_SELF_MESSAGE, negative=False)
+    return _index_reduce_values(x, dim, index, source, reduce, include_self=include_self)
+
+
+def _index_reduce_values(x, dim, index, source, reduce, *, include_self=True):
     if x.ndim == 0 or source.ndim == 0:  # 0-dim tensors act as 1-element vectors
         x1, index1, source1 = (t.reshape(-1) for t in (x, index, source))
-        out = _index_reduce(x1, 0, index1, source1, reduce, include_self=include_self)
+        out = _index_reduce_values(x1, 0, index1, source1, reduce, include_self=include_self)
         return out.reshape(x.shape)
     d = dim % source.ndim
     shape = [1] * source.ndim
     shape[d] = index.size
     full = jnp.broadcast_to(index.reshape(shape), source.shape)
-    return _scatter_reduce(x, d, full, source, reduce, include_self=include_self)
+    return _scatter_reduce_values(x, d, full, source, reduce, include_self=include_self)
 
 
 @lower(aten.nonzero_static.default)
@@ -410,14 +495,34 @@ def _segment_reduce_check(data, reduce, *, lengths=None, indices=None, offsets=N
     return None
 
 
+def _check_segments(data, lengths, offsets, axis, unsafe):
+    """Eager's checks of segment_reduce's lengths or offsets, in its order."""
+    if lengths is not None and not unsafe:
+        checks.fail_if(lengths < 0, RuntimeError, "lengths contains negative value!")
+        checks.fail_if(
+            jnp.sum(lengths, axis=-1) != data.shape[axis % data.ndim],
+            RuntimeError,
+            "segment_reduce(): Expected all rows of lengths along axis to sum to "
+            "data.size(lengths.dim()-1) when !unsafe.",
+        )
+    segment = lengths if lengths is not None else jnp.diff(offsets, axis=-1)
+    checks.fail_if(
+        segment < 0,
+        RuntimeError,
+        "Expected segment_length >= 0 to be true, but got false.  (Could this error "
+        "message be improved?  If so, please report an enhancement request to PyTorch.)",
+    )
+
+
 @lower(aten.segment_reduce.default, check=_segment_reduce_check)
 def _segment_reduce(
     data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None
 ):
     # Segment k of a row covers data[offsets[k]:offsets[k+1]] along axis; the dims
     # before axis are batch dims that lengths/offsets share. Lengths that do not sum to
-    # the axis size make eager raise (unless unsafe); here the extra elements are
-    # dropped, which valid programs never see.
+    # the axis size make eager raise (unless unsafe): checked in the program.
+    if checks.checking():
+        _check_segments(data, lengths, offsets, axis, unsafe)
     if offsets is None:
         zero = jnp.zeros((*lengths.shape[:-1], 1), lengths.dtype)
         offsets = jnp.concatenate([zero, jnp.cumsum(lengths, axis=-1)], axis=-1)
@@ -491,14 +596,28 @@ def _outer_edges(coords, range_, d):
     dtype = coords.dtype
     if range_ is not None:
         lo, hi = float(range_[2 * d]), float(range_[2 * d + 1])
+        _check_finite_range(jnp.asarray(lo), jnp.asarray(hi), d)
         if lo == hi:
             lo, hi = lo - 0.5, hi + 0.5
         return jnp.asarray(lo, dtype), jnp.asarray(hi, dtype)
     if coords.shape[0] == 0:
+        _check_finite_range(jnp.zeros((), dtype), jnp.ones((), dtype), d)
         return jnp.asarray(0.0, dtype), jnp.asarray(1.0, dtype)
     lo, hi = jnp.min(coords[:, d]), jnp.max(coords[:, d])
+    _check_finite_range(lo, hi, d)
     same = lo == hi
     return jnp.where(same, lo - 0.5, lo), jnp.where(same, hi + 0.5, hi)
+
+
+def _check_finite_range(lo, hi, d):
+    checks.fail_if(
+        ~(jnp.isfinite(lo) & jnp.isfinite(hi)),
+        RuntimeError,
+        "torch.histogramdd: dimension {dim}'s range [{low}, {high}] is not finite",
+        dim=d,
+        low=lo,
+        high=hi,
+    )
 
 
 def _bin_edges(coords, bins, range_):

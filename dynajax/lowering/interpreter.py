@@ -15,6 +15,7 @@ import jax
 import torch
 import torch.fx
 
+from dynajax.lowering import checks
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.registry import LAYOUT_KEY, get_rule
 
@@ -61,6 +62,7 @@ class JaxInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self._node = n
+        checks.set_node(n.target, n.meta.get("original_aten"))  # for value checks' messages
         return super().run_node(n)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -77,20 +79,42 @@ def needs_key(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def to_jax_function(gm: torch.fx.GraphModule) -> Callable[..., tuple[jax.Array, ...]]:
+def to_jax_function(
+    gm: torch.fx.GraphModule, *, value_checks: bool = False
+) -> Callable[..., tuple[jax.Array, ...]]:
     """A pure function ``fn([seed,] *arrays) -> tuple of arrays`` computing ``gm``.
 
     Graphs with random ops take a leading integer seed, from which every random node
     gets its own key.
+
+    With ``value_checks``, the function is a ``checks.CheckedFunction``: each trace
+    records the rules' value checks (``lowering/checks.py``) in its ``table`` and, when
+    there are any, returns one more output last, the int64 vector ``[code, *payload]``
+    of the first failing check (code 0: none failed).
     """
+    run: Callable[..., tuple[jax.Array, ...]]
     if needs_key(gm):
 
         def fn_with_seed(seed: jax.Array, *arrays: jax.Array) -> tuple[jax.Array, ...]:
             return tuple(JaxInterpreter(gm, jax.random.key(seed)).run(*arrays))
 
-        return fn_with_seed
+        run = fn_with_seed
+    else:
 
-    def fn(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-        return tuple(JaxInterpreter(gm).run(*arrays))
+        def fn(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+            return tuple(JaxInterpreter(gm).run(*arrays))
 
-    return fn
+        run = fn
+    if not value_checks:
+        return run
+    table = checks.CheckTable()
+
+    def checked(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+        if checks.is_suspended():
+            return run(*arrays)
+        with checks.collecting() as found:
+            outs = run(*arrays)
+        table.record(found.checks)
+        return (*outs, found.result()) if found.checks else outs
+
+    return checks.CheckedFunction(checked, table)

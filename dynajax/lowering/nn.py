@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering import checks
 from dynajax.lowering.dtypes import as_dtype, opmath
 from dynajax.lowering.linalg.products import pnorm
 from dynajax.lowering.registry import lower
@@ -193,6 +194,9 @@ def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
 
 @lower(aten.embedding.default)
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    checks.fail_if_out_of_bounds(
+        indices, weight.shape[0], IndexError, "index out of range in self", negative=False
+    )
     return jnp.take(weight, indices, axis=0)
 
 
@@ -202,6 +206,20 @@ def _embedding_renorm(weight, indices, max_norm, norm_type):
     # max_norm is scaled by max_norm / (norm + 1e-7). The kernel takes the row's norm
     # in the weight's dtype (computed in float32 for the half types) as a double,
     # computes the scale in double, rounds it to the weight's dtype and multiplies.
+    if checks.checking():
+        # Eager selects the rows in ascending order of index (negative ones wrap): the
+        # smallest index out of range is the one it reports.
+        bad = checks.out_of_bounds(indices, weight.shape[0], negative=True)
+        big = np.iinfo(indices.dtype).max
+        checks.fail_if(
+            bad,
+            IndexError,
+            "select(): index {value} out of range for tensor of size [{rows}, {cols}] "
+            "at dimension 0",
+            value=jnp.min(jnp.where(bad, indices, big), initial=big),
+            rows=weight.shape[0],
+            cols=weight.shape[1],
+        )
     dtype = weight.dtype
     compute = opmath(dtype)
     rows = weight.astype(compute)
@@ -229,6 +247,54 @@ def _embedding_bag_check(
     if indices.ndim != 1 or offsets.ndim != 1:
         return "embedding_bag with indices or offsets that are not 1-D"
     return None
+
+
+def _check_embedding_bag(weight, indices, offsets, mode, padding_idx):
+    """Eager's checks of embedding_bag's offsets and indices, in its order; the index
+    message is that of the kernel eager picks (its fast path, or the generic one)."""
+    if not checks.checking():
+        return
+    tensor = "LongTensor" if offsets.dtype == np.int64 else "IntTensor"
+    n = indices.shape[0]
+    none = offsets.shape[0] == 0
+    first = jnp.zeros((), offsets.dtype) if none else offsets[0]
+    last = jnp.zeros((), offsets.dtype) if none else offsets[-1]
+    checks.fail_if(
+        first != 0,
+        RuntimeError,
+        "offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start "
+        "from position 0. However, got {value}\n[ torch." + tensor + "{{}} ]",
+        value=first,
+    )
+    checks.fail_if(
+        last > n,
+        RuntimeError,
+        "offsets[-1] can not be greater than input's length {length} but got offsets[-1] "
+        "of {value}",
+        length=n,
+        value=last,
+    )
+    bad = checks.out_of_bounds(indices, weight.shape[0], negative=False)
+    if mode != _MODE_MAX and padding_idx < 0 and weight.dtype in _FAST_DTYPES:
+        checks.fail_if(
+            bad,
+            RuntimeError,
+            "Index {pos} of input takes value {value} which is not in the valid range [0, {size})",
+            pos=jnp.arange(n, dtype=np.int64),
+            value=indices,
+            size=weight.shape[0],
+        )
+    else:
+        checks.fail_if(
+            bad,
+            RuntimeError,
+            "embedding_bag: Expected idx >= 0 && idx < num_embeddings but found idx to be {value}",
+            value=indices,
+        )
+
+
+# The weight dtypes of eager's fast sum/mean kernel (index_select_add/scale_add).
+_FAST_DTYPES = (np.float32, np.float16, jnp.bfloat16)
 
 
 def _embedding_bag(
@@ -305,6 +371,7 @@ def _embedding_bag_rule(
     padding_idx=-1,
 ):
     num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    _check_embedding_bag(weight, indices, offsets, mode, padding_idx)
     return _embedding_bag(
         weight,
         indices,
@@ -329,6 +396,7 @@ def _embedding_bag_forward_only(
     include_last_offset=False,
     padding_idx=-1,
 ):
+    _check_embedding_bag(weight, indices, offsets, mode, padding_idx)
     return _embedding_bag(
         weight,
         indices,

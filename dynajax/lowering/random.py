@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering import checks
 from dynajax.lowering.dtypes import default_float, is_complex, is_floating
 from dynajax.lowering.registry import lower
 
@@ -209,8 +210,13 @@ def _normal_tensor_float(mean, std=1.0, *, generator=None, key):
     )
 
 
+def _check_std(std):
+    checks.fail_if(~(std >= 0), RuntimeError, "normal expects all elements of std >= 0.0")
+
+
 @lower(aten.normal.float_Tensor, check=_generator_check, needs_key=True)
 def _normal_float_tensor(mean, std, *, generator=None, key):
+    _check_std(std)
     return (_normal(key, std.shape, std.dtype) * std + jnp.asarray(mean, std.dtype)).astype(
         std.dtype
     )
@@ -218,6 +224,7 @@ def _normal_float_tensor(mean, std, *, generator=None, key):
 
 @lower(aten.normal.Tensor_Tensor, check=_FLOAT_OR_COMPLEX, needs_key=True)
 def _normal_tensor_tensor(mean, std, *, generator=None, key):
+    _check_std(std)
     shape = jnp.broadcast_shapes(mean.shape, std.shape)
     dtype = jnp.result_type(mean.dtype, std.dtype)
     return (mean + _normal(key, shape, dtype) * std).astype(dtype)
@@ -235,17 +242,35 @@ def _normal_float_float(
 
 @lower(aten.bernoulli.p, check=_kinds_check("float", "int", "bool"), needs_key=True)
 def _bernoulli_p(x, p=0.5, *, generator=None, key):
+    checks.fail_if(
+        not 0 <= p <= 1,
+        RuntimeError,
+        "bernoulli_ expects p to be in [0, 1], but got p={p}",
+        p=float(p),
+    )
     return (_uniform(key, x.shape, np.float32) < p).astype(x.dtype)
 
 
+def _check_probability(p):
+    checks.fail_if(
+        ~((p >= 0) & (p <= 1)),
+        RuntimeError,
+        "Expected p_in >= 0 && p_in <= 1 to be true, but got false.  (Could this error "
+        "message be improved?  If so, please report an enhancement request to PyTorch.)",
+    )
+
+
+# Kept whole by the aot stage (aot.CHECKED_KERNELS), for this check.
 @lower(aten.bernoulli.default, check=_FLOAT, needs_key=True)
 def _bernoulli(x, *, generator=None, key):
+    _check_probability(x)
     wide = np.float64 if x.dtype == np.float64 else np.float32
     return (_uniform(key, x.shape, wide) < x.astype(wide)).astype(x.dtype)
 
 
 @lower(aten.bernoulli.Tensor, check=_kinds_check("float", "int", "bool"), needs_key=True)
 def _bernoulli_tensor(x, p, *, generator=None, key):
+    _check_probability(p)
     wide = np.float64 if p.dtype == np.float64 else np.float32
     u = _uniform(key, x.shape, wide)
     return (u < jnp.broadcast_to(p, x.shape).astype(wide)).astype(x.dtype)
@@ -274,6 +299,9 @@ def _geometric(x, p, *, generator=None, key):
 
 @lower(aten.poisson.default, check=_FLOAT, needs_key=True)
 def _poisson(rates, generator=None, *, key):
+    checks.fail_if(
+        ~(rates >= 0), RuntimeError, "invalid Poisson rate, expected rate to be non-negative"
+    )
     with _sequential():
         counts = jax.random.poisson(key, rates, rates.shape, np.int64)
     return counts.astype(rates.dtype)
@@ -332,6 +360,40 @@ def _multinomial_check(probs, num_samples, replacement=False, *, generator=None)
     return None
 
 
+_INVALID = "invalid multinomial distribution"
+
+
+def _check_weights(rows, *, sampled_whole):
+    """Eager's checks of multinomial's weights (rows of a 2-D array), in its order.
+
+    Drawing one sample, or without replacement, eager checks the whole tensor first
+    (no NaN, inf or negative weight), then that no row sums to zero. Drawing several
+    with replacement, its kernel walks row by row, weight by weight: the first weight
+    that is negative or NaN, or else infinite, or else a row that sums to zero, raises
+    its own message. Here each row gets the code of its first failure (1, 2, 3), and
+    the first failing row's code picks the message.
+    """
+    if not sampled_whole:
+        checks.fail_if(
+            ~jnp.isfinite(rows) | (rows < 0),
+            RuntimeError,
+            "probability tensor contains either `inf`, `nan` or element < 0",
+        )
+        checks.fail_if(
+            jnp.sum(rows, axis=-1) <= 0, RuntimeError, f"{_INVALID} (sum of probabilities <= 0)"
+        )
+        return
+    each = jnp.where(~(rows >= 0), 1, jnp.where(~jnp.isfinite(rows), 2, 0))
+    first = jnp.take_along_axis(each, jnp.argmax(each != 0, axis=-1)[:, None], -1)[:, 0]
+    row = jnp.where(first != 0, first, jnp.where(jnp.sum(rows, axis=-1) <= 0, 3, 0))
+    code = row[jnp.argmax(row != 0)] if row.size else jnp.zeros((), row.dtype)
+    checks.fail_if(code == 1, RuntimeError, f"{_INVALID} (encountering probability entry < 0)")
+    checks.fail_if(
+        code == 2, RuntimeError, f"{_INVALID} (encountering probability entry = infinity or NaN)"
+    )
+    checks.fail_if(code == 3, RuntimeError, f"{_INVALID} (sum of probabilities <= 0)")
+
+
 @lower(aten.multinomial.default, check=_multinomial_check, needs_key=True)
 def _multinomial(probs, num_samples, replacement=False, *, generator=None, key):
     """Category indices drawn in proportion to each row's (unnormalized) weights.
@@ -340,10 +402,13 @@ def _multinomial(probs, num_samples, replacement=False, *, generator=None, key):
     w_i / sum(w); the top k of the same perturbed logits are k draws without
     replacement (PyTorch's CPU kernel uses the equivalent exponential race,
     top k of w / q with q ~ Exp(1)). Zero weights are never drawn. Weights that are
-    negative, infinite or NaN make eager raise; they are not checked here (values).
+    negative, infinite or NaN, and rows that sum to zero, raise eager's errors (value
+    checks, in eager's order).
     """
     wide = np.float64 if probs.dtype == np.float64 else np.float32
     rows = probs.reshape(-1, probs.shape[-1]).astype(wide)
+    if checks.checking():
+        _check_weights(rows, sampled_whole=replacement and num_samples > 1)
     logits = jnp.log(rows)
     with _sequential():
         if replacement:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering import checks
 from dynajax.lowering.dtypes import as_dtype, divide, is_floating, is_integral, promote
 from dynajax.lowering.registry import lower
 
@@ -382,10 +383,19 @@ def _histc(x, bins=100, min=0, max=0):
     # min == max means "the data's range", widened by 1 on each side if still empty.
     # Values outside the range are not counted; x == max falls in the last bin.
     flat = x.reshape(-1)
+    checks.fail_if(min > max, RuntimeError, "torch.histc: max must be larger than min")
     lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
     if min == max:
         lo = jnp.min(flat, initial=jnp.inf).astype(x.dtype) if flat.size else lo
         hi = jnp.max(flat, initial=-jnp.inf).astype(x.dtype) if flat.size else hi
+    checks.fail_if(
+        ~(jnp.isfinite(lo) & jnp.isfinite(hi)),
+        RuntimeError,
+        "torch.histc: range of [{low}, {high}] is not finite",
+        low=lo,
+        high=hi,
+    )
+    if min == max:
         same = lo == hi
         lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
     inside = (flat >= lo) & (flat <= hi)

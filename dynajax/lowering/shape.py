@@ -135,9 +135,14 @@ def _unbind(x, dim=0):
     return tuple(jnp.squeeze(p, d) for p in jnp.split(x, x.shape[d], axis=d))
 
 
+# PyTorch's "to the end" for a slice (``x[1:]`` records end=INT64_MAX).
+_SLICE_TO_END = (1 << 63) - 1
+
+
 def norm_slice(n, start, end, step):
     start = 0 if start is None else start
-    end = n if end is None else end
+    # min(INT64_MAX, n) is n, but jax.export cannot prove it of a symbolic n.
+    end = n if end is None or (isinstance(end, int) and end >= _SLICE_TO_END) else end
     start = start + n if start < 0 else start
     end = end + n if end < 0 else end
     start = min(max(start, 0), n)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering import checks
 from dynajax.lowering.dtypes import is_floating, result_type
 from dynajax.lowering.registry import lower
 
@@ -175,6 +176,11 @@ def _searchsorted_check(sorted_seq, x, *, out_int32=False, right=False, side=Non
 
 def _searchsorted(sorted_seq, x, *, out_int32=False, right=False, side=None, sorter=None):
     if sorter is not None:
+        checks.fail_if(
+            checks.out_of_bounds(sorter, sorted_seq.shape[-1], negative=False),
+            RuntimeError,
+            "torch.searchsorted(): sorter index out of range",
+        )
         sorted_seq = jnp.take_along_axis(sorted_seq, sorter, axis=-1)
     return _search(sorted_seq, x, right or side == "right", out_int32)
 

@@ -2,7 +2,8 @@
 
     key   = sha256(format, versions of jax/jaxlib/torch/dynajax, platform, device kind,
                    platform version, host CPU features, XLA_FLAGS, lowered StableHLO)
-    entry = <dir>/<key>.bin:  MAGIC | sha256(body) | body = pickle((executable, trees))
+    entry = <dir>/<key>.bin:  MAGIC | HMAC-SHA256(secret, MAGIC | key | body) | body
+    body  = pickle((executable bytes, in_tree, out_tree))   (serialize_executable's)
 
 The lowered StableHLO text is what the executable is compiled from, so the key covers
 everything that changes it: the partition's graph and the lowering rules applied to it,
@@ -12,17 +13,38 @@ partition contains (``min_block_size``, ``fallback_ops``) or its shapes
 device, host CPU features (an executable compiled for one CPU may use instructions
 another lacks) and ``XLA_FLAGS``.
 
-A cache never breaks a run. A missing entry compiles and stores; a corrupt entry
-(checksum or unpickling fails) warns, compiles and overwrites it; an unreadable or
-unwritable directory warns once and compiles. Entries are written atomically (temp file
-in the same directory, then ``os.replace``), so concurrent processes see either no entry
-or a whole one. The checksum is verified before anything is unpickled or handed to XLA.
+Authenticity. Loading an entry runs code from it twice over: the body is a pickle
+(``jax.experimental.serialize_executable``'s own payload is one too), and the executable
+is machine code that the next call runs. No file format fixes the second, so every entry
+is authenticated instead: an HMAC-SHA256 with a per-user secret key that lives outside
+the cache directory (``$XDG_CONFIG_HOME/dynajax/cache.key``, else
+``~/.config/dynajax/cache.key``; 32 random bytes, created once, mode 0600 in a 0700
+directory). The MAC covers the entry's key, so a valid entry cannot be replayed under
+another program's name either. It is checked before anything is unpickled or handed to
+XLA; an entry that fails it (damaged, written with another key, planted) is ignored with
+a warning, compiled and overwritten. A key file that others could read or replace
+(wrong owner, group/world permissions) turns the cache off with a warning.
 
-Entries are pickles (as ``jax.experimental.serialize_executable`` makes them): load only
-from a directory you trust. The default directory is created private to the user.
+Size. The entries are bounded by ``max_bytes`` (option ``cache_max_bytes``, 1 GiB by
+default; None or 0: no bound). Every hit sets the entry's mtime to now, so mtime is the
+time of last use; after each store the least recently used entries are removed until
+the total is within the bound. An entry larger than the bound is not stored.
 
-Hits and misses, with the reason of each miss, are logged on ``dynajax.cache`` and
-counted in a ``CompileStats`` (shown in the Report).
+Concurrency. Several threads and processes may share one directory. An entry is written
+to a temporary file in the same directory (``.tmp-<host>-<pid>-<random>.part``) and
+renamed over ``<key>.bin`` (``os.replace``, atomic), so a reader sees no entry or a whole
+one; a process killed while writing leaves only a temporary file, which nothing loads
+and a later store removes (once it is a minute old and its writer's process on this host
+is gone, or once it is an hour old).
+Evictions racing with each other or with a reader are harmless: a removed file is a
+later miss, a file removed twice is ignored, and an open file stays readable. After
+every store, the directory is within the bound once the last writer's scan is done.
+
+A cache never breaks a run. A missing entry compiles and stores; a corrupt,
+unauthenticated or unloadable entry warns, compiles and overwrites it; an unreadable or
+unwritable directory, or an unusable key, warns once and compiles. Hits and misses, with
+the reason of each miss, are logged on ``dynajax.cache`` and counted in a
+``CompileStats`` (shown in the Report).
 """
 
 from __future__ import annotations
@@ -31,15 +53,20 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import hmac
 import logging
 import os
 import pickle
 import platform
+import re
+import secrets
+import stat
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import jax
 import jaxlib
@@ -48,15 +75,40 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger("dynajax.cache")
 
-_FORMAT = 2  # bump when the on-disk layout changes
-_MAGIC = b"DYNAJAX-XLA\x00"
-_DIGEST = 32
+_FORMAT = 3  # bump when the on-disk layout changes
+_MAGIC = b"DYNAJAX-XLA\x03"
+_MAC = 32  # bytes of an HMAC-SHA256
+_KEY_BYTES = 32
+
+DEFAULT_MAX_BYTES = 1 << 30
+"""The default bound of a cache directory (``cache_max_bytes``): 1 GiB."""
+
+_ENTRY = re.compile(r"[0-9a-f]{64}\.bin")  # only these are ever loaded or evicted
+_TEMP = re.compile(r"\.tmp-([0-9a-f]{8})-([0-9]+)-[A-Za-z0-9_]+\.part")
+# A temporary file whose writer's process is gone (same host) is removed after this
+# long; one from another host, or whose writer cannot be checked, after the second.
+_TEMP_DEAD_S = 60.0
+_TEMP_ABANDONED_S = 3600.0
+_HOST = hashlib.sha256(platform.node().encode()).hexdigest()[:8]
+
+# Counters of a CompileStats shared by partitions that compile in several threads.
+_STATS_LOCK = threading.Lock()
 
 
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/dynajax/xla``, else ``~/.cache/dynajax/xla``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dynajax" / "xla"
+
+
+def default_key_file() -> Path:
+    """``$XDG_CONFIG_HOME/dynajax/cache.key``, else ``~/.config/dynajax/cache.key``.
+
+    Outside the cache directory on purpose: whoever can write the cache (a shared or
+    planted directory) must not be able to read or replace the key that signs it.
+    """
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "dynajax" / "cache.key"
 
 
 # XLA options for every executable. By default XLA may keep a bfloat16/float16 value in
@@ -75,6 +127,8 @@ class CompileStats:
         cache_hits: executables loaded from the persistent cache instead.
         cache_misses: misses of an enabled persistent cache, by reason.
         evictions: executables dropped by the per-partition bound (max_executables).
+        cache_evictions: entries this process removed from the cache directory to keep
+            it within ``cache_max_bytes`` (least recently used first).
         buckets: partitions that pad dynamic dimensions to buckets.
         exact: partitions compiled per exact size although bucketing was asked for,
             with the reason (``jax_0: s0: reduce_sum over the padded dimension``).
@@ -84,6 +138,7 @@ class CompileStats:
     cache_hits: int = 0
     cache_misses: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     evictions: int = 0
+    cache_evictions: int = 0
     buckets: list[str] = dataclasses.field(default_factory=list)
     exact: list[str] = dataclasses.field(default_factory=list)
 
@@ -92,6 +147,7 @@ class CompileStats:
         self.cache_hits += other.cache_hits
         self.cache_misses.update(other.cache_misses)
         self.evictions += other.evictions
+        self.cache_evictions += other.cache_evictions
         self.buckets.extend(other.buckets)
         self.exact.extend(other.exact)
         return self
@@ -106,6 +162,8 @@ class CompileStats:
         )
         if self.evictions:
             text += f", {self.evictions} eviction(s)"
+        if self.cache_evictions:
+            text += f", {self.cache_evictions} cache entr(ies) evicted"
         return text
 
 
@@ -139,25 +197,49 @@ def _device_key(platform_name: str) -> str:
 
 
 class ExecutableCache:
-    """A directory of serialized executables; a ``None`` directory means "off".
+    """A directory of serialized, authenticated executables; a ``None`` directory means
+    "off".
 
-    One per ``Backend``; thread-safe. ``compile`` is the only entry point.
+    One per ``Backend``; thread-safe, and safe to share with other processes.
+    ``compile`` is the only entry point of the compile path; ``prune`` enforces the bound.
+
+    Args:
+        directory: the cache directory (created 0700 at the first store), or None.
+        max_bytes: the bound on the entries' total size; None or 0: unbounded.
+        key_file: the secret key's file (default ``default_key_file()``), created at the
+            first use if missing.
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None,
+        *,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        key_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None (no bound), got {max_bytes}")
         self.directory = Path(directory) if directory else None
+        self.max_bytes = max_bytes or None
+        self.key_file = Path(key_file) if key_file else default_key_file()
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._unwritable = False
+        self._secret: bytes | None = None
+        self._no_secret = False
 
     @classmethod
-    def from_option(cls, cache_dir: str | os.PathLike[str] | None) -> ExecutableCache:
-        """``None`` -> the default directory, ``""`` -> disabled, else that directory."""
+    def from_option(
+        cls, cache_dir: str | os.PathLike[str] | None, max_bytes: int | None = DEFAULT_MAX_BYTES
+    ) -> ExecutableCache:
+        """``None`` -> the default directory, ``""`` -> disabled, else that directory;
+        ``max_bytes`` is ``cache_max_bytes``."""
         if cache_dir is None:
-            return cls(default_cache_dir())
-        return cls(cache_dir or None)
+            return cls(default_cache_dir(), max_bytes=max_bytes)
+        return cls(cache_dir or None, max_bytes=max_bytes)
 
     def key(self, lowered: jax.stages.Lowered, platform_name: str) -> str:
+        """The entry's name: a digest of the program and of what compiles it."""
         h = hashlib.sha256()
         for part in (
             _environment(),
@@ -188,71 +270,127 @@ class ExecutableCache:
         platform_name = platform_name or jax.default_backend()
         key = self.key(lowered, platform_name)
         path = self.directory / f"{key}.bin"
-        compiled, why = self._load(path, platform_name)
+        secret = self._get_secret()
+        if secret is None:
+            why = "no cache key"
+            compiled = None
+        else:
+            compiled, why = self._load(path, key, secret, platform_name)
         if compiled is not None:
-            stats.cache_hits += 1
+            with _STATS_LOCK:
+                stats.cache_hits += 1
             log.debug("cache hit: %s (%s)", name, key[:16])
             return compiled
-        stats.cache_misses[why] += 1
+        with _STATS_LOCK:
+            stats.cache_misses[why] += 1
         log.debug("cache miss: %s (%s): %s", name, key[:16], why)
         compiled = self._compile(lowered, stats)
-        self._store(path, compiled, name)
+        if secret is not None and self._store(path, key, secret, compiled, name):
+            evicted = self.prune()
+            if evicted:
+                with _STATS_LOCK:
+                    stats.cache_evictions += evicted
         return compiled
 
     @staticmethod
     def _compile(lowered: jax.stages.Lowered, stats: CompileStats) -> jax.stages.Compiled:
-        stats.xla_compiles += 1
+        with _STATS_LOCK:
+            stats.xla_compiles += 1
         return lowered.compile(compiler_options=dict(COMPILER_OPTIONS))
 
-    # -- entries ------------------------------------------------------------------------
+    # -- the key --------------------------------------------------------------------------
 
-    def _load(self, path: Path, platform_name: str) -> tuple[jax.stages.Compiled | None, str]:
+    def _get_secret(self) -> bytes | None:
+        """This user's secret key, read (or created) once; None if it cannot be used."""
+        if self._secret is not None or self._no_secret:
+            return self._secret
+        problem = None
+        with self._lock:
+            if self._secret is None and not self._no_secret:
+                try:
+                    self._secret = _load_or_create_key(self.key_file)
+                except _KeyProblem as e:
+                    self._no_secret = True
+                    problem = str(e)
+        if problem is not None:
+            self._warn("key", f"{problem}; running without the compilation cache.")
+        return self._secret
+
+    # -- entries --------------------------------------------------------------------------
+
+    def _load(
+        self, path: Path, key: str, secret: bytes, platform_name: str
+    ) -> tuple[jax.stages.Compiled | None, str]:
         try:
-            blob = path.read_bytes()
+            blob = _read_entry(path)
         except (FileNotFoundError, NotADirectoryError):  # (the write says why, if it fails)
             return None, "not cached yet"
         except OSError as e:
             self._warn("read", f"cannot read {path} ({e}); compiling instead")
             return None, "unreadable entry"
-        body = blob[len(_MAGIC) + _DIGEST :]
-        if (
-            not blob.startswith(_MAGIC)
-            or blob[len(_MAGIC) : len(_MAGIC) + _DIGEST] != hashlib.sha256(body).digest()
-        ):
-            self._warn("corrupt", f"corrupt cache entry {path.name}; compiling it again")
+        if blob is None or len(blob) < len(_MAGIC) + _MAC or not blob.startswith(_MAGIC):
+            self._warn(
+                "corrupt",
+                f"corrupt cache entry {path.name} (not a dynajax format-{_FORMAT} entry); "
+                "compiling it again",
+            )
             return None, "corrupt entry"
+        body = blob[len(_MAGIC) + _MAC :]
+        if not hmac.compare_digest(blob[len(_MAGIC) : len(_MAGIC) + _MAC], _mac(secret, key, body)):
+            self._warn(
+                "unauthenticated",
+                f"cache entry {path.name} failed authentication with the key {self.key_file}: "
+                "it is damaged, was written with another key (another user, or a key that "
+                "was replaced), or was planted. It was not loaded; compiling it again. If "
+                "several users share this cache directory, give each their own cache_dir.",
+            )
+            return None, "unauthenticated entry"
         try:
             payload, in_tree, out_tree = pickle.loads(body)
             compiled = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, backend=platform_name
             )
-        except Exception as e:  # noqa: BLE001 - an entry that passed its checksum but
-            # cannot be loaded (e.g. written by a jaxlib that pickles differently) is
-            # stale, not fatal: compile and overwrite it.
+        except Exception as e:  # noqa: BLE001 - an authentic entry that cannot be loaded
+            # (e.g. written by a jaxlib that serializes differently) is stale, not
+            # fatal: compile and overwrite it.
             self._warn(
-                "corrupt", f"cannot load cache entry {path.name} ({type(e).__name__}); compiling"
+                "unloadable",
+                f"cannot load cache entry {path.name} ({type(e).__name__}); compiling",
             )
             return None, "unloadable entry"
+        try:
+            os.utime(path)  # mtime = last use, for the LRU order of eviction
+        except OSError:  # evicted meanwhile, or a read-only cache: order only
+            pass
         return compiled, ""
 
-    def _store(self, path: Path, compiled: jax.stages.Compiled, name: str) -> None:
+    def _store(
+        self, path: Path, key: str, secret: bytes, compiled: jax.stages.Compiled, name: str
+    ) -> bool:
+        """Writes the entry atomically; True if it was written."""
         if self._unwritable:
-            return
+            return False
         try:
             body = pickle.dumps(serialize_executable.serialize(compiled))
         except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as e:
             # e.g. executables with host callbacks or closed-over constants
             log.info("not caching %s: the executable cannot be serialized (%s)", name, e)
-            return
-        blob = _MAGIC + hashlib.sha256(body).digest() + body
-        tmp = None
+            return False
+        blob = _MAGIC + _mac(secret, key, body) + body
+        if self.max_bytes is not None and len(blob) > self.max_bytes:
+            log.info(
+                "not caching %s: its entry (%d bytes) is larger than cache_max_bytes (%d)",
+                name,
+                len(blob),
+                self.max_bytes,
+            )
+            return False
+        directory = path.parent
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".bin")
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)
-            tmp = None
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(
+                dir=directory, prefix=f".tmp-{_HOST}-{os.getpid()}-", suffix=".part"
+            )
         except OSError as e:
             self._unwritable = True  # one warning, no further attempts in this process
             self._warn(
@@ -261,12 +399,76 @@ class ExecutableCache:
                 "without it. Set DYNAJAX_CACHE_DIR to a writable directory, or to '' to "
                 "turn the cache off.",
             )
-        finally:
-            if tmp is not None:
+            return False
+        try:
+            with os.fdopen(fd, "wb") as f:
+                _write_entry(f, blob)
+            os.replace(tmp, path)
+            return True
+        except OSError as e:  # disk full, or the file removed under us: this entry only
+            self._warn(
+                "store",
+                f"could not store the executable of {name} in {directory} ({e}); it runs, "
+                "but other processes will compile it again. Free space there, or set "
+                "DYNAJAX_CACHE_DIR to another directory.",
+            )
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+
+    def prune(self) -> int:
+        """Keeps the directory within ``max_bytes`` and removes abandoned temp files.
+
+        Removes entries least recently used first (oldest mtime: the time of their last
+        hit or store) until the entries' total size is within the bound, and temporary
+        files left by writers that were killed. Only files named like entries
+        (``<64 hex digits>.bin``) or like dynajax's temp files are touched, so a
+        directory shared with other files loses none of them. Safe to run in several
+        processes at once. Returns the number of entries this call removed.
+        """
+        directory = self.directory
+        if directory is None:
+            return 0
+        now = time.time()
+        entries: list[tuple[int, str, int]] = []
+        total = 0
+        try:
+            scan = os.scandir(directory)
+        except OSError:
+            return 0
+        with scan:
+            for item in scan:
                 try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                    if _ENTRY.fullmatch(item.name):
+                        st = item.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            entries.append((st.st_mtime_ns, item.name, st.st_size))
+                            total += st.st_size
+                    elif (temp := _TEMP.fullmatch(item.name)) is not None:
+                        st = item.stat(follow_symlinks=False)
+                        if _abandoned(temp.group(1), int(temp.group(2)), now - st.st_mtime):
+                            os.unlink(item.path)
+                            log.debug("removed %s, left by a writer that was stopped", item.name)
+                except OSError:  # removed meanwhile by another process
+                    continue
+        if self.max_bytes is None or total <= self.max_bytes:
+            return 0
+        removed = 0
+        for _, name, size in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            try:
+                os.unlink(directory / name)
+                removed += 1
+            except FileNotFoundError:  # another process evicted it first
+                pass
+            except OSError:
+                continue  # still there, still counted
+            total -= size
+        log.debug("evicted %d cache entr(ies) to stay within %d bytes", removed, self.max_bytes)
+        return removed
 
     def _warn(self, kind: str, message: str) -> None:
         """Logs every problem; warns once per kind of problem and cache."""
@@ -276,6 +478,132 @@ class ExecutableCache:
                 return
             self._warned.add(kind)
         warnings.warn(f"dynajax compilation cache: {message}", RuntimeWarning, stacklevel=2)
+
+
+def _mac(secret: bytes, key: str, body: bytes) -> bytes:
+    """HMAC-SHA256 of an entry: its format, its key (its file name) and its body."""
+    mac = hmac.new(secret, _MAGIC, hashlib.sha256)
+    mac.update(key.encode() + b"\x00")
+    mac.update(body)
+    return mac.digest()
+
+
+def _read_entry(path: Path) -> bytes | None:
+    """The bytes of the entry at ``path``; None if it is not a regular file. Neither a
+    symlink nor a FIFO planted under an entry's name is followed or waited on."""
+    flags = os.O_RDONLY
+    for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_BINARY"):
+        flags |= getattr(os, name, 0)
+    fd = os.open(path, flags)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read()
+
+
+def _write_entry(f: IO[bytes], blob: bytes) -> None:
+    """Writes an entry's bytes to its temp file (a seam for the killed-writer test)."""
+    f.write(blob)
+
+
+def _abandoned(host: str, pid: int, age: float) -> bool:
+    """Whether a temp file of writer ``pid`` on ``host``, ``age`` seconds old, is dead."""
+    if age > _TEMP_ABANDONED_S:
+        return True
+    return host == _HOST and age > _TEMP_DEAD_S and not _process_alive(pid)
+
+
+def _process_alive(pid: int) -> bool:
+    if os.name != "posix":  # (os.kill would terminate the process on Windows)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
+
+
+class _KeyProblem(Exception):
+    """The key file cannot be used; the message says why and what to do."""
+
+
+def _load_or_create_key(path: Path) -> bytes:
+    """Reads the secret key at ``path``, creating it (0600, in a 0700 directory) if
+    missing. Safe when several processes create it at once: the key is written to a
+    temp file and linked to ``path``, which fails if another process got there first;
+    every process then reads the one file that won."""
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise _KeyProblem(f"cannot read the cache key {path} ({e})") from None
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cache.key-")  # 0600
+    except OSError as e:
+        raise _KeyProblem(
+            f"cannot create the cache key {path} ({e}); set XDG_CONFIG_HOME to a writable "
+            "directory of your own"
+        ) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(_KEY_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another process created it meanwhile: use theirs
+            pass
+    except OSError as e:
+        raise _KeyProblem(f"cannot create the cache key {path} ({e})") from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    try:
+        return _read_key(path)
+    except OSError as e:
+        raise _KeyProblem(f"cannot read the cache key {path} ({e})") from None
+
+
+def _read_key(path: Path) -> bytes:
+    """The key in ``path``, if only this user can read or replace it."""
+    _check_private(path.parent, "directory of the cache key", 0o022)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    with os.fdopen(fd, "rb") as f:
+        _check_private(path, "cache key", 0o077, os.fstat(f.fileno()))
+        key = f.read(_KEY_BYTES + 1)
+    if len(key) != _KEY_BYTES:
+        raise _KeyProblem(
+            f"the cache key {path} is damaged ({len(key)} bytes, expected {_KEY_BYTES}); "
+            "delete it and dynajax makes a new one (cached entries are then compiled again)"
+        )
+    return key
+
+
+def _check_private(path: Path, what: str, forbidden: int, st: os.stat_result | None = None) -> None:
+    """Raises _KeyProblem unless ``path`` is this user's and has no ``forbidden`` bits."""
+    if os.name != "posix":
+        return
+    st = st if st is not None else os.stat(path)
+    if st.st_uid != os.getuid():
+        raise _KeyProblem(
+            f"the {what} {path} belongs to user id {st.st_uid}, not to you ({os.getuid()}), "
+            "so whoever owns it could forge cache entries; point XDG_CONFIG_HOME at a "
+            "directory of your own"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & forbidden:
+        fix = "chmod 600" if forbidden == 0o077 else "chmod go-w"
+        raise _KeyProblem(
+            f"the {what} {path} has mode {mode:o}, so other users could read or replace "
+            f"it and forge cache entries; run `{fix} {path}`"
+        )
 
 
 def stats_of(items: Any) -> CompileStats:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.fx
 
+from dynajax.lowering.checks import CheckedFunction, CheckTable
 from dynajax.lowering.interpreter import needs_key, to_jax_function
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.conversion import (
@@ -42,6 +43,7 @@ from dynajax.runtime.conversion import (
 from dynajax.runtime.executables import Executables
 from dynajax.runtime.inputs import InputCache
 from dynajax.runtime.jax_internals import X64, direct_executor, dispatch_of
+from dynajax.sharding.placement import PartitionPlacement, Placement
 
 # From this many inputs, a call whose inputs are all cached skips the executable's
 # argument checks (``CompiledPartition._build_direct``); below, they cost less than
@@ -66,10 +68,14 @@ class CompiledPartition(torch.nn.Module):
         stats: where compiles, cache hits and misses are counted (the Report's).
         max_executables: executables kept under dynamic shapes (an LRU).
         pad_to_buckets: pad provably safe symbolic sizes to powers of two.
-        device: the JAX device to run on (None: where the tensors are). Inputs that
-            ``InputCache`` keeps (parameters, buffers) are copied there once and stay
-            resident until PyTorch changes them; the rest are copied per call; outputs
-            come back to the tensors' device.
+        device: the JAX device to run on (None: where the tensors are); the same as a
+            ``placement`` of that one device.
+        placement: where each input lives (``dynajax.sharding``): one device, or a
+            ``NamedSharding`` per input on a mesh. Inputs that ``InputCache`` keeps
+            (parameters, buffers) are copied there once and stay resident until PyTorch
+            changes them; the rest are copied per call; outputs come back to the
+            tensors' device (on a mesh: replicated by the program, then this process's
+            copy).
 
     Executables are compiled ahead of time and called directly (``executables.py``):
     one, built at the first call, for a graph of static shapes; one per concrete shape
@@ -88,35 +94,52 @@ class CompiledPartition(torch.nn.Module):
         max_executables: int = 16,
         pad_to_buckets: bool = False,
         device: jax.Device | None = None,
+        placement: PartitionPlacement | None = None,
     ) -> None:
         super().__init__()
         self.name = name
         self.needs_seed = needs_seed
         self.__dict__["graph_module"] = graph  # not a submodule: never called
         owned = _own_outputs(fn)
+        # The value checks that traces of ``fn`` record (lowering/checks.py): when there
+        # are any, its last output reports the first that failed, and a call raises
+        # eager's error before handing any output back (``_checked``).
+        self.value_checks: CheckTable | None = fn.table if isinstance(fn, CheckedFunction) else None
         # The partition's function under plain jax.jit: the raw-JAX floor the benchmarks
         # compare against (the per-call path uses the AOT executable instead).
         self.jitted = jax.jit(owned)
         devices = _placeholder_devices(graph)
         self.device_type = devices.pop() if len(devices) == 1 else None
         on_cpu = self.device_type == "cpu"
-        if device is not None and on_cpu and device == cpu_device():
-            device = None  # where CPU tensors run anyway (zero-copy)
-        make_cached: Callable[[torch.Tensor], Any] = zero_copy_array
-        if device is not None:
-            convert, make_cached = _placed_on(device)
+        vals = [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]
+        if placement is None and device is not None:
+            placement = Placement(device=device).for_partition([], vals)
+        if placement is not None and on_cpu and placement.device == cpu_device():
+            placement = None  # where CPU tensors run anyway (zero-copy)
+        self.placement = placement
+        self.device = placement.device if placement is not None else None
+        tensor_pos = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
+        make_cached: Any = zero_copy_array
+        convert: Any
+        out_sharding = None
+        if placement is not None:
+            # Per input: its sharding on the device or mesh; state resident there.
+            convert, make_cached = placement.converters(tensor_pos)
+            sharding, platform = placement.default_sharding, placement.platform
+            out_sharding = placement.out_sharding
+            if placement.multi_device:
+                # The persistent cache keys a program by platform, not by devices, and
+                # a loaded executable must run on this mesh's devices: compile here.
+                cache = None
         elif on_cpu and jax.default_backend() != "cpu":
             convert = _committed_cpu  # NumPy would land on JAX's default accelerator
-        else:
-            convert = fast_to_jax
-        if device is not None:
-            sharding, platform = jax.sharding.SingleDeviceSharding(device), device.platform
+            sharding, platform = jax.sharding.SingleDeviceSharding(cpu_device()), "cpu"
         elif on_cpu:
+            convert = fast_to_jax
             sharding, platform = jax.sharding.SingleDeviceSharding(cpu_device()), "cpu"
         else:
+            convert = fast_to_jax
             sharding, platform = None, jax.default_backend()
-        self.device = device
-        vals = [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]
         self.stats = stats if stats is not None else CompileStats()
         self.executables = Executables(
             name,
@@ -130,6 +153,7 @@ class CompiledPartition(torch.nn.Module):
             pad_to_buckets=pad_to_buckets,
             sharding=sharding,
             platform_name=platform,
+            out_sharding=out_sharding,
         )
         # What a call of a static-shape partition runs: the AOT executable's dispatch,
         # set at the first call. Benchmarks may set it to ``jitted`` to compare paths.
@@ -137,7 +161,8 @@ class CompiledPartition(torch.nn.Module):
         self._compiled: jax.stages.Compiled | None = None
         # (snapshot, execute, arguments, their positions): all inputs cached, no checks
         self._direct: tuple[Any, Callable[..., Any], list[Any], list[int]] | None = None
-        self._direct_failed = False
+        # The direct entry point is checked on one device's outputs only.
+        self._direct_failed = placement is not None and placement.multi_device
         self._compile_lock = threading.Lock()
         n_inputs = len(self.executables.tensor_pos)  # static sizes are not converted
         if self.executables.dynamic:
@@ -145,9 +170,12 @@ class CompiledPartition(torch.nn.Module):
         # A resident copy on another device is stale after any in-place update; a
         # zero-copy array on the CPU is the tensor's memory and sees it.
         self.inputs = InputCache(
-            n_inputs, convert, make_cached, same_layout_reuse=on_cpu and device is None
+            n_inputs, convert, make_cached, same_layout_reuse=on_cpu and placement is None
         )
-        self._to_torch = cpu_to_torch if on_cpu else to_torch
+        if placement is not None and placement.multi_device:
+            self._to_torch = placement.placement.to_torch()  # this process's whole copy
+        else:
+            self._to_torch = cpu_to_torch if on_cpu else to_torch
         quiet_readonly_warning()
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -155,6 +183,9 @@ class CompiledPartition(torch.nn.Module):
         direct = self._direct
         if direct is not None and self.inputs.hit(tensors) is direct[0]:
             results = direct[1](direct[2]).disassemble_into_single_device_arrays()
+            if (checks := self.value_checks) is not None and checks.checks:
+                checks.raise_if_failed(results[-1][0], self.name)
+                results = results[:-1]
             return [self._to_torch(r[0]) for r in results]
         token = X64.enable()  # int64/float64 stay 64-bit, as in torch
         try:
@@ -196,6 +227,8 @@ class CompiledPartition(torch.nn.Module):
         except (TypeError, ValueError, RuntimeError):  # XLA refused the arguments
             self._direct_failed = True
             return None
+        if (checks := self.value_checks) is not None and checks.checks:
+            results = results[:-1]  # the regular path just passed the same inputs
         check = [self._to_torch(r[0]) for r in results]
         if not (
             len(check) == len(outs)
@@ -213,9 +246,12 @@ class CompiledPartition(torch.nn.Module):
         if self.needs_seed:
             arrays.insert(0, _draw_seed())
         call = self.dispatch
-        if call is None:
-            return list(map(self._to_torch, self._first_call(tensors, arrays)))
-        outs = call(*arrays)
+        outs = self._first_call(tensors, arrays) if call is None else call(*arrays)
+        if (checks := self.value_checks) is not None and checks.checks:
+            # Eager's error where a value check failed, before any output is handed back
+            # (so aot_autograd writes no input back); then the outputs without it.
+            checks.raise_if_failed(outs[-1], self.name)
+            outs = outs[:-1]
         return list(map(self._to_torch, outs))
 
     def _first_call(self, tensors: Sequence[Any], arrays: list[Any]) -> Any:
@@ -232,6 +268,7 @@ class CompiledPartition(torch.nn.Module):
     def _run_dynamic(self, args: Sequence[Any]) -> list[torch.Tensor]:
         """The per-call path under dynamic shapes: buckets, then the LRU of executables."""
         ex = self.executables
+        given = args
         restore: list[Any] = []
         if ex.plans != []:  # noqa: PLC1901 - None (undecided) or a non-empty list
             args, restore = ex.pad(args)
@@ -239,8 +276,36 @@ class CompiledPartition(torch.nn.Module):
         arrays = self.inputs.arrays(tensors)
         if self.needs_seed:
             arrays.insert(0, _draw_seed())
-        outs = list(map(self._to_torch, ex.lookup(args, arrays)(*arrays)))
+        results = ex.lookup(args, arrays)(*arrays)
+        if (checks := self.value_checks) is not None and checks.checks:
+            if restore and checks.failed(results[-1]):
+                return self._run_exact(given)
+            checks.raise_if_failed(results[-1], self.name)
+            results = results[:-1]
+        outs = list(map(self._to_torch, results))
         return ex.unpad(outs, restore) if restore else outs
+
+    def _run_exact(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        """A padded call whose value check failed, run again at its exact size.
+
+        The padding proof (``buckets.check_padding``) shows that padded rows never reach
+        the real outputs, but a value check reads them too: zeros padded into a divisor
+        fail an integer division's check. The exact size decides: where it passes, the
+        padding was at fault, and this partition runs at exact sizes from now on (the
+        reason is in the Report); where it fails too, eager's error is raised.
+        """
+        ex = self.executables
+        plans, ex.plans = ex.plans, []
+        try:
+            outs = self._run_dynamic(args)
+        except BaseException:
+            ex.plans = plans  # the inputs were at fault, not the padding
+            raise
+        symbols = ", ".join(str(p.symbol) for p in plans or [])
+        self.stats.exact.append(
+            f"{self.name}: {symbols}: a value check fails on padded rows (exact sizes now)"
+        )
+        return outs
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(self.run(tensors))
@@ -290,23 +355,6 @@ def _committed_cpu(t: torch.Tensor) -> jax.Array:
     return jax.device_put(to_jax(t), cpu_device(), may_alias=True)
 
 
-def _placed_on(
-    device: jax.Device,
-) -> tuple[Callable[[torch.Tensor], jax.Array], Callable[[torch.Tensor], jax.Array | None]]:
-    """Converters for a partition placed on ``device``: per call, and for the inputs
-    ``InputCache`` keeps resident (a copy on ``device``, made once per tensor version)."""
-
-    def per_call(t: torch.Tensor) -> jax.Array:
-        return jax.device_put(to_jax(t), device)
-
-    def resident(t: torch.Tensor) -> jax.Array | None:
-        if zero_copy_array(t) is None:
-            return None  # versions cannot track it (inference tensor, empty, ...)
-        return jax.device_put(to_jax(t), device)
-
-    return per_call, resident
-
-
 def _draw_seed() -> np.ndarray:
     return np.asarray(torch.randint(0, 2**62, (), dtype=torch.int64).item(), np.int64)
 
@@ -314,7 +362,10 @@ def _draw_seed() -> np.ndarray:
 def compile_partition(name: str, gm: torch.fx.GraphModule, **options: Any) -> CompiledPartition:
     """Lowers the ATen graph ``gm`` to JAX and wraps it for calls from torch.
 
-    ``options``: ``cache``, ``stats``, ``max_executables``, ``pad_to_buckets`` of
-    ``CompiledPartition``.
+    ``options``: ``cache``, ``stats``, ``max_executables``, ``pad_to_buckets``,
+    ``device``, ``placement`` of ``CompiledPartition``; ``checks`` (default True): the
+    rules' value checks run in the program and raise eager's errors
+    (``lowering/checks.py``).
     """
-    return CompiledPartition(name, to_jax_function(gm), needs_key(gm), gm, **options)
+    fn = to_jax_function(gm, value_checks=options.pop("checks", True))
+    return CompiledPartition(name, fn, needs_key(gm), gm, **options)

@@ -124,9 +124,11 @@ _CPU = None
 
 
 def cpu_device() -> Any:
+    """This process's first JAX CPU device (in a multi-process run ``jax.devices()``
+    lists every process's devices, and only local ones can hold this process's memory)."""
     global _CPU
     if _CPU is None:
-        _CPU = jax.devices("cpu")[0]
+        _CPU = jax.local_devices(backend="cpu")[0]
     return _CPU
 
 

@@ -65,8 +65,11 @@ class Executables:
         cache: the persistent cache; stats: where compiles, hits and misses count.
         max_executables: the LRU bound under dynamic shapes.
         pad_to_buckets: pad provably safe symbols to powers of two.
-        sharding: the inputs' sharding (None: JAX's default device).
+        sharding: the sharding of inputs that are not ``jax.Array``s (NumPy views, the
+            seed); arrays keep their own (None: JAX's default device).
         platform_name: the platform the executables run on.
+        out_sharding: the outputs' sharding (None: XLA's choice); on a mesh,
+            replicated, so that every process holds whole outputs.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class Executables:
         pad_to_buckets: bool,
         sharding: Any,
         platform_name: str,
+        out_sharding: Any = None,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -94,6 +98,7 @@ class Executables:
         self.max_executables = max_executables
         self.sharding = sharding
         self.platform_name = platform_name
+        self.out_sharding = out_sharding
         vals = self.placeholders
         self.tensor_pos = tuple(i for i, v in enumerate(vals) if isinstance(v, torch.Tensor))
         self.static_pos = tuple(i for i, v in enumerate(vals) if not isinstance(v, torch.Tensor))
@@ -126,7 +131,10 @@ class Executables:
         ]
         fn = with_statics(self.fn, len(self.placeholders), statics, self.needs_seed)
         with jax.default_matmul_precision(matmul_precision()):
-            lowered = jax.jit(fn).lower(*avals)
+            if self.out_sharding is None:
+                lowered = jax.jit(fn).lower(*avals)
+            else:
+                lowered = jax.jit(fn, out_shardings=self.out_sharding).lower(*avals)
         shapes = ", ".join(str(list(a.shape)) for a in avals)
         return self.cache.compile(
             lowered, self.stats, name=f"{self.name}({shapes})", platform_name=self.platform_name

@@ -21,7 +21,8 @@ Lifetimes: the cache holds a weak reference to each tensor and an array over a
 *detached* alias of its storage, so it never keeps a caller's tensor object alive; when
 the tensor dies its array is dropped and the position demoted (a new object will come).
 
-Thread safety: the hot path reads one immutable snapshot; a refresh builds a new one.
+Thread safety: the hot path reads one immutable snapshot (the arrays and the positions
+converted per call, together); a refresh builds a new one.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class _Snapshot:
-    __slots__ = ("get", "ids", "versions", "ptrs", "arrays", "refs", "meta")
+    __slots__ = ("get", "ids", "versions", "ptrs", "arrays", "refs", "meta", "volatile")
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class _Snapshot:
         arrays: list[Any],
         refs: dict[int, weakref.ref],
         meta: dict[int, tuple[Any, ...]],
+        volatile: list[int],
     ) -> None:
         self.get = get
         self.ids = ids
@@ -58,10 +60,24 @@ class _Snapshot:
         self.arrays = arrays  # one slot per input; None where converted per call
         self.refs = refs
         self.meta = meta  # position -> (version, data_ptr, shape, stride)
+        # The positions converted per call with these arrays. Kept with them, not read
+        # from the cache: a refresh in another thread may change the cache's meanwhile.
+        self.volatile = volatile
 
 
 def _identity(ts: Sequence[Any]) -> Sequence[Any]:
     return ts
+
+
+def _per_position(
+    fn: Callable[[torch.Tensor], Any] | Sequence[Callable[[torch.Tensor], Any]], n: int
+) -> list[Callable[[torch.Tensor], Any]]:
+    if callable(fn):
+        return [fn] * n
+    fns = list(fn)
+    if len(fns) != n:
+        raise ValueError(f"InputCache: {len(fns)} converters for {n} inputs")
+    return fns
 
 
 def _getter(positions: Sequence[int], n: int) -> Callable[[Sequence[Any]], Sequence[Any]]:
@@ -78,8 +94,11 @@ class InputCache:
 
     Args:
         n: number of inputs.
-        convert: the per-call converter (tensor -> JAX-consumable value).
-        make_cached: tensor -> zero-copy ``jax.Array`` or None (not cacheable).
+        convert: the per-call converter (tensor -> JAX-consumable value), or one per
+            position (a placement gives each input its own sharding).
+        make_cached: tensor -> zero-copy ``jax.Array`` or None (not cacheable); or one
+            per position (under ``device=``/``mesh=``: the resident copy on the device
+            or mesh).
         same_layout_reuse: keep an array across a version bump when pointer, shape and
             strides are unchanged. Right for CPU, where torch's writes are synchronous;
             on accelerators a re-import through DLPack orders JAX after torch's stream.
@@ -88,17 +107,16 @@ class InputCache:
     def __init__(
         self,
         n: int,
-        convert: Callable[[torch.Tensor], Any],
-        make_cached: Callable[[torch.Tensor], Any],
+        convert: Callable[[torch.Tensor], Any] | Sequence[Callable[[torch.Tensor], Any]],
+        make_cached: Callable[[torch.Tensor], Any] | Sequence[Callable[[torch.Tensor], Any]],
         *,
         same_layout_reuse: bool = True,
     ) -> None:
         self._n = n
-        self._convert = convert
-        self._make_cached = make_cached
+        self._convert = _per_position(convert, n)
+        self._make_cached = _per_position(make_cached, n)
         self._same_layout_reuse = same_layout_reuse
         self._candidates: list[int] = list(range(n))
-        self._volatile: list[int] = []
         self._snap: _Snapshot | None = None
         self._prev: _Snapshot | None = None  # the last snapshot, also once invalidated
         self._died: set[int] = set()
@@ -112,8 +130,9 @@ class InputCache:
     @property
     def resident(self) -> dict[int, Any]:
         """The arrays currently kept for reuse, by input position (for tests, reports,
-        and the placement of state: under ``device=`` they live on that device)."""
-        snap = self._snap
+        and the placement of state: under ``device=`` they live on that device). After an
+        input died (a temporary), the arrays still held for the others."""
+        snap = self._snap or self._prev
         if snap is None:
             return {}
         return {i: a for i, a in enumerate(snap.arrays) if a is not None}
@@ -126,7 +145,7 @@ class InputCache:
         snap = self._snap
         if (
             snap is not None
-            and not self._volatile
+            and not snap.volatile
             and tuple(map(id, c := snap.get(ts))) == snap.ids
             and tuple(map(_version, c)) == snap.versions
             and tuple(map(_data_ptr, c)) == snap.ptrs
@@ -137,7 +156,8 @@ class InputCache:
     @property
     def current(self) -> _Snapshot | None:
         """The snapshot in use when every input is cached, else None."""
-        return self._snap if not self._volatile else None
+        snap = self._snap
+        return snap if snap is not None and not snap.volatile else None
 
     def arrays(self, ts: Sequence[torch.Tensor]) -> list[Any]:
         """The JAX arguments for the tensors ``ts``, one per input."""
@@ -149,16 +169,17 @@ class InputCache:
             and tuple(map(_data_ptr, c)) == snap.ptrs
         ):
             out = snap.arrays.copy()
+            volatile = snap.volatile
         else:
-            out = self._refresh(ts)
+            out, volatile = self._refresh(ts)
         convert = self._convert
-        for i in self._volatile:
-            out[i] = convert(ts[i])
+        for i in volatile:
+            out[i] = convert[i](ts[i])
         return out
 
     # -- slow path: some cached input changed ------------------------------------------
 
-    def _refresh(self, ts: Sequence[torch.Tensor]) -> list[Any]:
+    def _refresh(self, ts: Sequence[torch.Tensor]) -> tuple[list[Any], list[int]]:
         prev = self._snap or self._prev
         died, self._died = self._died, set()
         keep: list[int] = []
@@ -174,7 +195,7 @@ class InputCache:
                 continue  # a different object than last time: an activation
             arr = self._reuse(prev, i, t) if prev is not None and old_ref is not None else None
             if arr is None:
-                arr = self._make_cached(t)
+                arr = self._make_cached[i](t)
             if arr is None:
                 continue
             keep.append(i)
@@ -182,7 +203,7 @@ class InputCache:
             refs[i] = old_ref if old_ref is not None else weakref.ref(t, self._on_death(i))
             meta[i] = (t._version, t.data_ptr(), t.shape, t.stride())
         self._candidates = keep
-        self._volatile = [i for i in range(self._n) if arrays[i] is None]
+        volatile = [i for i in range(self._n) if arrays[i] is None]
         snap = None
         if keep:
             c = [ts[i] for i in keep]
@@ -194,10 +215,11 @@ class InputCache:
                 arrays,
                 refs,
                 meta,
+                volatile,
             )
         self._snap = snap
         self._prev = snap
-        return arrays.copy()
+        return arrays.copy(), volatile
 
     def _reuse(self, prev: _Snapshot, i: int, t: torch.Tensor) -> Any:
         arr = prev.arrays[i]

@@ -1,5 +1,7 @@
 """The persistent compilation cache: reuse across processes, hits and misses with
-reasons, and a corrupt, unloadable or unwritable cache that never breaks a run."""
+reasons, and a corrupt, unloadable or unwritable cache that never breaks a run.
+(Authentication: test_security.py; the size bound and concurrent writers:
+test_bound.py.)"""
 
 from __future__ import annotations
 
@@ -125,14 +127,13 @@ def test_truncated_entry_warns_and_recompiles(tmp_path) -> None:
     _run(tmp_path, _f, x)
     [entry] = _entries(tmp_path)
     entry.write_bytes(entry.read_bytes()[: len(entry.read_bytes()) // 2])
-    with pytest.warns(RuntimeWarning, match="corrupt cache entry"):
+    with pytest.warns(RuntimeWarning, match="failed authentication"):
         out, stats = _run(tmp_path, _f, x)
     assert_same(out, _f(x))
-    assert stats.cache_misses["corrupt entry"] == 1
+    assert stats.cache_misses["unauthenticated entry"] == 1
 
 
 def test_entry_that_cannot_be_loaded_warns_and_recompiles(tmp_path) -> None:
-    import hashlib
     import pickle
 
     from dynajax.runtime import cache
@@ -141,7 +142,8 @@ def test_entry_that_cannot_be_loaded_warns_and_recompiles(tmp_path) -> None:
     _run(tmp_path, _f, x)
     [entry] = _entries(tmp_path)
     body = pickle.dumps(("not an executable", None, None))
-    entry.write_bytes(cache._MAGIC + hashlib.sha256(body).digest() + body)  # valid checksum
+    secret = cache.default_key_file().read_bytes()
+    entry.write_bytes(cache._MAGIC + cache._mac(secret, entry.stem, body) + body)  # authentic
     with pytest.warns(RuntimeWarning, match="cannot load cache entry"):
         out, stats = _run(tmp_path, _f, x)
     assert_same(out, _f(x))

@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 
 import jax
+import numpy as np
 import pytest
 import torch
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 
 import dynajax
 from dynajax import Options, OptionsError, Reason, UnsupportedNodesError
@@ -69,6 +72,26 @@ def test_bad_env_values_name_the_variable_and_valid_values(monkeypatch, var, raw
     monkeypatch.setenv(var, raw)
     with pytest.raises(OptionsError, match=message):
         Options.resolve()
+
+
+def test_mesh_and_sharding_options_are_validated(monkeypatch) -> None:
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(OptionsError, match="mesh must be a jax.sharding.Mesh"):
+        dynajax.Backend(mesh="cpu")
+    with pytest.raises(OptionsError, match="an AbstractMesh has none"):
+        dynajax.Backend(mesh=AbstractMesh((8,), ("data",)))
+    with pytest.raises(OptionsError, match="pass one: device= for one device, mesh= for"):
+        dynajax.Backend(mesh=mesh, device="cpu:0")
+    with pytest.raises(OptionsError, match="sharding rules need a mesh"):
+        dynajax.Backend(sharding={"weight": P("data")})
+    with pytest.raises(OptionsError, match="names mesh axis 'model', but the mesh has axes"):
+        dynajax.Backend(mesh=mesh, sharding={"weight": P("model")})
+    o = dynajax.Backend(mesh=mesh, sharding={"weight": ("data",)}).options
+    assert o.sharding == dynajax.ShardingRules([("weight", P("data"))])
+    assert dynajax.Backend(mesh=mesh).options.sharding == dynajax.ShardingRules()
+    # An explicit mesh beats a device from the environment.
+    monkeypatch.setenv("DYNAJAX_DEVICE", "cpu:0")
+    assert dynajax.Backend(mesh=mesh).options.device is None
 
 
 @pytest.mark.parametrize(

@@ -171,6 +171,20 @@ def test_choice_by_shape(xs, ws, stride, groups, form):
     assert ca.choose(xs, ws, [stride] * nd, [1] * nd, [1] * nd, groups) == form
 
 
+def test_choice_under_symbolic_batch():
+    # jax.export's shape polymorphism: a form is chosen only if it suits every size the
+    # symbolic batch may take (within its declared bounds); else XLA's convolution.
+    ws, ones = (128, 64, 3, 3), [1, 1]
+    (b,) = jax.export.symbolic_shape("b")
+    assert ca.choose((b, 64, 16, 16), ws, [2, 2], ones, ones, 1) == "xla"
+    (b,) = jax.export.symbolic_shape("b", constraints=["b <= 8"])
+    assert ca.choose((b, 64, 16, 16), ws, [2, 2], ones, ones, 1) == "matmul"
+    assert ca.choose((b, 512, 2, 2), (512, 512, 3, 3), ones, ones, ones, 1) == "matmul"
+    assert ca.choose((b, 96, 56, 56), (96, 1, 7, 7), ones, ones, ones, 96) == "tap_sum"
+    assert ca.choose_transposed((b, 64, 16, 16), (64, 32, 4, 4), [2, 2], 2) == "xla"
+    assert ca.choose_transposed((b, 512, 2, 2), (512, 256, 4, 4), [2, 2], 1) == "col2im"
+
+
 def test_transposed_choice_by_shape():
     # kernel wider than the dilated input; small columns; 2.1M column elements
     assert ca.choose_transposed((8, 512, 2, 2), (512, 256, 4, 4), [2, 2], 1) == "col2im"

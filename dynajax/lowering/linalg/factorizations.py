@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering import checks
 from dynajax.lowering.linalg.common import conj_transpose, lapack_dtype_check
 from dynajax.lowering.registry import lower
 
@@ -152,6 +153,12 @@ def _lu_unpack(LU, pivots, unpack_data=True, unpack_pivots=True):
     m, n = LU.shape[-2:]
     k = min(m, n)
     if unpack_pivots:
+        checks.fail_if(
+            (pivots < 1) | (pivots > m),
+            RuntimeError,
+            "pivots passed to lu_unpack must be between 1 and LU.size(-2) inclusive."
+            "Did you properly pass the result of lu_factor?",
+        )
         perm = _permutation(pivots, m)
         # A = P L U with row perm[c] of A being row c of L U: P[perm[c], c] = 1.
         P = (perm[..., None, :] == jnp.arange(m)[:, None]).astype(LU.dtype)
