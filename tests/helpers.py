@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -292,3 +297,25 @@ def check_pass(
     assert op_counts(gm, case.after) == case.after, gm.graph
     assert_same(run_graph(gm, inputs), expected)
     return gm
+
+
+# ---------------------------------------------------------------------------------
+# Workers in a subprocess (several JAX devices, a fresh process)
+# ---------------------------------------------------------------------------------
+
+
+def run_worker(module: str, timeout: float = 600) -> dict[str, Any]:
+    """Runs ``python -m module`` from the repository root and returns the JSON object
+    it printed last (workers print facts; tests assert on them)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    out = subprocess.run(
+        [sys.executable, "-m", module],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=root,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

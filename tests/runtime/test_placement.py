@@ -3,33 +3,16 @@
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
 import dynajax
 from dynajax import OptionsError
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers import run_worker
 
 
 @pytest.fixture(scope="module")
 def facts() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.runtime.placement_worker"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker("tests.runtime.placement_worker")
 
 
 def test_parameters_are_resident_on_the_chosen_device(facts) -> None:

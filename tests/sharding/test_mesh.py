@@ -9,33 +9,19 @@ arrays' shards.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers import run_worker
+
 STRATEGIES = ["dp_mlp", "fsdp_mlp", "tp_mlp", "tp_gpt2", "2d_mlp", "2d_gpt2"]
 MLP_NAMES = {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
 @pytest.fixture(scope="module")
 def facts() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.sharding.sharding_worker"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker("tests.sharding.sharding_worker")
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
