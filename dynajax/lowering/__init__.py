@@ -1,5 +1,6 @@
 """ATen to JAX: the table of rules (``registry``), the modules that fill it, one per op
-family, and the interpreter that runs a graph through it (``interpreter``).
+family, the interpreter that runs a graph through it (``interpreter``), and the value
+checks rules record while traced (``checks``: eager's errors on argument values).
 
 This package owns the list of family modules: importing anything from it (``registry``
 included, since Python imports a package before its modules) imports every family, so

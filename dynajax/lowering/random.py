@@ -190,6 +190,13 @@ def _randperm(n, *, dtype=np.int64, layout=None, device=None, pin_memory=None, k
 
 @lower(aten.uniform.default, check=_FLOAT_OR_COMPLEX, needs_key=True)
 def _uniform_op(x, low=0.0, high=1.0, *, generator=None, key):
+    checks.fail_if(
+        low > high,
+        RuntimeError,
+        "uniform_ expects to return a [from, to) range, but found from={low} > to={high}",
+        low=float(low),
+        high=float(high),
+    )
     return _uniform(key, x.shape, x.dtype, low, high)
 
 

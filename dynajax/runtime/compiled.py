@@ -5,14 +5,18 @@ The per-call path of a partition is, in full:
     arrays = InputCache.arrays(tensors)      # cached jax.Arrays, NumPy views for the rest
     x64 on (thread-local swap, ~0.3 µs)       # int64/float64 stay 64-bit (jax_internals)
     outs = executable(*arrays)               # the AOT executable's C++ dispatch
+    value checks: outs[-1] read, may raise   # only where the partition has checks
     [torch.from_numpy(np.asarray(o)) ...]    # zero-copy views of XLA's output buffers
 
 Mutation and aliasing are aot_autograd's: it hands us a functional graph, writes the new
 values of mutated inputs back with ``copy_``, and regenerates outputs that alias inputs
-as views of those inputs. What this module guarantees is that every output owns its
-buffer: XLA never returns an input or constant buffer as an output (it copies), and
-``_own_outputs`` keeps JAX from forwarding an input array or repeating one output at
-trace level. No buffer is donated: inputs are torch's memory, which XLA must not reuse.
+as views of those inputs. A value check that fails (``lowering/checks.py``: an index out
+of range, an integer division by zero) raises eager's error here, before any output is
+handed back, so aot_autograd writes nothing back. What this module guarantees is that
+every output owns its buffer: XLA never returns an input or constant buffer as an
+output (it copies), and ``_own_outputs`` keeps JAX from forwarding an input array or
+repeating one output at trace level. No buffer is donated: inputs are torch's memory,
+which XLA must not reuse.
 """
 
 from __future__ import annotations
