@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-full opinfo-full bench bench-quick lint
+.PHONY: install demo test test-full opinfo-full bench bench-quick lint fuzz
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +41,13 @@ bench: install
 bench-quick: install
 	$(PY) -m benchmarks.run --quick
 
+# Differential fuzzing against eager (long; CI runs 100 programs in tests/test_fuzz.py).
+# Reproducers of new failures go to fuzz_failures/.
+fuzz: install
+	$(PY) -m fuzz --seed 0 --minutes 30
+
 # Style (ruff) and types (mypy over dynajax/, which ships py.typed); CI runs it.
 lint: install
-	$(PY) -m ruff check dynajax tests benchmarks examples
-	$(PY) -m ruff format --check dynajax tests benchmarks examples
+	$(PY) -m ruff check dynajax tests benchmarks examples fuzz
+	$(PY) -m ruff format --check dynajax tests benchmarks examples fuzz
 	$(PY) -m mypy

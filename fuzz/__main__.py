@@ -1,0 +1,63 @@
+"""``python -m fuzz``: a differential fuzzing run of dynajax against eager PyTorch.
+
+    python -m fuzz --seed 0 --minutes 30        # until 30 minutes have passed
+    python -m fuzz --seed 0 --programs 200      # exactly programs 0..199 of seed 0
+    python -m fuzz --replay fuzz_failures/seed0-program17.json   # check one again
+
+Prints the programs tried, the failures (distinct signatures, known bugs apart) and
+where the reproducers are; exits 1 when a failure is new (not in ``fuzz.known_bugs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from fuzz.campaign import run
+from fuzz.check import check
+from fuzz.program import Program, source
+
+
+def _replay(path: str) -> int:
+    program = Program.from_json(pathlib.Path(path).read_text())
+    print(source(program))
+    outcome = check(program)
+    print(f"status: {outcome.status}  signature: {outcome.signature or '-'}")
+    if outcome.mismatch is not None:
+        print(f"{outcome.mismatch.kind} at {outcome.mismatch.where}: {outcome.mismatch.detail}")
+    return 0 if outcome.status != "fail" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
+    parser.add_argument("--minutes", type=float, help="stop after this many minutes")
+    parser.add_argument("--programs", type=int, help="stop after this many programs")
+    parser.add_argument(
+        "--out", default="fuzz_failures", help="reproducer directory (default fuzz_failures)"
+    )
+    parser.add_argument(
+        "--shrink-seconds", type=float, default=90.0, help="budget per shrink (0: none)"
+    )
+    parser.add_argument("--max-ops", type=int, default=8, help="most ops per program")
+    parser.add_argument("--replay", help="check the program of a reproducer's .json file")
+    args = parser.parse_args(argv)
+    if args.replay:
+        return _replay(args.replay)
+    if args.minutes is None and args.programs is None:
+        parser.error("give --minutes or --programs")
+    summary = run(
+        args.seed,
+        programs=args.programs,
+        minutes=args.minutes,
+        out_dir=args.out,
+        shrink_seconds=args.shrink_seconds,
+        max_ops=args.max_ops,
+    )
+    print("\n".join(summary.lines()))
+    return 1 if summary.new_failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

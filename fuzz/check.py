@@ -1,0 +1,647 @@
+"""Running a program eagerly and compiled by dynajax, and comparing the two.
+
+The comparison is the test suite's (``tests.tolerances.assert_same``): the same
+outputs (count, dtype, shape, ``requires_grad``), values within the tolerance table
+(exact for integers and booleans, NaN where eager has NaN), the inputs after the call
+(in-place updates), the input gradients of a scalar loss of the outputs, and, where
+eager raises, an exception of the same type (the compiled one may be a subclass:
+Dynamo's ``TorchRuntimeError`` is a ``RuntimeError``). Each program runs twice, on two
+sets of input values, through the same compiled function (the second call runs the
+cached executables).
+
+A floating value that differs beyond the table is still accepted in three cases, the
+differences the README documents and their consequences:
+
+``subnormal``
+    It equals eager's value computed with subnormals flushed to zero
+    (``torch.set_flush_denormal(True)``), which is what XLA's CPU runtime does.
+``float64``
+    It is at least as close to the program's float64 result as eager's value is (every
+    floating input and dtype of the program in float64), plus the dtype's atol: two
+    roundings of the same computation (the criterion of ``tests/opinfo_accuracy.py``,
+    PyTorch's own for reference implementations).
+``amplified``
+    (Outputs and inputs, not gradients.) Every op of the program, compiled alone on
+    eager's values of its arguments, agrees with eager within the table or one of the
+    two allowances above, and at least one op alone differs at all: the program's
+    difference is those accepted per-op differences grown by the ops after them (an
+    ulp of a bfloat16 ``exp`` is several ulps after another ``exp``). A wrong op shows
+    alone; an error that only arises between ops (excess precision, where
+    every op alone is bit-equal to eager) is not accepted.
+
+Every other difference is a failure. A failure whose program differs from eager the
+same way under ``backend="aot_eager"`` (no dynajax: Dynamo and aot_autograd only) is
+classified ``upstream``: it belongs to ``torch.compile``, not to dynajax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import dynajax
+from fuzz.ops import render
+from fuzz.program import (
+    OpRecord,
+    Program,
+    forget_function,
+    make_inputs,
+    name,
+    op_index,
+    to_function,
+)
+from tests.tolerances import assert_same, tolerance
+
+OK, RAISED, FAIL, UPSTREAM = "ok", "raised", "fail", "upstream"
+SUBNORMAL, FLOAT64, AMPLIFIED = "subnormal", "float64", "amplified"
+CALLS = (0, 1)
+
+Backend = Callable[[], Any]
+
+
+def dynajax_backend() -> Any:
+    """A fresh dynajax backend without the persistent cache (random programs would
+    fill it with executables no one reuses)."""
+    return dynajax.Backend(cache_dir="")
+
+
+@dataclasses.dataclass
+class Run:
+    """One call of a program: what it returned or raised, and its inputs after."""
+
+    outputs: list[Any] | None
+    inputs: list[torch.Tensor]
+    grads: list[torch.Tensor | None] | None = None
+    error: BaseException | None = None
+    stage: str = ""
+    error_op: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """How a compiled call differs from eager's.
+
+    Attributes:
+        kind: ``raises`` (eager raised, dynajax did not raise that type), ``crash``
+            (dynajax raised, eager did not), ``structure``, ``dtype``, ``shape``,
+            ``requires_grad``, ``value`` (an output), ``inputs`` (an input after the
+            call), ``grad`` (an input gradient).
+        where: the value: ``out[1]``, ``inputs[0]``, ``grad[2]``, or the op that raised.
+        dtype: the dtype of eager's value, or the exception types ``Eager->Compiled``.
+        detail: the message.
+        call: which call of the program (0 or 1) differed.
+    """
+
+    kind: str
+    where: str
+    dtype: str
+    detail: str
+    call: int = 0
+
+    @property
+    def key(self) -> str:
+        """What a shrunk program must keep to fail "the same way"."""
+        if self.kind in ("raises", "crash"):
+            return f"{self.kind}:{self.dtype}:{_normalize(self.detail)[:40]}"
+        return f"{self.kind}:{self.dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The verdict on a program.
+
+    Attributes:
+        status: ``ok``; ``raised`` (eager raised and dynajax raised the same type);
+            ``fail``; ``upstream`` (fails the same way under ``aot_eager``).
+        mismatch: the first difference, for ``fail`` and ``upstream``.
+        accepted: the allowances some value needed (``subnormal``, ``float64``).
+        signature: ``kind:op:detail``, what known bugs and de-duplication key on (the op
+            from the shortest prefix of the program that fails the same way).
+        verdict: the comparison with eager (and how many ops ran in JAX).
+    """
+
+    status: str
+    mismatch: Mismatch | None = None
+    accepted: tuple[str, ...] = ()
+    signature: str = ""
+    verdict: Verdict | None = None
+
+
+def _normalize(text: str) -> str:
+    """The first line of a message with numbers and names of values blanked, so that
+    the same bug on other shapes reads the same."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    line = re.sub(r"\b[xv]\d+\b", "v", line)
+    return re.sub(r"\d+", "N", line)
+
+
+def error_text(error: BaseException) -> str:
+    """``Type: message`` of an exception, through Dynamo's wrapper of backend errors."""
+    inner = getattr(error, "inner_exception", None)
+    if isinstance(inner, BaseException):
+        error = inner
+    return f"{type(error).__name__}: {error}"
+
+
+class _Collect(logging.Handler):
+    """Keeps the messages of the records it handles."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def quiet(collect: _Collect | None = None) -> Iterator[None]:
+    """Warnings off and torch's error logging of failed fake-tensor calls muted (eager
+    errors are expected here), dynajax's warnings sent to ``collect`` instead of the
+    console; restored after."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    own = logging.getLogger("dynajax")
+    handler = collect or _Collect()
+    own.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        own.removeHandler(handler)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def loss_grads(outputs: Any, leaves: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+    """Gradients of the leaves, of a loss that weighs every element of every output that
+    requires grad by a fixed, non-uniform weight (``tests.helpers.input_grads``); None
+    when no output requires grad."""
+    outs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not leaves or not outs:
+        return None
+    loss = torch.stack(
+        [
+            (o * torch.linspace(-1, 2, o.numel(), dtype=torch.float64).to(o.dtype).view(o.shape))
+            .sum()
+            .to(torch.float64)
+            for o in outs
+        ]
+    ).sum()
+    return list(torch.autograd.grad(loss, leaves, allow_unused=True))
+
+
+def execute(
+    fn: Callable[..., Any],
+    program: Program,
+    call: int,
+    *,
+    upcast: bool = False,
+    flush: bool = False,
+) -> Run:
+    """Calls ``fn`` on fresh inputs of ``program`` (call ``call``), then the gradients
+    of the loss (``loss_grads``) when the program compares them."""
+    inputs = make_inputs(program, call, upcast)
+    leaves = [t for t in inputs if t.requires_grad]
+    stage = "forward"
+    try:
+        with _flushing(flush), _default_float64(upcast):
+            outputs = fn(*inputs)
+            stage = "backward"
+            grads = loss_grads(outputs, leaves) if program.grad else None
+    except Exception as e:
+        return Run(None, inputs, None, e, stage, _error_op(e, fn))
+    return Run(list(outputs), inputs, grads)
+
+
+@contextlib.contextmanager
+def _flushing(on: bool) -> Iterator[None]:
+    """Subnormals flushed to zero by eager's CPU kernels inside (if ``on``)."""
+    previous = torch.set_flush_denormal(True) if on else False
+    try:
+        yield
+    finally:
+        if previous:
+            torch.set_flush_denormal(False)
+
+
+@contextlib.contextmanager
+def _default_float64(on: bool) -> Iterator[None]:
+    """float64 as the default dtype inside (if ``on``), so that the float64 reference
+    promotes integers to float64 where the program promotes them to float32."""
+    previous = torch.get_default_dtype()
+    if on:
+        torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _error_op(error: BaseException, fn: Callable[..., Any]) -> int | None:
+    """The index of the op of ``fn``'s program on whose line ``error`` was raised."""
+    line = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == fn.__code__.co_filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return None if line is None else op_index(line)
+
+
+def _close(actual: Any, expected: Any) -> str | None:
+    """None if ``assert_same`` accepts ``actual``, else its message."""
+    try:
+        assert_same(actual, expected)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def _distance(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| in float64: 0 where both are NaN or the same infinity, inf where
+    only one of them is."""
+    x = x.detach().to(torch.float64)
+    both_nan = x.isnan() & ref.isnan()
+    same_inf = x.isinf() & ref.isinf() & (x == ref)
+    d = (x - ref).abs()
+    d = torch.where(both_nan | same_inf, torch.zeros((), dtype=d.dtype), d)
+    d = torch.where(d.isnan(), torch.full((), float("inf"), dtype=d.dtype), d)
+    return float(d.max()) if d.numel() else 0.0
+
+
+class _References:
+    """The runs an allowance compares with, made on first use."""
+
+    def __init__(
+        self, program: Program, fn: Callable[..., Any], call: int, backend: Backend | str
+    ) -> None:
+        self.program, self.fn, self.call, self.backend = program, fn, call, backend
+        self._flushed: Run | None = None
+        self._float64: Run | None = None
+        self._amplified: bool | None = None
+
+    def flushed(self) -> Run:
+        if self._flushed is None:
+            self._flushed = execute(self.fn, self.program, self.call, flush=True)
+        return self._flushed
+
+    def float64(self) -> Run:
+        if self._float64 is None:
+            fn64 = to_function(self.program, upcast=True)
+            self._float64 = execute(fn64, self.program, self.call, upcast=True)
+            forget_function(fn64)
+        return self._float64
+
+    def amplified(self) -> bool:
+        if self._amplified is None:
+            self._amplified = amplified(self.program, self.call, self.backend)
+        return self._amplified
+
+
+def _op_function(rec: OpRecord, params: list[int], upcast: bool) -> Callable[..., Any]:
+    """Op ``rec`` alone as a function of its distinct arguments, returning what it
+    defines (or, in place, what it writes)."""
+    out = name(rec.out if rec.out is not None else rec.args[0])
+    text = (
+        f"def op({', '.join(name(a) for a in params)}):\n"
+        f"    {render(rec, upcast=upcast)}\n    return ({out},)\n"
+    )
+    namespace: dict[str, Any] = {"torch": torch, "F": F}
+    exec(compile(text, f"<fuzz op {rec.kind}>", "exec"), namespace)
+    fn: Callable[..., Any] = namespace["op"]
+    return fn
+
+
+def _op_alone(
+    rec: OpRecord, values: dict[int, torch.Tensor], backend: Backend | str
+) -> bool | None:
+    """Op ``rec`` compiled alone on eager's values of its arguments: None if it differs
+    from eager beyond the table and the subnormal and float64 allowances, else whether
+    it differs at all."""
+    params = list(dict.fromkeys(rec.args))
+
+    def args(upcast: bool = False) -> list[torch.Tensor]:
+        return [
+            values[a].to(torch.float64) if upcast and values[a].is_floating_point()
+            else values[a].clone()
+            for a in params
+        ]  # fmt: skip
+
+    fn = _op_function(rec, params, upcast=False)
+    expected = fn(*args())
+    torch._dynamo.reset()
+    try:
+        actual = torch.compile(fn, backend=_backend_instance(backend))(*args())
+    except Exception:
+        return None
+    if _close(actual, expected) is None:
+        try:
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+        except AssertionError:
+            return True
+        return False
+    with _flushing(True):
+        flushed = fn(*args())
+    if _close(actual, flushed) is None:
+        return True
+    with _default_float64(True):
+        reference = _op_function(rec, params, upcast=True)(*args(upcast=True))
+    for a, e, r in zip(actual, expected, reference, strict=True):
+        if not e.is_floating_point() or r.shape != e.shape:
+            if _close(a, e) is not None:
+                return None
+            continue
+        ref = r.detach().to(torch.float64)
+        if _distance(a, ref) > _distance(e, ref) + tolerance(e.dtype)[1]:
+            return None
+    return True
+
+
+def amplified(program: Program, call: int, backend: Backend | str) -> bool:
+    """Whether every op of ``program``, compiled alone on eager's values of its
+    arguments (on call ``call``'s inputs), agrees with eager within the table or an
+    allowance, and at least one differs at all: then a larger difference of the whole
+    program is those accepted differences amplified by the ops after them."""
+    inputs = [t.detach() for t in make_inputs(program, call)]
+    namespace: dict[str, Any] = {"torch": torch, "F": F}
+    namespace.update({name(i): t for i, t in enumerate(inputs)})
+    differs = False
+    for rec in program.ops:
+        values = {a: namespace[name(a)].detach().clone() for a in rec.args}
+        try:
+            exec(render(rec), namespace)
+            alone = _op_alone(rec, values, backend)
+        except Exception:
+            return False
+        if alone is None:
+            return False
+        differs |= alone
+    return differs
+
+
+def _values(run: Run, group: str) -> list[Any]:
+    if group == "out":
+        return run.outputs or []
+    if group == "inputs":
+        return [t.detach() for t in run.inputs]
+    return run.grads or []
+
+
+def _accept(
+    actual: torch.Tensor, expected: torch.Tensor, refs: _References, group: str, i: int
+) -> str | None:
+    """Which allowance accepts ``actual`` (a floating value beyond the table), or None."""
+    flushed = refs.flushed()
+    if flushed.error is None:
+        values = _values(flushed, group)
+        if i < len(values) and isinstance(values[i], torch.Tensor):
+            if _close(actual, values[i]) is None:
+                return SUBNORMAL
+    ref = refs.float64()
+    if ref.error is None:
+        values = _values(ref, group)
+        if i < len(values) and isinstance(values[i], torch.Tensor):
+            r = values[i].detach().to(torch.float64)
+            if r.shape == expected.shape:
+                atol = tolerance(expected.dtype)[1]
+                if _distance(actual, r) <= _distance(expected, r) + atol:
+                    return FLOAT64
+    if group != "grad" and refs.amplified():
+        return AMPLIFIED
+    return None
+
+
+def compare(
+    actual: Run, expected: Run, refs: _References, call: int
+) -> tuple[Mismatch | None, list[str]]:
+    """The first difference of a compiled run from eager's (None if none), and the
+    allowances used on the way."""
+    accepted: list[str] = []
+    if expected.error is not None:
+        etype = type(expected.error).__name__
+        where = f"op {expected.error_op}" if expected.error_op is not None else expected.stage
+        if actual.error is None:
+            return Mismatch("raises", where, f"{etype}->nothing", str(expected.error), call), []
+        if not isinstance(actual.error, type(expected.error)):
+            ctype = type(actual.error).__name__
+            return Mismatch(
+                "raises", where, f"{etype}->{ctype}", error_text(actual.error), call
+            ), []
+        return None, []
+    if actual.error is not None:
+        text = error_text(actual.error)
+        return Mismatch("crash", actual.stage, text.split(":")[0], text, call), []
+    assert actual.outputs is not None and expected.outputs is not None
+    if len(actual.outputs) != len(expected.outputs):
+        detail = f"{len(actual.outputs)} outputs, eager {len(expected.outputs)}"
+        return Mismatch("structure", "out", "", detail, call), []
+    groups = [("out", actual.outputs, expected.outputs)]
+    groups.append(("inputs", _values(actual, "inputs"), _values(expected, "inputs")))
+    if (actual.grads is None) != (expected.grads is None):
+        detail = f"gradients: {actual.grads is not None}, eager {expected.grads is not None}"
+        return Mismatch("structure", "grad", "", detail, call), []
+    if expected.grads is not None and actual.grads is not None:
+        groups.append(("grad", actual.grads, expected.grads))
+    for group, ours, theirs in groups:
+        for i, (a, e) in enumerate(zip(ours, theirs, strict=True)):
+            where = f"{group}[{i}]"
+            if group == "grad" and (a is None or e is None):
+                # aot_autograd returns zeros where eager returns None (README, Training)
+                present = a if e is None else e
+                if present is not None and not bool((present == 0).all()):
+                    return Mismatch("grad", where, "", f"{a!r} != {e!r}", call), accepted
+                continue
+            if not isinstance(a, torch.Tensor) or not isinstance(e, torch.Tensor):
+                return Mismatch("structure", where, "", f"{type(a)} != {type(e)}", call), []
+            dtype = str(e.dtype).removeprefix("torch.")
+            if a.dtype != e.dtype:
+                return Mismatch("dtype", where, dtype, f"{a.dtype} != {e.dtype}", call), []
+            if a.shape != e.shape:
+                return Mismatch("shape", where, dtype, f"{a.shape} != {e.shape}", call), []
+            if group == "out" and a.requires_grad != e.requires_grad:
+                detail = f"requires_grad {a.requires_grad} != {e.requires_grad}"
+                return Mismatch("requires_grad", where, dtype, detail, call), []
+            message = _close(a, e)
+            if message is None:
+                continue
+            allowance = _accept(a, e, refs, group, i) if e.is_floating_point() else None
+            if allowance is None:
+                kind = "value" if group == "out" else group
+                return Mismatch(kind, where, dtype, message, call), accepted
+            accepted.append(allowance)
+    return None, accepted
+
+
+def _backend_instance(backend: Backend | str) -> Any:
+    return backend if isinstance(backend, str) else backend()
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One comparison of a program with eager (``run_check``).
+
+    Attributes:
+        status: ``ok``, ``raised`` (eager raised, dynajax raised the same type) or
+            ``fail``.
+        mismatch: the first difference, for ``fail``.
+        accepted: the allowances some value needed (``subnormal``, ``float64``).
+        aten_ops: ATen ops in the graphs the backend compiled (a dynajax backend).
+        jax_ops: of those, the ops that ran in a JAX partition.
+        fallbacks: ``target: reason`` of each op left to PyTorch.
+        warnings: what dynajax logged at WARNING or above (a rule that raised where it
+            should have refused, say): not failures, reported apart.
+    """
+
+    status: str
+    mismatch: Mismatch | None = None
+    accepted: tuple[str, ...] = ()
+    aten_ops: int = 0
+    jax_ops: int = 0
+    fallbacks: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+def run_check(program: Program, backend: Backend | str = dynajax_backend) -> Verdict:
+    """Runs ``program`` eagerly and compiled with ``backend`` (a factory of backends, or
+    a backend's name) on each call's inputs, and compares them."""
+    torch._dynamo.reset()
+    fn = to_function(program)
+    accepted: list[str] = []
+    raised = False
+    instance = _backend_instance(backend)
+    status, mismatch = OK, None
+    collect = _Collect()
+    try:
+        with quiet(collect):
+            compiled = torch.compile(fn, backend=instance)
+            for call in CALLS:
+                expected = execute(fn, program, call)
+                actual = execute(compiled, program, call)
+                refs = _References(program, fn, call, backend)
+                mismatch, used = compare(actual, expected, refs, call)
+                accepted += used
+                if mismatch is not None:
+                    status = FAIL
+                    break
+                raised |= expected.error is not None
+    finally:
+        forget_function(fn)
+        torch._dynamo.reset()
+    if status == OK and raised:
+        status = RAISED
+    logged = tuple(dict.fromkeys(collect.messages))
+    graphs = getattr(instance, "graphs", None)
+    if not graphs:
+        return Verdict(status, mismatch, tuple(sorted(set(accepted))), warnings=logged)
+    report = dynajax.Report(graphs)
+    fallbacks = tuple(f"{f.target}: {f.reason.name}" for f in report.fallbacks)
+    return Verdict(
+        status,
+        mismatch,
+        tuple(sorted(set(accepted))),
+        report.aten_ops,
+        report.jax_ops,
+        fallbacks,
+        logged,
+    )
+
+
+def prefix(program: Program, n: int) -> Program:
+    """The first ``n`` ops of ``program``, returning every value they define (and
+    comparing gradients of all of them), so that any difference in them shows."""
+    ops = program.ops[:n]
+    outputs = tuple(r.out for r in ops if r.out is not None) or program.outputs[:1]
+    return program.replace(ops=ops, outputs=outputs)
+
+
+def culprit(program: Program, mismatch: Mismatch, backend: Backend | str) -> str:
+    """The op to blame for ``mismatch``: the last op of the shortest prefix of the
+    program that fails the same way (binary search), or ``?``. A prefix returns every
+    value it defines, so "the same way" is the same kind of difference (a wrong float
+    may show before the boolean computed from it), and for exceptions the same types
+    and message."""
+    if mismatch.kind == "raises":
+        op = re.fullmatch(r"op (\d+)", mismatch.where)
+        if op is not None and int(op.group(1)) < len(program.ops):
+            return program.ops[int(op.group(1))].kind
+        return "?"
+
+    def fails(n: int) -> bool:
+        try:
+            m = run_check(prefix(program, n), backend).mismatch
+        except Exception:  # a prefix the generator never ran; no verdict
+            return False
+        if m is None or m.kind != mismatch.kind:
+            return False
+        return m.key == mismatch.key or mismatch.kind not in ("raises", "crash")
+
+    lo, hi = 1, len(program.ops)
+    if hi == 0 or not fails(hi):
+        return "?"
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fails(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return program.ops[lo - 1].kind
+
+
+def signature(program: Program, mismatch: Mismatch, backend: Backend | str) -> str:
+    """``kind:op:detail`` of a failure: what known bugs and de-duplication key on."""
+    detail = mismatch.dtype
+    if mismatch.kind == "crash":
+        detail = f"{mismatch.dtype}:{_normalize(mismatch.detail)[:60]}"
+    return f"{mismatch.kind}:{culprit(program, mismatch, backend)}:{detail}"
+
+
+def check(
+    program: Program,
+    backend: Backend | str = dynajax_backend,
+    *,
+    classify: bool = True,
+) -> Outcome:
+    """The verdict on ``program`` (``Outcome``). With ``classify``, a failure is also
+    run under ``aot_eager`` (``upstream`` when it fails the same way there) and given
+    its signature (which runs prefixes of the program); the shrinker skips both."""
+    verdict = run_check(program, backend)
+    mismatch = verdict.mismatch
+    if verdict.status != FAIL or mismatch is None or not classify:
+        return Outcome(verdict.status, mismatch, verdict.accepted, verdict=verdict)
+    status = FAIL
+    try:
+        control = run_check(program, "aot_eager").mismatch
+    except Exception:
+        control = None
+    if control is not None and (control.kind, control.dtype) == (mismatch.kind, mismatch.dtype):
+        status = UPSTREAM  # the same kind, dtype or exception types; messages may differ
+    sig = signature(program, mismatch, backend)
+    return Outcome(status, mismatch, verdict.accepted, sig, verdict)
+
+
+def fails_like(
+    mismatch: Mismatch, backend: Backend | str = dynajax_backend
+) -> Callable[[Program], bool]:
+    """The shrinker's predicate: a candidate fails with ``mismatch``'s key (the same
+    kind of difference, dtype and, for exceptions, types and message)."""
+
+    def fails(candidate: Program) -> bool:
+        try:
+            outcome = check(candidate, backend, classify=False)
+        except Exception:  # the checker itself failed on an odd candidate: not the same
+            return False
+        return outcome.mismatch is not None and outcome.mismatch.key == mismatch.key
+
+    return fails

@@ -1,0 +1,143 @@
+"""Standalone reproducer files: plain torch code, the ``torch.compile`` call and the
+comparison, runnable with nothing but torch and dynajax installed.
+
+The comparison in the file is the tolerance table's (``tests/tolerances.py``, copied
+in), without the fuzzer's allowances: a reproducer is only written for a difference
+that no allowance accepted, so the plain comparison shows it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import textwrap
+
+from fuzz.check import CALLS, Outcome
+from fuzz.program import INPUT_SOURCE, Program, input_call, source
+from tests.tolerances import TOLERANCES
+
+_TEMPLATE = '''"""dynajax fuzz failure: {signature}
+
+{origin}
+{kind} at {where} (call {call}):
+{detail}
+
+Run: python {filename}
+"""
+
+import torch
+import torch.nn.functional as F
+
+import dynajax
+
+{input_source}
+
+{program_source}
+
+GRAD = {grad}
+TOLERANCES = {{{tolerances}}}  # tests/tolerances.py
+
+
+def inputs(call):
+    return [
+{inputs}
+    ]
+
+
+def run(fn, call):
+    """(error, outputs, inputs after the call, input gradients)."""
+    xs = inputs(call)
+    try:
+        out = fn(*xs)
+        grads = None
+        if GRAD:
+            leaves = [x for x in xs if x.requires_grad]
+            outs = [o for o in out if o.requires_grad]
+            if leaves and outs:
+                loss = sum(
+                    (o * torch.linspace(-1, 2, o.numel(), dtype=torch.float64)
+                     .to(o.dtype).view(o.shape)).sum().to(torch.float64)
+                    for o in outs
+                )
+                grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    except Exception as e:
+        return e, None, xs, None
+    return None, out, xs, grads
+
+
+def same(actual, expected, what):
+    if actual is None or expected is None:  # a gradient eager leaves None: zeros match
+        present = expected if actual is None else actual
+        assert present is None or bool((present == 0).all()), f"{{what}}: None vs nonzero"
+        return
+    assert actual.dtype == expected.dtype, f"{{what}}: dtype {{actual.dtype}} != {{expected.dtype}}"
+    assert actual.shape == expected.shape, f"{{what}}: shape {{actual.shape}} != {{expected.shape}}"
+    if "out[" in what:
+        assert actual.requires_grad == expected.requires_grad, f"{{what}}: requires_grad"
+    rtol, atol = TOLERANCES.get(expected.dtype, (0.0, 0.0))
+    torch.testing.assert_close(actual.detach(), expected.detach(), rtol=rtol, atol=atol,
+                               equal_nan=True, msg=lambda m: f"{{what}}: {{m}}")
+
+
+def main():
+    compiled = torch.compile(program, backend=dynajax.Backend(cache_dir=""))
+    for call in {calls}:
+        e_err, e_out, e_in, e_grads = run(program, call)
+        c_err, c_out, c_in, c_grads = run(compiled, call)
+        if e_err is not None:
+            assert isinstance(c_err, type(e_err)), (
+                f"call {{call}}: eager raised {{e_err!r}}, dynajax {{c_err!r}}"
+            )
+            continue
+        assert c_err is None, f"call {{call}}: dynajax raised {{c_err!r}}"
+        assert len(c_out) == len(e_out)
+        for i, (a, e) in enumerate(zip(c_out, e_out)):
+            same(a, e, f"call {{call}}: out[{{i}}]")
+        for i, (a, e) in enumerate(zip(c_in, e_in)):
+            same(a, e, f"call {{call}}: inputs[{{i}}]")
+        assert (c_grads is None) == (e_grads is None), f"call {{call}}: gradients"
+        for i, (a, e) in enumerate(zip(c_grads or (), e_grads or ())):
+            same(a, e, f"call {{call}}: grad[{{i}}]")
+    print("dynajax agrees with eager")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def reproducer_source(program: Program, outcome: Outcome, origin: str, filename: str) -> str:
+    """The text of a standalone reproducer of ``outcome`` on ``program``."""
+    m = outcome.mismatch
+    assert m is not None
+    tolerances = ", ".join(
+        f"torch.{str(d).removeprefix('torch.')}: ({rtol!r}, {atol!r})"
+        for d, (rtol, atol) in TOLERANCES.items()
+    )
+    detail = textwrap.indent("\n".join(m.detail.strip().splitlines()[:12]), "    ")
+    return _TEMPLATE.format(
+        signature=outcome.signature or m.key,
+        origin=origin,
+        kind=m.kind,
+        where=m.where,
+        call=m.call,
+        detail=detail.replace('"""', "'''").replace("\\", "\\\\"),
+        filename=filename,
+        input_source=INPUT_SOURCE.strip(),
+        program_source=source(program).strip(),
+        grad=program.grad,
+        tolerances=tolerances,
+        inputs="\n".join(f"        {input_call(s)}," for s in program.inputs),
+        calls=repr(CALLS),
+    )
+
+
+def write_reproducer(
+    directory: pathlib.Path, stem: str, program: Program, outcome: Outcome, origin: str
+) -> pathlib.Path:
+    """Writes ``<directory>/<stem>.py`` (the reproducer) and ``<stem>.json`` (the
+    program, which ``python -m fuzz --replay`` reads); returns the ``.py`` path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{stem}.py"
+    path.write_text(reproducer_source(program, outcome, origin, str(path)))
+    (directory / f"{stem}.json").write_text(program.to_json() + "\n")
+    return path

@@ -1,0 +1,121 @@
+"""The differential fuzzer (``fuzz/``, ``python -m fuzz``): a short seeded run agrees
+with eager, and the machinery (generation, shrinking, reproducers) does what it says.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import runpy
+
+import pytest
+import torch
+
+import fuzz.check
+from fuzz import generate, program_seed, run, source
+from fuzz.check import FAIL, OK, Mismatch, Outcome, Verdict, check, execute, fails_like
+from fuzz.known_bugs import KNOWN_BUGS
+from fuzz.program import OUT_BASE, OpRecord, Program, TensorInput, to_function
+from fuzz.reproducer import write_reproducer
+from fuzz.shrink import shrink
+
+CI_SEED, CI_PROGRAMS = 0, 100
+
+
+def test_seeded_run_agrees_with_eager(tmp_path: pathlib.Path) -> None:
+    """Programs 0..99 of seed 0 (about 30 s): every difference from eager is a known bug (or is
+    torch.compile's own, the same under aot_eager). A new one fails the test with its
+    signature and an (unshrunk) reproducer: shrink it with ``python -m fuzz --seed 0
+    --programs 100``, then fix it or record it (``fuzz/known_bugs.py`` and a strict xfail
+    in ``tests/test_fuzz_regressions.py``)."""
+    summary = run(CI_SEED, programs=CI_PROGRAMS, out_dir=tmp_path, shrink_seconds=0, log=print)
+    print("\n".join(summary.lines()))
+    assert summary.programs == CI_PROGRAMS
+    assert summary.statuses[OK] > CI_PROGRAMS // 2, summary.lines()
+    new = [f"{f.signature}: {f.detail}\n  {f.reproducer}" for f in summary.new_failures]
+    assert not new, "dynajax differs from eager:\n" + "\n".join(new)
+
+
+def test_programs_are_deterministic_and_round_trip() -> None:
+    for i in range(20):
+        a, b = generate(program_seed(7, i)), generate(program_seed(7, i))
+        assert a == b and source(a) == source(b)
+        assert Program.from_json(a.to_json()) == a
+    assert generate(program_seed(7, 0)) != generate(program_seed(8, 0))
+
+
+def _planted_program() -> Program:
+    """Six ops over three inputs (strided, half precision, requiring grad); the
+    fourth is a cumsum."""
+    x0 = TensorInput((4, 6), "float16", seed=1, layout="transposed", requires_grad=True)
+    x1 = TensorInput((6,), "float32", seed=2, layout="sliced", requires_grad=True)
+    x2 = TensorInput((4, 6), "int32", seed=3)
+    v = [OUT_BASE + i for i in range(6)]
+    ops = (
+        OpRecord("torch.sin", (0,), (), v[0]),
+        OpRecord("torch.add", (v[0], 1), (), v[1]),
+        OpRecord("Tensor.mul_(scalar)", (v[1],), (("s", 2.0),)),
+        OpRecord("torch.mul", (v[1], 2), (), v[2]),
+        OpRecord("torch.cumsum", (v[2],), (("dim", 1),), v[3]),
+        OpRecord("torch.softmax", (v[3],), (("dim", -1),), v[4]),
+        OpRecord("torch.sum", (v[4],), (("dim", 0),), v[5]),
+    )
+    return Program((x0, x1, x2), ops, (v[5], v[1]), grad=True)
+
+
+def test_shrinker_reduces_a_planted_failure_to_its_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a comparison that fails whenever a cumsum runs (and eager does not raise),
+    the program shrinks to the cumsum alone, on one small contiguous float32 input."""
+
+    def planted(program: Program, backend: object = None) -> Verdict:
+        fn = to_function(program)
+        if execute(fn, program, 0).error is None:
+            if any(r.kind == "torch.cumsum" for r in program.ops):
+                return Verdict(FAIL, Mismatch("value", "out[0]", "float32", "planted"))
+        return Verdict(OK)
+
+    monkeypatch.setattr(fuzz.check, "run_check", planted)
+    program = _planted_program()
+    outcome = check(program, classify=False)
+    assert outcome.status == FAIL and outcome.mismatch is not None
+    small = shrink(program, fails_like(outcome.mismatch))
+    assert [r.kind for r in small.ops] == ["torch.cumsum"], source(small)
+    (x,) = small.inputs
+    assert x.dtype in ("float32", "int64") and x.layout == "contiguous"
+    assert not x.requires_grad and not small.grad
+    assert x.shape == (1, 1), x
+
+
+def test_planted_dynajax_bug_is_found_with_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong lowering rule (neg as the identity) is a value failure blamed on
+    ``torch.neg``, and the reproducer written for it fails on its own."""
+    from dynajax.lowering import registry
+
+    op = torch.ops.aten.neg.default
+    monkeypatch.setitem(registry._TABLE, op, registry.Rule(op, lambda x: x))
+    x0 = TensorInput((3, 4), "float32", seed=5)
+    ops = (
+        OpRecord("torch.sin", (0,), (), OUT_BASE),
+        OpRecord("torch.neg", (OUT_BASE,), (), OUT_BASE + 1),
+        OpRecord("torch.exp", (OUT_BASE + 1,), (), OUT_BASE + 2),
+    )
+    program = Program((x0,), ops, (OUT_BASE + 2,))
+    outcome = check(program)
+    assert outcome.status == FAIL and outcome.signature == "value:torch.neg:float32"
+
+
+def test_reproducer_runs_standalone(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reproducer is a script: here of a program dynajax gets right, so it passes."""
+    program = _planted_program()
+    assert check(program, classify=False).status == OK
+    outcome = Outcome(FAIL, Mismatch("value", "out[0]", "float32", "example"))
+    path = write_reproducer(tmp_path, "example", program, outcome, "An example.")
+    assert Program.from_json(path.with_suffix(".json").read_text()) == program
+    runpy.run_path(str(path), run_name="__main__")
+    assert "dynajax agrees with eager" in capsys.readouterr().out
+
+
+def test_known_bugs_have_reasons() -> None:
+    for signature, reason in KNOWN_BUGS.items():
+        assert signature.count(":") >= 2 and len(reason) > 20, signature
