@@ -58,6 +58,7 @@ from fuzz.program import (
     op_index,
     to_function,
 )
+from tests.opinfo_accuracy import distance
 from tests.tolerances import assert_same, tolerance
 
 OK, RAISED, FAIL, UPSTREAM = "ok", "raised", "fail", "upstream"
@@ -269,18 +270,6 @@ def _close(actual: Any, expected: Any) -> str | None:
     return None
 
 
-def _distance(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| in float64: 0 where both are NaN or the same infinity, inf where
-    only one of them is."""
-    x = x.detach().to(torch.float64)
-    both_nan = x.isnan() & ref.isnan()
-    same_inf = x.isinf() & ref.isinf() & (x == ref)
-    d = (x - ref).abs()
-    d = torch.where(both_nan | same_inf, torch.zeros((), dtype=d.dtype), d)
-    d = torch.where(d.isnan(), torch.full((), float("inf"), dtype=d.dtype), d)
-    return float(d.max()) if d.numel() else 0.0
-
-
 class _References:
     """The runs an allowance compares with, made on first use."""
 
@@ -364,7 +353,7 @@ def _op_alone(
                 return None
             continue
         ref = r.detach().to(torch.float64)
-        if _distance(a, ref) > _distance(e, ref) + tolerance(e.dtype)[1]:
+        if distance(a, ref) > distance(e, ref) + tolerance(e.dtype)[1]:
             return None
     return True
 
@@ -416,7 +405,7 @@ def _accept(
             r = values[i].detach().to(torch.float64)
             if r.shape == expected.shape:
                 atol = tolerance(expected.dtype)[1]
-                if _distance(actual, r) <= _distance(expected, r) + atol:
+                if distance(actual, r) <= distance(expected, r) + atol:
                     return FLOAT64
     if group != "grad" and refs.amplified():
         return AMPLIFIED

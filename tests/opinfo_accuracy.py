@@ -109,7 +109,7 @@ def _float64(value: Any) -> Any:
     return value
 
 
-def _distance(x: torch.Tensor, ref: torch.Tensor) -> float:
+def distance(x: torch.Tensor, ref: torch.Tensor) -> float:
     """max |x - ref| in float64; 0 where both are NaN or the same infinity, inf where
     only one of them is."""
     x = x.detach().to(ref.dtype)
@@ -131,7 +131,7 @@ def _assert_as_accurate(actual: Any, expected: Any, reference: Any, path: str = 
             f"{path}: no float64 reference of this shape"
         )
         ref = reference.detach().to(torch.complex128 if expected.is_complex() else torch.float64)
-        ours, eager = _distance(actual, ref), _distance(expected, ref)
+        ours, eager = distance(actual, ref), distance(expected, ref)
         atol = tolerance(expected.dtype)[1]
         assert ours <= eager + atol, (
             f"{path}: differs from eager beyond the tolerance and is farther from the "
