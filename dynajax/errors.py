@@ -54,19 +54,24 @@ class CallbackOpsError(UnsupportedNodesError):
         verdicts: the ``Unsupported`` verdicts of every op that would need a callback.
     """
 
+    # The message: HEAD (formatted with the op count), one line per op, then TAIL.
+    HEAD = (
+        "strict=True: {n} op(s) of the exported graph cannot run in JAX (no rule, or the "
+        "rule refuses these arguments) and would run in eager PyTorch through a host "
+        "callback:"
+    )
+    TAIL = (
+        "To run them through host callbacks (the eager answer, slower, not exportable "
+        "with jax.export), call jax_function without strict=True, or list them in "
+        "fallback_ops; to run them in JAX, write or extend a rule for each op "
+        "(dynajax/lowering/)."
+    )
+
     def __init__(self, verdicts: list) -> None:
         self.verdicts = list(verdicts)
         lines = [f"  - {v.describe()}" for v in self.verdicts]
         DynajaxError.__init__(
-            self,
-            f"strict=True: {len(self.verdicts)} op(s) of the exported graph cannot run in "
-            "JAX (no rule, or the rule refuses these arguments) and would run in eager "
-            "PyTorch through a host callback:\n"
-            + "\n".join(lines)
-            + "\nTo run them through host callbacks (the eager answer, slower, not "
-            "exportable with jax.export), call jax_function without strict=True, or list "
-            "them in fallback_ops; to run them in JAX, write or extend a rule for each op "
-            "(dynajax/lowering/).",
+            self, "\n".join([self.HEAD.format(n=len(self.verdicts)), *lines, self.TAIL])
         )
 
 
@@ -94,20 +99,17 @@ class ExportOpsError(CallbackOpsError, ExportError):
         verdicts: the ``Unsupported`` verdicts of every op without a JAX rule.
     """
 
-    def __init__(self, verdicts: list) -> None:
-        self.verdicts = list(verdicts)
-        lines = [f"  - {v.describe()}" for v in self.verdicts]
-        DynajaxError.__init__(
-            self,
-            f"dynajax.export: {len(self.verdicts)} op(s) of the model cannot run in JAX "
-            "(no rule, or the rule refuses these arguments), and an exported StableHLO "
-            "program cannot call PyTorch for them:\n"
-            + "\n".join(lines)
-            + "\nTo export this model, write or extend a JAX rule for each op "
-            "(dynajax/lowering/), or change the model code at these lines to use ops "
-            "that have one (dynajax.supported_ops()). dynajax.jax_function runs the model "
-            "as it is, calling PyTorch for these ops, but cannot be exported.",
-        )
+    HEAD = (
+        "dynajax.export: {n} op(s) of the model cannot run in JAX (no rule, or the rule "
+        "refuses these arguments), and an exported StableHLO program cannot call PyTorch "
+        "for them:"
+    )
+    TAIL = (
+        "To export this model, write or extend a JAX rule for each op (dynajax/lowering/), "
+        "or change the model code at these lines to use ops that have one "
+        "(dynajax.supported_ops()). dynajax.jax_function runs the model as it is, calling "
+        "PyTorch for these ops, but cannot be exported."
+    )
 
 
 class ShardingError(DynajaxError, ValueError):
