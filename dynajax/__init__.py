@@ -5,12 +5,14 @@ compiled = torch.compile(model, backend="dynajax")
 print(dynajax.explain(model, x))
 """
 
+from dynajax import debug  # dynajax.debug.compare: the accuracy debugger
 from dynajax.backend import Backend, dynajax_backend
 from dynajax.capability import Reason, Supported, Unsupported
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, Report, WhatIf
 from dynajax.diagnostics.explain import explain
 from dynajax.errors import DynajaxError, OptionsError, ShardingError, UnsupportedNodesError
+from dynajax.extending import RuleOverrideWarning, register_rule, unregister_rule
 from dynajax.interop import JaxFunction, jax_function
 from dynajax.interop.call_jax import call_jax
 from dynajax.lowering.registry import supported_ops
@@ -28,6 +30,7 @@ __all__ = [
     "Options",
     "OptionsError",
     "Reason",
+    "RuleOverrideWarning",
     "Report",
     "ShardingError",
     "ShardingRules",
@@ -37,9 +40,12 @@ __all__ = [
     "WhatIf",
     "__version__",
     "call_jax",
+    "debug",
     "dynajax_backend",
     "explain",
     "export",
     "jax_function",
+    "register_rule",
     "supported_ops",
+    "unregister_rule",
 ]

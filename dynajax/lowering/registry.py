@@ -11,6 +11,13 @@ or a short reason string when it refuses it.
     def _sin(x):
         return jnp.sin(x)
 
+Users register rules for their own ops through ``dynajax.register_rule``
+(``dynajax/extending/rules.py``), which lands in the same table (``register_user_rule``):
+a user rule may replace a built-in one only when asked to, with a warning, and
+``remove_user_rule`` puts back what it replaced. Rules for ops of third-party libraries
+that may be loaded after dynajax (``transformers``) are registered by name
+(``lower_when_defined``) and bound to the op when it is first looked up.
+
 This module is a leaf: it imports nothing from dynajax. The family modules import it
 to register their rules, and the package ``dynajax.lowering`` imports every family
 module, so any import from the package (this module included) fills the table.
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +50,8 @@ class Rule:
             argument and of its output (ops that address storage, like as_strided).
         where: ``file:line`` of the ``lower(...)`` call that registered the rule, so
             that an error about the rule (a second registration) can say where it is.
+        user: registered by the user (``dynajax.register_rule``), not shipped with
+            dynajax.
     """
 
     op: torch._ops.OpOverload
@@ -50,6 +60,7 @@ class Rule:
     needs_key: bool = False
     needs_layout: bool = False
     where: str = ""
+    user: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,12 +132,154 @@ def lower(
 
 def get_rule(op: Any) -> Rule | None:
     """The rule for ``op``, or None when the table has none."""
-    return _TABLE.get(op)
+    rule = _TABLE.get(op)
+    if rule is None and _PENDING and isinstance(op, torch._ops.OpOverload):
+        rule = _bind_pending(op)
+    return rule
 
 
 def supported_ops() -> frozenset[torch._ops.OpOverload]:
-    """Every OpOverload that has a JAX rule."""
+    """Every OpOverload that has a JAX rule (rules by name whose op is now defined included)."""
+    for name in list(_PENDING):
+        op = lookup_overload(name)
+        if op is not None:
+            _bind_pending(op)
     return frozenset(_TABLE)
+
+
+# -- rules by name, for ops of libraries loaded after dynajax ------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    fn: Callable[..., Any]
+    check: Check | None
+    where: str
+
+
+# "namespace::name.overload" -> the rule waiting for that op to be defined.
+_PENDING: dict[str, _Pending] = {}
+
+
+def overload_name(op: torch._ops.OpOverload) -> str:
+    """``"namespace::name.overload"`` (``"transformers::grouped_mm_fallback.default"``)."""
+    return f"{op.namespace}::{op._opname}.{op._overloadname}"
+
+
+def lookup_overload(name: str) -> torch._ops.OpOverload | None:
+    """The OpOverload named ``"namespace::name.overload"``, or None while it is not defined."""
+    namespace, _, rest = name.partition("::")
+    opname, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), opname)
+        found = getattr(packet, overload or "default")
+    except AttributeError:  # torch.ops' answer for an op or overload not (yet) defined
+        return None
+    return found if isinstance(found, torch._ops.OpOverload) else None
+
+
+def lower_when_defined(
+    *names: str, check: Check | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the decorated function as the rule of each overload named
+    ``"namespace::name.overload"``, bound when that op is first looked up.
+
+    For ops of third-party libraries (``transformers``) that dynajax must not import and
+    that the user may import after dynajax: the rule joins the table the first time a
+    graph (or ``supported_ops()``) asks for the op. Such rules are built-in rules.
+    """
+    caller = sys._getframe(1)
+    where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+    for name in names:
+        if "::" not in name or "." not in name.partition("::")[2]:
+            raise ValueError(f"lower_when_defined takes 'namespace::name.overload', got {name!r}")
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for name in names:
+            if name in _PENDING:
+                raise ValueError(f"{name} has two JAX rules: at {_PENDING[name].where} and {where}")
+            _PENDING[name] = _Pending(fn, check, where)
+        return fn
+
+    return register
+
+
+def _bind_pending(op: torch._ops.OpOverload) -> Rule | None:
+    pending = _PENDING.pop(overload_name(op), None)
+    if pending is None:
+        return None
+    rule = _TABLE.get(op)
+    if rule is None:  # (a user rule registered meanwhile stays; it replaced this one)
+        rule = _TABLE[op] = Rule(op, pending.fn, pending.check, where=pending.where)
+    elif rule.user and op not in _REPLACED_BY_USER:
+        _REPLACED_BY_USER[op] = Rule(op, pending.fn, pending.check, where=pending.where)
+    return rule
+
+
+# -- users' rules ------------------------------------------------------------------------
+
+# For each op with a user rule: the rule it replaced (None: the op had none).
+_REPLACED_BY_USER: dict[torch._ops.OpOverload, Rule | None] = {}
+
+
+class RuleOverrideWarning(UserWarning):
+    """A user rule replaced one that ships with dynajax (``override=True``)."""
+
+
+def check_user_rule(op: torch._ops.OpOverload, where: str, override: bool) -> Rule | None:
+    """The rule a user rule for ``op`` would replace; raises if it may not.
+
+    Raises:
+        ValueError: ``op`` has a rule and ``override`` is False; the message names it.
+    """
+    existing = get_rule(op)
+    if existing is not None and not override:
+        kind = "a rule registered by dynajax.register_rule" if existing.user else "a built-in rule"
+        raise ValueError(
+            f"{op} already has {kind} ({existing.fn.__qualname__} at "
+            f"{existing.where or '(unknown)'}), so the rule at {where} was not registered. "
+            f"Pass override=True to replace it (dynajax.unregister_rule({str(op)!r}) puts "
+            "the replaced rule back), or register the rule for another op."
+        )
+    return existing
+
+
+def register_user_rule(
+    op: torch._ops.OpOverload, fn: Callable[..., Any], check: Check | None, where: str
+) -> None:
+    """Puts a user rule for ``op`` in the table (after ``check_user_rule``), warning
+    when it replaces a rule that ships with dynajax."""
+    existing = get_rule(op)
+    if op not in _REPLACED_BY_USER:
+        _REPLACED_BY_USER[op] = existing
+    if existing is not None and not existing.user:
+        warnings.warn(
+            f"the JAX rule {fn.__qualname__} at {where} replaces dynajax's built-in rule for "
+            f"{op} ({existing.fn.__qualname__} at {existing.where or '(unknown)'}); "
+            f"dynajax.unregister_rule({str(op)!r}) puts it back.",
+            RuleOverrideWarning,
+            stacklevel=4,
+        )
+    _TABLE[op] = Rule(op, fn, check, where=where, user=True)
+
+
+def remove_user_rule(op: torch._ops.OpOverload) -> None:
+    """Removes the user rule of ``op`` and puts back the rule it replaced, if any.
+
+    Raises:
+        ValueError: ``op`` has no user rule.
+    """
+    rule = _TABLE.get(op)
+    if rule is None or not rule.user:
+        raise ValueError(
+            f"{op} has no rule registered by dynajax.register_rule, so there is nothing "
+            "to unregister."
+        )
+    replaced = _REPLACED_BY_USER.pop(op, None)
+    if replaced is None:
+        del _TABLE[op]
+    else:
+        _TABLE[op] = replaced
 
 
 def named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
