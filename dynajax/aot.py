@@ -13,6 +13,9 @@ table lives here:
 * ``CHECKED_KERNELS`` are taken out of the table, because eager's kernel raises on
   argument values that their decompositions accept; their rules check the values
   (``lowering/checks.py``).
+* An op whose eager CPU kernel refuses the call's dtypes (``softplus`` of int64) is
+  not decomposed for that call (the decompositions would compute a value); the
+  capability stage sends it to eager PyTorch, which raises.
 
 The corrections:
 
@@ -50,6 +53,8 @@ from torch._decomp import core_aten_decompositions
 from torch._dynamo import convert_frame as _convert_frame
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from dynajax.capability.eager_kernel import eager_refusal
 
 aten = torch.ops.aten
 
@@ -158,6 +163,30 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     return table
 
 
+def _unless_eager_refuses(op: Any, decompose: Callable[..., Any]) -> Callable[..., Any]:
+    """``decompose``, except where eager's CPU kernel of ``op`` refuses the dtypes.
+
+    A decomposition computes a value for dtypes the kernel refuses (softplus of int64
+    becomes exp and log1p, which take it); kept whole, the op reaches the capability
+    stage, which sends it to eager PyTorch to raise eager's error (EAGER_REFUSES).
+    NotImplemented from a table entry makes make_fx trace the op whole."""
+
+    @functools.wraps(decompose)
+    def decomposition(*args: Any, **kwargs: Any) -> Any:
+        if eager_refusal(op, args, kwargs) is not None:
+            return NotImplemented
+        return decompose(*args, **kwargs)
+
+    return decomposition
+
+
+@functools.cache
+def _tracing_decompositions() -> dict[Any, Callable[..., Any]]:
+    """``decompositions()`` as aot_autograd applies them: each entry steps aside for
+    the dtypes its op's eager kernel refuses (``_unless_eager_refuses``)."""
+    return {op: _unless_eager_refuses(op, fn) for op, fn in decompositions().items()}
+
+
 # compile_aten_graph(gm, example_inputs, kind=...) -> the compiled callable
 GraphCompiler = Callable[..., Callable[..., Any]]
 
@@ -197,7 +226,7 @@ def aot_compile(
         fw_compiler=functools.partial(compile_aten_graph, kind="forward"),
         bw_compiler=_under_compile_lock(functools.partial(compile_aten_graph, kind="backward")),
         inference_compiler=functools.partial(compile_aten_graph, kind="inference"),
-        decompositions=decompositions(),
+        decompositions=_tracing_decompositions(),
         # What the backward needs is chosen as inductor chooses it: cheap ops (views,
         # transposes, pointwise masks) are recomputed inside the backward's JAX
         # partition instead of being materialized and saved by the forward. Random

@@ -9,11 +9,6 @@ shrinks). One bug shows under several signatures (each op and dtype it reaches).
 
 from __future__ import annotations
 
-_DTYPE = (
-    "eager's CPU kernel refuses this dtype (NotImplementedError 'not implemented for', "
-    "or RuntimeError for bool); its meta kernel and dynajax accept it, so dynajax "
-    "returns a value where eager raises"
-)
 _SOFTMAX_0D = "_softmax/_log_softmax return 1/0 for any 0-dim input (NaN in eager for NaN, inf)"
 _SIGN_NAN = "aten.sign/sgn are jnp.sign: NaN for NaN (eager 0); also abs's gradient at NaN"
 _AMAX_GRAD_NAN = "amax/amin backward over a slice holding NaN: 0 in dynajax, NaN (0/0) in eager"
@@ -43,19 +38,4 @@ KNOWN_BUGS: dict[str, str] = {
     ),
     "raises:torch.index_add:IndexError->RuntimeError": "the value check of index_add raises "
     "RuntimeError; eager raises IndexError('index out of range in self') for 0-/1-dim self",
-    "raises:torch.relu:RuntimeError->nothing": _DTYPE,
-    "raises:Tensor.relu_:RuntimeError->nothing": _DTYPE,
-    "raises:torch.sub:RuntimeError->nothing": _DTYPE,
-    "raises:torch.sub(scalar):RuntimeError->nothing": _DTYPE,
-    "raises:torch.argmin:RuntimeError->nothing": _DTYPE,
-    "raises:torch.abs:NotImplementedError->nothing": _DTYPE,
-    "raises:torch.frac:NotImplementedError->nothing": _DTYPE,
-    "raises:torch.floor:NotImplementedError->nothing": _DTYPE,
-    "raises:torch.lerp:NotImplementedError->nothing": _DTYPE,
-    "raises:torch.median.values:NotImplementedError->nothing": _DTYPE,
-    "raises:torch.softmax:NotImplementedError->nothing": _DTYPE + " (0-dim)",
-    "raises:F.linear:NotImplementedError->nothing": _DTYPE,
-    "raises:F.softplus:NotImplementedError->nothing": _DTYPE,
-    "raises:F.silu:NotImplementedError->nothing": _DTYPE,
-    "raises:F.mish:NotImplementedError->nothing": _DTYPE,
 }

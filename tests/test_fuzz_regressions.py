@@ -170,17 +170,10 @@ def test_index_add_out_of_range_on_a_vector(shape: tuple[int, ...]) -> None:
 
 
 # Eager's CPU kernels refuse some dtypes that the meta kernels (which Dynamo's fake
-# tensors run) accept; dynajax then computes a value where eager raises.
-_DTYPE_REASON = (
-    "eager's CPU kernel refuses this dtype, but its meta kernel (Dynamo's fake tensors) "
-    "and dynajax's capability check accept it, so dynajax returns a value where eager "
-    "raises; a node whose eager kernel lacks the dtype should fall back to PyTorch "
-    "(which then raises), e.g. by probing the eager kernel on empty tensors of the "
-    "node's dtypes"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_DTYPE_REASON)
+# tensors run) accept; dynajax computed a value where eager raises. Fixed: the
+# capability stage asks the eager kernel (capability/eager_kernel.py) and such a node
+# runs in PyTorch (EAGER_REFUSES); aot.py does not decompose such a call (softplus,
+# silu, mish, frac, lerp decompose into ops that take the dtype).
 @pytest.mark.parametrize(
     "fn, x",
     [

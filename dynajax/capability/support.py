@@ -4,8 +4,10 @@ A node is supported when no size it makes or takes depends on tensor values, eve
 tensor and dtype it touches exists in JAX, the table has a rule for its exact overload,
 the rule's ``check`` accepts the arguments, and abstract evaluation of the rule
 (``jax.eval_shape`` on the node's fake-tensor shapes and dtypes) produces exactly the
-shapes and dtypes PyTorch's meta kernels recorded in ``node.meta["val"]``. Nothing here
-runs an op on real tensors, and no exception at call time decides support.
+shapes and dtypes PyTorch's meta kernels recorded in ``node.meta["val"]``, and eager's
+CPU kernel takes its dtypes (which meta kernels do not check: ``eager_kernel``, the one
+place that runs an op, on one-element tensors). No exception at call time decides
+support.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.capability.layout import keep_eager_storage, node_layout
 from dynajax.capability.verdict import (
     META_KEY,
@@ -125,13 +128,16 @@ class CapabilityChecker:
     4. Does it take such a size (a tensor of size ``u0``, an argument ``u0``)?
        -> DATA_DEPENDENT_SHAPE
     5. Does every tensor and dtype it touches exist in JAX?  -> DTYPE
+       Does eager's CPU kernel take these dtypes (``eager_kernel.eager_refusal``: the
+       kernel is asked on one-element tensors)?  -> EAGER_REFUSES
     6. Does the table have a rule for its exact overload?  -> NO_LOWERING
     7. Does the rule's ``check`` accept the arguments, and does ``jax.eval_shape`` of the
        rule on the node's fake-tensor shapes reproduce PyTorch's output shapes and
        dtypes?  -> CHECK_REFUSED, with the detail
 
-    Data-dependence and dtypes come before the table: a rule for ``nonzero`` or for an
-    op on complex32 tensors could not help, so the what-if list must not suggest one.
+    Data-dependence and dtypes come before the table: a rule for ``nonzero``, for an
+    op on complex32 tensors or for ``abs`` of bool (eager raises) could not help, so
+    the what-if list must not suggest one.
     """
 
     def __init__(self, fallback_ops: Iterable[str] = ()) -> None:
@@ -191,6 +197,11 @@ class CapabilityChecker:
         bad_dtype = _unsupported_dtype(out, inputs, node)
         if bad_dtype is not None:
             return self._refuse(node, Reason.DTYPE, f"{bad_dtype} has no JAX equivalent")
+        # Also before the table: where eager's CPU kernel refuses the dtypes its meta
+        # kernel accepted, the program must raise eager's error, which no rule gives.
+        refusal = eager_refusal(node.target, node.args, node.kwargs)
+        if refusal is not None:
+            return self._refuse(node, Reason.EAGER_REFUSES, refusal)
         if not isinstance(node.target, torch._ops.OpOverload):
             return self._refuse(node, Reason.NO_LOWERING, "not an ATen operator")
         rule = get_rule(node.target)

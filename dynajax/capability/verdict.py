@@ -28,6 +28,7 @@ class Reason(enum.Enum):
     USER_FALLBACK = "listed in fallback_ops"
     HOST_SCALAR = "computes Python scalars or assertions on the host, not tensors"
     EAGER_STORAGE = "an op in eager PyTorch reads this value's storage (as_strided)"
+    EAGER_REFUSES = "eager PyTorch's CPU kernel raises for these dtypes; it runs there to raise"
 
     @property
     def is_fallback(self) -> bool:
@@ -40,11 +41,18 @@ class Reason(enum.Enum):
 
     @property
     def is_choice(self) -> bool:
-        """Whether the user asked for this fallback (strict mode accepts these).
+        """Whether the fallback is no gap of dynajax (strict mode accepts these).
 
-        EAGER_STORAGE nodes only follow another node into eager PyTorch: strict mode
-        objects to that node, when it is not the user's choice."""
-        return self in (Reason.USER_FALLBACK, Reason.BLOCK_TOO_SMALL, Reason.EAGER_STORAGE)
+        USER_FALLBACK and BLOCK_TOO_SMALL are the user's choices. EAGER_STORAGE nodes only
+        follow another node into eager PyTorch: strict mode objects to that node, when it
+        is not the user's choice. EAGER_REFUSES nodes are the user's program raising in
+        eager, which it must do under dynajax too (with eager's error, not strict's)."""
+        return self in (
+            Reason.USER_FALLBACK,
+            Reason.BLOCK_TOO_SMALL,
+            Reason.EAGER_STORAGE,
+            Reason.EAGER_REFUSES,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

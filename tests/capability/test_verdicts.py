@@ -14,7 +14,7 @@ import dynajax
 from dynajax import Reason
 from dynajax.capability import META_KEY, Supported
 from dynajax.lowering import registry
-from tests.helpers import compare_with_eager
+from tests.helpers import compare_with_eager, compile_with, report_of
 from tests.tolerances import assert_same
 
 aten = torch.ops.aten
@@ -249,6 +249,60 @@ def test_dtype_is_decided_before_the_table() -> None:
     reasons = {fb.target: fb.reason for fb in report.fallbacks}
     assert reasons["dynajax_captest.norule.default"] is Reason.DTYPE
     assert report.what_if() == []
+
+
+def test_a_dtype_eager_refuses_runs_in_eager_and_raises_there() -> None:
+    # abs_cpu has no bool kernel (its meta kernel takes bool): the node stays in
+    # PyTorch with eager's message as the detail, and the call raises eager's error.
+    compiled, backend = compile_with(lambda x: torch.abs(x.sin() > 0))
+    with pytest.raises(NotImplementedError, match="not implemented for 'Bool'"):
+        compiled(torch.randn(4))
+    [fb] = report_of(backend).fallbacks
+    assert (fb.target, fb.reason) == ("aten.abs.default", Reason.EAGER_REFUSES)
+    assert "abs_cpu" in fb.detail
+
+
+def test_a_decomposition_steps_aside_where_eager_refuses() -> None:
+    # softplus decomposes into exp and log1p, which take int64; kept whole, it is refused.
+    compiled, backend = compile_with(lambda x: F.softplus(x * 2))
+    with pytest.raises(NotImplementedError, match="softplus_cpu"):
+        compiled(torch.tensor([1, -2]))
+    [fb] = report_of(backend).fallbacks
+    assert (fb.target, fb.reason) == ("aten.softplus.default", Reason.EAGER_REFUSES)
+
+
+@pytest.mark.parametrize(
+    "op, args, refused",
+    [
+        (aten.relu.default, (torch.ones(3, dtype=torch.bool),), "Boolean inputs"),
+        (aten.mm.default, (torch.ones(2, 3, dtype=torch.bool),) * 2, "addmm_impl_cpu_"),
+        (aten.relu.default, (torch.ones(3),), None),
+        # The probe's one-element tensors do not fit the sizes: a question of sizes
+        # (the meta kernel raises too), not of dtypes.
+        (aten.view.default, (torch.ones(6, dtype=torch.int64), [2, 3]), None),
+        # Raises on zeros (division by zero), not on ones: the values', not the dtype's.
+        (aten.remainder.Tensor, (torch.ones(3, dtype=torch.int64),) * 2, None),
+        # Raises on ones (index 1 of a size-1 dim), not on zeros.
+        (aten.index_select.default, (torch.ones(5), 0, torch.ones(2, dtype=torch.int64)), None),
+    ],
+    ids=["relu-bool", "mm-bool", "relu-float32", "view-sizes", "remainder-int64", "index"],
+)
+def test_eager_refusal_asks_the_kernel(op, args, refused) -> None:
+    from dynajax.capability.eager_kernel import eager_refusal
+
+    found = eager_refusal(op, args, {})
+    assert found is None if refused is None else refused in found
+
+
+def test_eager_refusal_of_a_random_op_leaves_the_random_stream_alone() -> None:
+    from dynajax.capability.eager_kernel import _probe, eager_refusal
+
+    _probe.cache_clear()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert eager_refusal(aten.bernoulli.default, (torch.ones(4),), {}) is None
+    assert torch.equal(torch.rand(3), expected)
 
 
 @pytest.mark.parametrize(

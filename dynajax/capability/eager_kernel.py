@@ -1,0 +1,166 @@
+"""Whether eager PyTorch's CPU kernel refuses an op's dtypes, asked of the kernel itself.
+
+Dynamo and aot_autograd trace with fake tensors, which run PyTorch's *meta* kernels.
+A meta kernel checks shapes and promotes dtypes, but many CPU kernels accept fewer
+dtypes than their meta kernels: ``abs`` and ``floor`` refuse bool, ``softplus``,
+``silu`` and ``frac`` refuse integers, ``mm`` refuses bool (the dispatch macros raise
+``NotImplementedError: "abs_cpu" not implemented for 'Bool'``), and a few check a dtype
+by hand (``relu``, ``sub`` and ``argmin`` of bool raise RuntimeError). A JAX rule
+computes a value for those dtypes where eager raises. Such a node must run in eager
+PyTorch, which then raises its own error.
+
+No table of dtypes is kept (it would drift from the kernels): the kernel is asked. The
+probe calls the op on real CPU tensors with the node's dtypes and ranks, every size
+shrunk to 1 (0 stays 0), so it costs one call on one element, cached per signature:
+
+    eager kernel on zeros  -> succeeds                   accepted
+                           -> raises NotImplementedError refused (a dispatch macro or
+                                                         no kernel at all: any values)
+                           -> raises anything else:
+    meta kernel            -> raises                     accepted (the shrunk sizes do
+                                                         not fit the op's size arguments;
+                                                         the node's own sizes do)
+    eager kernel on ones   -> raises too                 refused (the error is not the
+                                                         values': a division by zero
+                                                         passes on ones, an index of 1
+                                                         into a size-1 dim on zeros)
+
+Ops outside the ``aten`` namespace are not probed (a custom op may have effects),
+nor calls without tensor arguments. Seeded random ops run under ``fork_rng``, so the
+probe leaves the user's random stream as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+# Values of the probe's tensors, in order: zeros first (valid indices into any dim of
+# size 1), then ones (valid divisors, probabilities that sum to more than 0).
+_FILLS = (0, 1)
+
+# The exception types PyTorch's C++ errors become in Python (c10::Error and its
+# subclasses; NotImplementedError is apart: it always means refused).
+_EAGER_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
+
+
+def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
+    """Eager's error (``Type: message``) if its CPU kernel refuses these dtypes, else None.
+
+    Args:
+        op: the ATen overload.
+        args, kwargs: its arguments, tensors as fake (or real) tensors or as FX nodes
+            whose ``meta["val"]`` holds one; sizes may be backed SymInts.
+    """
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return None
+    flat, spec = tree_flatten((args, kwargs))
+    leaves: list[Any] = []
+    for leaf in flat:
+        value = leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else leaf
+        if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+            if value.node.hint is None:
+                return None  # an unbacked size: nothing to probe with
+            value = type(value.node.hint)(value.node.hint)
+        leaves.append(value)
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return None
+    signature = []
+    for v in leaves:
+        if isinstance(v, torch.Tensor):
+            shape = []
+            for s in v.shape:
+                if isinstance(s, torch.SymInt):
+                    if s.node.hint is None:
+                        return None
+                    s = s.node.hint
+                shape.append(min(int(s), 1))
+            signature.append(_TensorSpec(tuple(shape), v.dtype))
+        else:
+            signature.append(_hashable(v))
+    try:
+        key = (op, tuple(signature), spec)
+        hash(key)
+    except TypeError:
+        return None  # an argument we cannot key a cache on (nothing seen so far)
+    return _probe(*key)
+
+
+class _TensorSpec(NamedTuple):
+    """A probe tensor: the node's rank with sizes shrunk to 1 (0 stays 0), its dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list):
+        return ("list", *(_hashable(v) for v in value))
+    if isinstance(value, float) and value != value:
+        return ("nan",)
+    return value
+
+
+@functools.lru_cache(maxsize=4096)
+def _probe(op: torch._ops.OpOverload, signature: tuple[Any, ...], spec: Any) -> str | None:
+    def call(make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+        leaves = [
+            make(s.shape, s.dtype) if isinstance(s, _TensorSpec) else _unhashable(s)
+            for s in signature
+        ]
+        args, kwargs = tree_unflatten(leaves, spec)
+        op(*args, **kwargs)
+
+    def filled(fill: int) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+        return lambda shape, dtype: torch.full(shape, fill, dtype=dtype)
+
+    def meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    with _disable_current_modes(), torch.no_grad(), _keep_rng(op):
+        try:
+            call(filled(_FILLS[0]))
+            return None
+        except NotImplementedError as e:
+            return _describe(e)
+        except _EAGER_ERRORS as first:
+            error: Exception = first
+        try:
+            call(meta)
+        except (*_EAGER_ERRORS, NotImplementedError):
+            return None  # the shrunk sizes do not fit the op's size arguments
+        try:
+            call(filled(_FILLS[1]))
+        except _EAGER_ERRORS:
+            return _describe(error)  # raised for zeros and for ones: not the values'
+        return None
+
+
+def _unhashable(s: Any) -> Any:
+    if isinstance(s, tuple) and s and s[0] == "list":
+        return [_unhashable(v) for v in s[1:]]
+    if s == ("nan",):
+        return float("nan")
+    return s
+
+
+def _keep_rng(op: torch._ops.OpOverload) -> contextlib.AbstractContextManager[Any]:
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return torch.random.fork_rng(devices=[])
+    return contextlib.nullcontext()
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text[:200]}".rstrip(": ")
+
+
+__all__ = ["eager_refusal"]
