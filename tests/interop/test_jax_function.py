@@ -301,6 +301,139 @@ def test_scan_carries_updated_buffers_as_eager_updates_them() -> None:
         assert_same(to_torch(final[name]), narrow(value), model=True, path=name)
 
 
+# -- every model of the suite --------------------------------------------------------
+
+STEPS = 3  # vmap batch and scan length: small, the transforms' cost is their trace
+
+
+def inputs_like(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` fresh inputs of ``x``'s kind, stacked: token ids or Gaussian values."""
+    if x.dtype == torch.int64:
+        return models.tokens(n * x.shape[0], x.shape[1]).reshape(n, *x.shape)
+    return torch.randn(n, *x.shape)
+
+
+def step_of(tree: Any, i: int) -> Any:
+    """Element ``i`` along the leading (vmap or scan) axis of every array of ``tree``."""
+    return jax.tree.map(lambda a: a[i], tree)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_vmap_over_a_batch_of_inputs_equals_a_loop_of_eager_calls(name: str) -> None:
+    # Each element is one call of the model from the same state: its outputs, and (in
+    # train mode) the buffers that call would leave, per element.
+    torch.manual_seed(0)
+    model, (x,) = MODELS[name]()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    fn, state = dynajax.jax_function(model, x)
+    xs = inputs_like(x, STEPS)
+    outs, states = jax.jit(jax.vmap(fn.with_state, in_axes=(None, 0)))(state, xs.numpy())
+    for i, xi in enumerate(xs):
+        model.load_state_dict(initial)
+        with torch.no_grad():
+            expected = eager_structure(model(xi))
+        assert_same(to_torch(step_of(outs, i)), expected, model=True, path=f"out[{i}]")
+        eager_buffers = dict(model.named_buffers())
+        for buffer in fn.buffer_names:
+            got = to_torch(states[buffer][i])
+            assert_same(got, narrow(eager_buffers[buffer]), model=True, path=f"{buffer}[{i}]")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_scan_over_a_sequence_of_inputs_equals_the_eager_loop(name: str) -> None:
+    # The carry is the state (BatchNorm's running statistics move from step to step, as
+    # in the eager loop) and a running sum of the main output; each step emits outputs.
+    torch.manual_seed(0)
+    model, (x,) = MODELS[name]()
+    fn, state = dynajax.jax_function(model, x)
+    xs = inputs_like(x, STEPS)
+
+    def step(carry: Any, xi: jax.Array) -> tuple[Any, Any]:
+        s, total = carry
+        out, s = fn.with_state(s, xi)
+        return (s, total + first(out)), out
+
+    main = jax.eval_shape(lambda s, x: first(fn.with_state(s, x)[0]), state, xs[0].numpy())
+    total0 = jnp.zeros(main.shape, main.dtype)
+    (final, total), outs = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))(
+        (state, total0), xs.numpy()
+    )
+    expected_total = torch.zeros(main.shape)
+    with torch.no_grad():
+        for i, xi in enumerate(xs):
+            expected = eager_structure(model(xi))
+            assert_same(to_torch(step_of(outs, i)), expected, model=True, path=f"out[{i}]")
+            expected_total += first(expected)
+    assert_same(to_torch(total), expected_total, model=True, path="sum")
+    for buffer, value in model.named_buffers():
+        assert_same(to_torch(final[buffer]), narrow(value), model=True, path=buffer)
+    for param in fn.parameter_names:  # carried through unchanged
+        np.testing.assert_array_equal(np.asarray(final[param]), np.asarray(state[param]))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn-train", "gpt2"])
+def test_per_example_gradients_under_vmap_equal_autograd_per_example(name: str) -> None:
+    torch.manual_seed(0)
+    model, (x,) = MODELS[name]()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    fn, state = dynajax.jax_function(model, x)
+    params, buffers = fn.split_state(state)
+    xs = inputs_like(x, STEPS)
+
+    def loss(p: dict[str, jax.Array], xi: jax.Array) -> jax.Array:
+        out, _ = fn.with_state({**p, **buffers}, xi)
+        return weighted_loss(out, jnp)
+
+    values, grads = jax.jit(jax.vmap(jax.value_and_grad(loss), in_axes=(None, 0)))(
+        params, xs.numpy()
+    )
+    for i, xi in enumerate(xs):
+        model.load_state_dict(initial)
+        model.zero_grad()
+        expected = weighted_loss(model(xi), torch)
+        expected.backward()
+        assert_same(to_torch(values[i]), expected.detach(), model=True, path=f"loss[{i}]")
+        for n, g in torch_grads(model).items():
+            assert_same(to_torch(grads[n][i]), g, model=True, path=f"grad[{n}][{i}]")
+
+
+@pytest.mark.parametrize("name", ["cnn-train", "gpt2"])
+def test_scan_of_sgd_steps_equals_torch_optim_steps(name: str) -> None:
+    # Gradients inside scan: parameters (tied ones in GPT-2) and buffers are the carry.
+    torch.manual_seed(0)
+    model, (x,) = MODELS[name]()
+    fn, state = dynajax.jax_function(model, x)
+    params, buffers = fn.split_state(state)
+    xs = inputs_like(x, STEPS)
+    lr = 0.1
+
+    def step(carry: Any, xi: jax.Array) -> tuple[Any, jax.Array]:
+        p, b = carry
+
+        def loss(p: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+            out, new_state = fn.with_state({**p, **b}, xi)
+            return weighted_loss(out, jnp), new_state
+
+        (value, new_state), g = jax.value_and_grad(loss, has_aux=True)(p)
+        p = jax.tree.map(lambda w, gw: w - lr * gw, p, g)
+        return (p, {k: new_state[k] for k in b}), value
+
+    (p, b), values = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))((params, buffers), xs.numpy())
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    expected = []
+    for xi in xs:
+        opt.zero_grad()
+        loss = weighted_loss(model(xi), torch)
+        loss.backward()
+        opt.step()
+        expected.append(loss.detach())
+    assert_same(to_torch(values), torch.stack(expected), model=True, path="losses")
+    for n, w in model.named_parameters():
+        assert_same(to_torch(p[n]), w.detach(), model=True, path=n)
+    for n, v in model.named_buffers():
+        assert_same(to_torch(b[n]), narrow(v), model=True, path=n)
+
+
 # ---------------------------------------------------------------------------------
 # Random ops
 # ---------------------------------------------------------------------------------
