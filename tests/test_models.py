@@ -53,10 +53,10 @@ def test_model_matches_eager(name: str) -> None:
 
 ZOO = models.transformers_zoo()
 
-# What stays in PyTorch, by design. transformers computes a mixture of experts' grouped
-# matmul in a custom op of its own (``torch.library``) when Dynamo traces float32
-# weights; like any op dynajax has no rule for, it runs eagerly between two partitions.
-ZOO_FALLBACKS = {"mixtral": {"transformers.grouped_mm_fallback.default"}}
+# What stays in PyTorch, by design: nothing. (transformers computes a mixture of
+# experts' grouped matmul in a custom op of its own when Dynamo traces float32 weights;
+# dynajax ships its rule, lowering/transformers_ops.py, so Mixtral runs all in JAX.)
+ZOO_FALLBACKS: dict[str, set[str]] = {}
 
 
 @pytest.mark.parametrize("name", list(ZOO))

@@ -28,6 +28,7 @@ from dynajax.lowering import (  # noqa: F401  (each registers its rules on impor
     shape,
     sorting,
     special,
+    transformers_ops,
 )
 from dynajax.lowering.linalg import (  # noqa: F401
     factorizations,

@@ -1,7 +1,7 @@
 """One backward step of transformers architectures (tests/models.py's zoo) through
 dynajax: loss and every parameter's gradient match eager, forward and backward graphs
-in JAX (Mixtral's experts' grouped matmul and its backward are transformers' own custom
-ops, which run eagerly)."""
+in JAX, nothing in PyTorch (Mixtral's experts' grouped matmul and its backward are
+transformers' own custom ops, lowered by dynajax/lowering/transformers_ops.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tests.models import transformers_zoo
 
 ZOO = transformers_zoo()
 CASES = ["t5", "whisper", "mistral", "mixtral", "swin", "convnext", "mobilenet-v2"]
+# transformers' own ops that must run in a JAX partition of the forward and backward.
 CUSTOM_OPS = {
     "mixtral": {
         "transformers.grouped_mm_fallback.default",
@@ -58,4 +59,6 @@ def test_backward_step_matches_eager(name: str) -> None:
 
     report = dynajax.Report(backend.graphs)
     assert {g.kind for g in report.graphs} == {"forward", "backward"}, str(report)
-    assert {str(f.target) for f in report.fallbacks} == CUSTOM_OPS.get(name, set()), str(report)
+    assert report.fallbacks == [], str(report)
+    in_jax = {op for g in report.graphs for p in g.partitions for op in p.ops}
+    assert CUSTOM_OPS.get(name, set()) <= in_jax, str(report)
