@@ -1,11 +1,29 @@
 """Persistent cache of compiled XLA executables, shared across processes.
 
-    key   = sha256(format, versions of jax/jaxlib/torch/dynajax, platform, device kind,
-                   platform version, host CPU features, XLA_FLAGS, lowered StableHLO)
-    entry = <dir>/<key>.bin:  MAGIC | HMAC-SHA256(secret, MAGIC | key | body) | body
-    body  = pickle((executable bytes, in_tree, out_tree))   (serialize_executable's)
+Two kinds of key name an entry:
 
-The lowered StableHLO text is what the executable is compiled from, so the key covers
+    program key = sha256(format, platform, device kind, platform version, host CPU
+                         features, XLA_FLAGS, compiler options, the program described
+                         before tracing: ``programs.describe_call``)
+    body        = pickle((executable bytes, in_tree, out_tree, versions, checks))
+
+    lowered key = sha256(format, versions of jax/jaxlib/torch/dynajax, platform, device
+                         kind, platform version, host CPU features, XLA_FLAGS,
+                         lowered StableHLO)
+    body        = pickle((executable bytes, in_tree, out_tree))   (serialize_executable's)
+
+    entry = <dir>/<key>.bin:  MAGIC | HMAC-SHA256(secret, MAGIC | key | body) | body
+
+A partition's executables are keyed by their program (``compile_traced``), so a hit
+skips tracing the partition through the rule table and lowering it as well as XLA's
+compile; the entry keeps the value checks that trace recorded (``lowering/checks.py``),
+which the caller's check table takes back. ``versions`` (jax, jaxlib, torch, dynajax
+and a digest of dynajax's sources) are compared when the entry is loaded: an entry of
+another version is a miss with the reason ``stale entry (<what> changed)``, compiled
+and overwritten. Graphs that ``programs.describe_partition`` cannot describe (a user's
+rule), and direct callers of ``compile``, are keyed by the lowered text instead.
+
+For the lowered key: the StableHLO text is what the executable is compiled from, so it covers
 everything that changes it: the partition's graph and the lowering rules applied to it,
 input shapes and dtypes, static sizes, x64 mode, and every option that changes what a
 partition contains (``min_block_size``, ``fallback_ops``) or its shapes
@@ -65,6 +83,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -75,8 +94,8 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger("dynajax.cache")
 
-_FORMAT = 3  # bump when the on-disk layout changes
-_MAGIC = b"DYNAJAX-XLA\x03"
+_FORMAT = 4  # bump when the on-disk layout changes
+_MAGIC = b"DYNAJAX-XLA\x04"
 _MAC = 32  # bytes of an HMAC-SHA256
 _KEY_BYTES = 32
 
@@ -168,17 +187,23 @@ class CompileStats:
 
 
 @functools.cache
-def _environment() -> str:
-    """Everything besides the program that decides what XLA compiles it to."""
-    from dynajax import __version__
-
+def _cpu() -> str:
+    """The host CPU and the features an XLA:CPU executable may have been specialized for."""
     cpu = platform.processor() or platform.machine()
-    try:  # the CPU features an XLA:CPU executable may have been specialized for
+    try:
         with open("/proc/cpuinfo") as f:
             flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
         cpu += "|" + hashlib.sha256(flags.encode()).hexdigest()[:16]
     except OSError:
         pass
+    return cpu
+
+
+@functools.cache
+def _environment() -> str:
+    """Everything besides the program that decides what XLA compiles it to."""
+    from dynajax import __version__
+
     return "|".join(
         [
             f"fmt{_FORMAT}",
@@ -186,9 +211,38 @@ def _environment() -> str:
             f"jaxlib{jaxlib.__version__}",
             f"torch{torch.__version__}",
             f"dynajax{__version__}",
-            f"cpu{cpu}",
+            f"cpu{_cpu()}",
         ]
     )
+
+
+@functools.cache
+def versions() -> tuple[tuple[str, str], ...]:
+    """What a program-keyed entry must have been written with to be loaded: the
+    versions of jax, jaxlib, torch and dynajax, and a digest of dynajax's sources (its
+    rules are code; a rule edited without a new version must not reuse old programs)."""
+    from dynajax import __version__
+
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\x00")
+        digest.update(path.read_bytes() + b"\x00")
+    return (
+        ("jax", jax.__version__),
+        ("jaxlib", jaxlib.__version__),
+        ("torch", torch.__version__),
+        ("dynajax", __version__),
+        ("dynajax sources", digest.hexdigest()[:16]),
+    )
+
+
+def _stale(written: Any) -> str:
+    """What differs between the ``versions()`` an entry was written with and ours
+    (``"torch, dynajax sources"``); empty if nothing does."""
+    ours = dict(versions())
+    theirs = dict(written)
+    return ", ".join(name for name, value in ours.items() if theirs.get(name) != value)
 
 
 def _device_key(platform_name: str) -> str:
@@ -275,7 +329,7 @@ class ExecutableCache:
             why = "no cache key"
             compiled = None
         else:
-            compiled, why = self._load(path, key, secret, platform_name)
+            compiled, _, why = self._load(path, key, secret, platform_name)
         if compiled is not None:
             with _STATS_LOCK:
                 stats.cache_hits += 1
@@ -291,6 +345,78 @@ class ExecutableCache:
                 with _STATS_LOCK:
                     stats.cache_evictions += evicted
         return compiled
+
+    def program_key(self, program: str, platform_name: str) -> str:
+        """The entry's name for a program described before tracing
+        (``programs.describe_call``), and for what compiles it."""
+        h = hashlib.sha256()
+        for part in (
+            f"program|fmt{_FORMAT}",
+            _cpu(),
+            _device_key(platform_name),
+            os.environ.get("XLA_FLAGS", ""),
+            repr(sorted(COMPILER_OPTIONS.items())),
+            program,
+        ):
+            h.update(part.encode())
+            h.update(b"\x00")
+        return h.hexdigest()
+
+    def compile_traced(
+        self,
+        program: str | None,
+        lower: Callable[[], jax.stages.Lowered],
+        stats: CompileStats,
+        *,
+        name: str = "",
+        platform_name: str | None = None,
+        extra: Callable[[], Any] = lambda: None,
+    ) -> tuple[jax.stages.Compiled, Any]:
+        """The executable of a program, loaded without tracing it when cached.
+
+        Args:
+            program: the program as ``programs.describe_call`` describes it, or None
+                (not describable: ``lower()`` is called and the entry keyed by its text).
+            lower: traces and lowers the program (only called on a miss).
+            stats: where compiles, hits and misses count.
+            name: the partition and its shapes, for logs.
+            platform_name: the platform the executable runs on.
+            extra: what the trace recorded that a caller needs without tracing (the
+                value checks), stored with the executable; called after ``lower``.
+
+        Returns:
+            The executable, and ``extra()`` as stored (None when ``program`` is None).
+        """
+        if program is None or self.directory is None:
+            return self.compile(lower(), stats, name=name, platform_name=platform_name), None
+        platform_name = platform_name or jax.default_backend()
+        key = self.program_key(program, platform_name)
+        path = self.directory / f"{key}.bin"
+        secret = self._get_secret()
+        value = None
+        if secret is None:
+            why = "no cache key"
+            compiled = None
+        else:
+            compiled, value, why = self._load(path, key, secret, platform_name, program=True)
+        if compiled is not None:
+            with _STATS_LOCK:
+                stats.cache_hits += 1
+            log.debug("cache hit: %s (%s, not traced)", name, key[:16])
+            return compiled, value
+        with _STATS_LOCK:
+            stats.cache_misses[why] += 1
+        log.debug("cache miss: %s (%s): %s", name, key[:16], why)
+        compiled = self._compile(lower(), stats)
+        value = extra()
+        if secret is not None and self._store(
+            path, key, secret, compiled, name, trailer=(versions(), value)
+        ):
+            evicted = self.prune()
+            if evicted:
+                with _STATS_LOCK:
+                    stats.cache_evictions += evicted
+        return compiled, value
 
     @staticmethod
     def _compile(lowered: jax.stages.Lowered, stats: CompileStats) -> jax.stages.Compiled:
@@ -319,22 +445,24 @@ class ExecutableCache:
     # -- entries --------------------------------------------------------------------------
 
     def _load(
-        self, path: Path, key: str, secret: bytes, platform_name: str
-    ) -> tuple[jax.stages.Compiled | None, str]:
+        self, path: Path, key: str, secret: bytes, platform_name: str, *, program: bool = False
+    ) -> tuple[jax.stages.Compiled | None, Any, str]:
+        """The entry's executable (and, for a program entry, what was stored with it),
+        or None and the reason of the miss."""
         try:
             blob = _read_entry(path)
         except (FileNotFoundError, NotADirectoryError):  # (the write says why, if it fails)
-            return None, "not cached yet"
+            return None, None, "not cached yet"
         except OSError as e:
             self._warn("read", f"cannot read {path} ({e}); compiling instead")
-            return None, "unreadable entry"
+            return None, None, "unreadable entry"
         if blob is None or len(blob) < len(_MAGIC) + _MAC or not blob.startswith(_MAGIC):
             self._warn(
                 "corrupt",
                 f"corrupt cache entry {path.name} (not a dynajax format-{_FORMAT} entry); "
                 "compiling it again",
             )
-            return None, "corrupt entry"
+            return None, None, "corrupt entry"
         body = blob[len(_MAGIC) + _MAC :]
         if not hmac.compare_digest(blob[len(_MAGIC) : len(_MAGIC) + _MAC], _mac(secret, key, body)):
             self._warn(
@@ -344,9 +472,17 @@ class ExecutableCache:
                 "was replaced), or was planted. It was not loaded; compiling it again. If "
                 "several users share this cache directory, give each their own cache_dir.",
             )
-            return None, "unauthenticated entry"
+            return None, None, "unauthenticated entry"
+        value = None
         try:
-            payload, in_tree, out_tree = pickle.loads(body)
+            if program:  # (authenticated above: only now is the body unpickled)
+                payload, in_tree, out_tree, written, value = pickle.loads(body)
+                stale = _stale(written)
+                if stale:
+                    log.info("cache entry %s is stale (%s changed); compiling", path.name, stale)
+                    return None, None, f"stale entry ({stale} changed)"
+            else:
+                payload, in_tree, out_tree = pickle.loads(body)
             compiled = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, backend=platform_name
             )
@@ -357,22 +493,35 @@ class ExecutableCache:
                 "unloadable",
                 f"cannot load cache entry {path.name} ({type(e).__name__}); compiling",
             )
-            return None, "unloadable entry"
+            return None, None, "unloadable entry"
         try:
             os.utime(path)  # mtime = last use, for the LRU order of eviction
         except OSError:  # evicted meanwhile, or a read-only cache: order only
             pass
-        return compiled, ""
+        return compiled, value, ""
 
     def _store(
-        self, path: Path, key: str, secret: bytes, compiled: jax.stages.Compiled, name: str
+        self,
+        path: Path,
+        key: str,
+        secret: bytes,
+        compiled: jax.stages.Compiled,
+        name: str,
+        trailer: tuple[Any, ...] = (),
     ) -> bool:
-        """Writes the entry atomically; True if it was written."""
+        """Writes the entry atomically; True if it was written. ``trailer``: what a
+        program entry keeps after the executable (its versions, the recorded checks)."""
         if self._unwritable:
             return False
         try:
-            body = pickle.dumps(serialize_executable.serialize(compiled))
-        except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as e:
+            body = pickle.dumps((*serialize_executable.serialize(compiled), *trailer))
+        except (
+            ValueError,
+            NotImplementedError,
+            TypeError,
+            AttributeError,
+            pickle.PicklingError,
+        ) as e:
             # e.g. executables with host callbacks or closed-over constants
             log.info("not caching %s: the executable cannot be serialized (%s)", name, e)
             return False

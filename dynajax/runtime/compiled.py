@@ -24,7 +24,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +47,13 @@ from dynajax.runtime.conversion import (
 from dynajax.runtime.executables import Executables
 from dynajax.runtime.inputs import InputCache
 from dynajax.runtime.jax_internals import X64, direct_executor, dispatch_of
+from dynajax.runtime.programs import describe_partition
 from dynajax.sharding.placement import PartitionPlacement, Placement
 
 # From this many inputs, a call whose inputs are all cached skips the executable's
-# argument checks (``CompiledPartition._build_direct``); below, they cost less than
-# wrapping the results does.
-DIRECT_MIN_INPUTS = 6
+# argument checks (``CompiledPartition._build_direct``). Measured side by side
+# (``benchmarks/overhead.py``), the direct entry point is cheaper from one input up.
+DIRECT_MIN_INPUTS = 1
 
 
 class CompiledPartition(torch.nn.Module):
@@ -158,13 +159,19 @@ class CompiledPartition(torch.nn.Module):
             sharding=sharding,
             platform_name=platform,
             out_sharding=out_sharding,
+            program=(
+                describe_partition(graph, name)
+                if cache is not None and cache.directory is not None
+                else None
+            ),
+            check_table=self.value_checks,
         )
         # What a call of a static-shape partition runs: the AOT executable's dispatch,
         # set at the first call. Benchmarks may set it to ``jitted`` to compare paths.
         self.dispatch: Callable[..., Any] | None = None
         self._compiled: jax.stages.Compiled | None = None
-        # (snapshot, execute, arguments, their positions): all inputs cached, no checks
-        self._direct: tuple[Any, Callable[..., Any], list[Any], list[int]] | None = None
+        # The executable's own entry point, for calls whose inputs are all cached.
+        self._direct: _Direct | None = None
         # The direct entry point is checked on one device's outputs only.
         self._direct_failed = placement is not None and placement.multi_device
         self._compile_lock = threading.Lock()
@@ -185,12 +192,13 @@ class CompiledPartition(torch.nn.Module):
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The per-call path: a sequence of tensors in, a list of tensors out."""
         direct = self._direct
-        if direct is not None and self.inputs.hit(tensors) is direct[0]:
-            results = direct[1](direct[2]).disassemble_into_single_device_arrays()
-            if (checks := self.value_checks) is not None and checks.checks:
-                checks.raise_if_failed(results[-1][0], self.name)
-                results = results[:-1]
-            return [self._to_torch(r[0]) for r in results]
+        if direct is not None and self.inputs.hit(tensors) is direct.snap:
+            results = direct.execute(direct.args).consume_with_handlers(direct.handlers)
+            if direct.checked:
+                # Eager's error where a value check failed, before any output is handed
+                # back; the code is an output of this same execution (no extra sync).
+                direct.checked.raise_if_failed(results.pop(), self.name)
+            return list(map(self._to_torch, results))
         token = X64.enable()  # int64/float64 stay 64-bit, as in torch
         try:
             outs = self._run(tensors)
@@ -198,11 +206,11 @@ class CompiledPartition(torch.nn.Module):
             X64.restore(token)
         if len(tensors) >= DIRECT_MIN_INPUTS and not self._direct_failed:
             snap = self.inputs.current
-            if snap is not None and (direct is None or direct[0] is not snap):
+            if snap is not None and (direct is None or direct.snap is not snap):
                 if direct is not None and all(
-                    map(operator.is_, direct[2], [snap.arrays[i] for i in direct[3]])
+                    map(operator.is_, direct.args, [snap.arrays[i] for i in direct.kept])
                 ):  # versions moved on (in-place updates), arrays are the same memory
-                    self._direct = (snap, direct[1], direct[2], direct[3])
+                    self._direct = direct._replace(snap=snap)
                 else:
                     self._direct = self._build_direct(snap, outs)
         return outs
@@ -214,26 +222,28 @@ class CompiledPartition(torch.nn.Module):
         placement on each call (~0.5 µs each). When every input is a cached array whose
         identity, version and pointer ``InputCache.hit`` has just checked, those checks
         are known to pass, and the loaded executable can run the very same arrays
-        (~0.15 µs per argument). Worth it from ``DIRECT_MIN_INPUTS`` inputs up. Checked
-        once against the regular path's outputs; on any mismatch, or where this JAX
-        release lacks the entry point (``jax_internals.direct_executor``), the regular
-        path stays for good.
+        (~0.15 µs per argument), and its outputs are wrapped by the same C++ result
+        handlers the dispatch path uses. Worth it from ``DIRECT_MIN_INPUTS`` inputs up.
+        Checked once against the regular path's outputs; on any mismatch, or where this
+        JAX release lacks the entry point (``jax_internals.direct_executor``), the
+        regular path stays for good.
         """
         compiled = self._compiled
         found = direct_executor(compiled) if compiled is not None else None
         if found is None or self.needs_seed or self.executables.dynamic:
             self._direct_failed = True
             return None
-        kept, execute = found
-        args = [snap.arrays[i] for i in kept]
+        args = [snap.arrays[i] for i in found.kept]
         try:
-            results = execute(args).disassemble_into_single_device_arrays()
+            results = found.execute(args).consume_with_handlers(found.handlers)
         except (TypeError, ValueError, RuntimeError):  # XLA refused the arguments
             self._direct_failed = True
             return None
-        if (checks := self.value_checks) is not None and checks.checks:
+        checks = self.value_checks
+        checked = checks if checks is not None and checks.checks else None
+        if checked is not None:
             results = results[:-1]  # the regular path just passed the same inputs
-        check = [self._to_torch(r[0]) for r in results]
+        check = [self._to_torch(r) for r in results]
         if not (
             len(check) == len(outs)
             and all(
@@ -243,7 +253,7 @@ class CompiledPartition(torch.nn.Module):
         ):
             self._direct_failed = True
             return None
-        return (snap, execute, args, kept)
+        return _Direct(snap, found.execute, args, found.kept, found.handlers, checked)
 
     def _run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         arrays = self.inputs.arrays(tensors)
@@ -315,6 +325,17 @@ class CompiledPartition(torch.nn.Module):
         return tuple(self.run(tensors))
 
     forward = __call__
+
+
+class _Direct(NamedTuple):
+    """What a call whose inputs are all cached runs (``CompiledPartition._build_direct``)."""
+
+    snap: Any  # the InputCache snapshot these arguments were taken from
+    execute: Callable[[Sequence[jax.Array]], Any]  # the executable's own entry point
+    args: list[Any]  # the cached arrays XLA takes, in its order
+    kept: list[int]  # their input positions
+    handlers: list[Any]  # the results' handlers (output arrays as the dispatch makes)
+    checked: CheckTable | None  # the value checks read from the last output, if any
 
 
 def _own_outputs(

@@ -36,6 +36,7 @@ from dynajax.runtime.buckets import (
     with_statics,
 )
 from dynajax.runtime.cache import CompileStats, ExecutableCache
+from dynajax.runtime.programs import describe_call
 
 log = logging.getLogger("dynajax.shapes")
 
@@ -70,6 +71,11 @@ class Executables:
         platform_name: the platform the executables run on.
         out_sharding: the outputs' sharding (None: XLA's choice); on a mesh,
             replicated, so that every process holds whole outputs.
+        program: the partition's graph as ``programs.describe_partition`` describes
+            it, so that the persistent cache finds an executable without tracing; None:
+            it keys executables by their lowered text.
+        check_table: the ``CheckTable`` that traces of ``fn`` fill (None: no value
+            checks); an executable loaded without tracing fills it from the cache.
     """
 
     def __init__(
@@ -87,6 +93,8 @@ class Executables:
         sharding: Any,
         platform_name: str,
         out_sharding: Any = None,
+        program: str | None = None,
+        check_table: Any = None,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -99,6 +107,8 @@ class Executables:
         self.sharding = sharding
         self.platform_name = platform_name
         self.out_sharding = out_sharding
+        self.program = program
+        self.check_table = check_table
         vals = self.placeholders
         self.tensor_pos = tuple(i for i, v in enumerate(vals) if isinstance(v, torch.Tensor))
         self.static_pos = tuple(i for i, v in enumerate(vals) if not isinstance(v, torch.Tensor))
@@ -130,15 +140,36 @@ class Executables:
             for a in arrays
         ]
         fn = with_statics(self.fn, len(self.placeholders), statics, self.needs_seed)
-        with jax.default_matmul_precision(matmul_precision()):
-            if self.out_sharding is None:
-                lowered = jax.jit(fn).lower(*avals)
-            else:
-                lowered = jax.jit(fn, out_shardings=self.out_sharding).lower(*avals)
-        shapes = ", ".join(str(list(a.shape)) for a in avals)
-        return self.cache.compile(
-            lowered, self.stats, name=f"{self.name}({shapes})", platform_name=self.platform_name
+        precision = matmul_precision()
+
+        def lower() -> jax.stages.Lowered:
+            with jax.default_matmul_precision(precision):
+                if self.out_sharding is None:
+                    return jax.jit(fn).lower(*avals)
+                return jax.jit(fn, out_shardings=self.out_sharding).lower(*avals)
+
+        table = self.check_table
+        program = self.program and describe_call(
+            self.program,
+            avals,
+            statics,
+            precision=precision,
+            needs_seed=self.needs_seed,
+            checks=table is not None,
+            out_sharding=self.out_sharding,
         )
+        shapes = ", ".join(str(list(a.shape)) for a in avals)
+        compiled, checks = self.cache.compile_traced(
+            program,
+            lower,
+            self.stats,
+            name=f"{self.name}({shapes})",
+            platform_name=self.platform_name,
+            extra=lambda: table.checks if table is not None else None,
+        )
+        if table is not None and checks is not None:
+            table.record(checks)  # loaded without a trace: the checks it recorded
+        return compiled
 
     def lookup(self, args: Sequence[Any], arrays: Sequence[Any]) -> Callable[..., Any]:
         """The executable for ``args`` from the LRU, compiled on a miss (dynamic shapes)."""
