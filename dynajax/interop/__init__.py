@@ -13,8 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dynajax.interop.callbacks import CallbackOp
+    from dynajax.interop.checked import ValueCheckResult
     from dynajax.interop.function import (
         BufferUpdatesDiscardedWarning,
+        CheckedJaxFunction,
+        InputUpdatesDiscardedWarning,
         JaxFunction,
         jax_function,
     )
@@ -23,14 +26,20 @@ if TYPE_CHECKING:
 _LAZY = {
     "BufferUpdatesDiscardedWarning": "dynajax.interop.function",
     "CallbackOp": "dynajax.interop.callbacks",
+    "CheckedJaxFunction": "dynajax.interop.function",
+    "InputUpdatesDiscardedWarning": "dynajax.interop.function",
     "JaxFunction": "dynajax.interop.function",
+    "ValueCheckResult": "dynajax.interop.checked",
     "jax_function": "dynajax.interop.function",
 }
 
 __all__ = [
     "BufferUpdatesDiscardedWarning",
     "CallbackOp",
+    "CheckedJaxFunction",
+    "InputUpdatesDiscardedWarning",
     "JaxFunction",
+    "ValueCheckResult",
     "jax_function",
 ]
 

@@ -27,7 +27,7 @@ import functools
 import operator
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,9 @@ from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_o
 from dynajax.capability.verdict import source_line
 from dynajax.errors import CallbackOpsError, JaxFunctionError
 from dynajax.interop.callbacks import CallbackOp, flat_outputs, from_numpy
+from dynajax.interop.checked import ValueCheckResult
 from dynajax.interop.interpreter import ExportInterpreter, SizeBindings
+from dynajax.lowering import checks as value_checks
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.registry import get_rule
 from dynajax.passes import run_passes
@@ -62,6 +64,20 @@ _TRUNCATION_WARNING = "Explicitly requested dtype"
 class BufferUpdatesDiscardedWarning(UserWarning):
     """``fn(state, ...)`` was called on a model that updates buffers: the updates are
     dropped (``fn.with_state`` returns them)."""
+
+
+class InputUpdatesDiscardedWarning(UserWarning):
+    """``fn(...)`` or ``fn.with_state(...)`` was called on a model that updates its
+    inputs in place: the new values are dropped (``fn.with_updates`` returns them)."""
+
+
+class _Run(NamedTuple):
+    """What one trace of the graph computes."""
+
+    outputs: Any  # the user outputs, nested as torch's
+    updates: dict[str, jax.Array]  # new values of mutated buffers (and parameters)
+    new_args: tuple[Any, ...]  # the arguments, mutated inputs replaced by their new values
+    checked: ValueCheckResult | None  # the value checks, when asked for
 
 
 # -- export ------------------------------------------------------------------------------
@@ -225,6 +241,29 @@ class JaxFunction:
     them; use ``fn.with_state(...)[0]`` to drop them on purpose, or ``model.eval()``
     before ``jax_function``.
 
+    **Inputs updated in place.** JAX arrays are immutable, so a model that writes into
+    an input (``x.add_(1)``, ``out=``, ``index_put_`` on an argument) cannot change the
+    caller's array. ``fn.with_updates(state, *args, key=None)`` returns
+    ``(outputs, new_state, new_args)``: ``new_args`` is ``args`` (a tuple nested the
+    same way) with each input the model updates (``mutated_inputs``) replaced by its new
+    value, the others passed through. ``fn`` and ``fn.with_state`` drop those values and
+    warn once (``InputUpdatesDiscardedWarning``).
+
+    **Value checks.** Where eager raises on argument *values* (an ``nn.Embedding`` index
+    past the table, a ``gather`` index out of bounds, an integer division by zero), the
+    rules compute eager's check in the JAX program, as in the backend
+    (``lowering/checks.py``). A JAX program cannot raise from inside ``jax.jit``,
+    ``jax.vmap``, ``jax.grad`` or ``jax.lax.scan``, so, as with
+    ``jax.experimental.checkify``, the result of the checks is a value:
+    ``outputs, err = fn.checked(state, *args)`` (also ``fn.checked.with_state`` and
+    ``fn.checked.with_updates``, the same results with ``err`` last), ``err`` a
+    ``ValueCheckResult`` pytree that goes through every transformation like an output;
+    ``err.throw()`` outside them raises eager's exception type and message (the first
+    failing element of a vmapped or scanned result). ``fn`` itself stays pure: under a
+    transformation it computes no checks (out-of-range indices are clamped, as
+    everywhere in JAX), and called directly on arrays (no tracers) it checks and raises
+    eager's error before returning (``jax_function(..., checks=False)`` turns that off).
+
     **Tied weights.** Parameters that are one tensor under two names (GPT-2's
     ``lm_head.weight`` is ``transformer.wte.weight``) are one state entry, under the
     name ``model.named_parameters()`` gives it, so their gradient is the sum over both
@@ -257,8 +296,9 @@ class JaxFunction:
         mutated_buffers: the buffers (and parameters) the model updates in place, whose
             new values ``with_state`` returns.
         mutated_inputs: positions (among the flattened user inputs) of inputs the model
-            updates in place; JAX arrays are immutable, so those updates are not seen
-            by the caller (return the value from the model instead).
+            updates in place, whose new values ``with_updates`` returns.
+        checked: the same function returning its value checks as a value
+            (``fn.checked(state, *args) -> (outputs, ValueCheckResult)``).
         random_ops: the random ops that draw from ``key`` (empty: no key needed).
         callbacks: every op that runs in eager PyTorch through a host callback.
         graph_module: the annotated core ATen graph the function interprets.
@@ -272,8 +312,10 @@ class JaxFunction:
         callbacks: tuple[CallbackOp, ...],
         random_ops: tuple[str, ...],
         aliases: Mapping[str, str],
+        checks: bool = True,
     ) -> None:
         self.exported_program = ep
+        self.checks = checks
         self.graph_module = gm
         self.callbacks = callbacks
         self.random_ops = random_ops
@@ -336,22 +378,35 @@ class JaxFunction:
             if k in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION) and t
         )
         user_input_names = [s.arg.name for s in sig.input_specs if s.kind is InputKind.USER_INPUT]
+        # The user inputs' placeholder names, by position among the flattened inputs.
+        self._user_positions = {name: i for i, name in enumerate(user_input_names)}
         self.mutated_inputs = tuple(
-            user_input_names.index(t)
+            self._user_positions[t]
             for k, t in self._outputs
-            if k is OutputKind.USER_INPUT_MUTATION and t in user_input_names
+            if k is OutputKind.USER_INPUT_MUTATION and t in self._user_positions
         )
         self._in_spec = ep.call_spec.in_spec
         self._out_spec = ep.call_spec.out_spec
         self._range = dict(ep.range_constraints)
         self._warned = False
+        self._warned_inputs = False
         self.__name__ = "jax_function"
         self.__qualname__ = "jax_function"
 
     # -- public ------------------------------------------------------------------------
 
     def __call__(self, state: Mapping[str, Any], *args: Any, key: Any = None) -> Any:
-        """The model's outputs on ``args`` with ``state`` (buffer updates dropped)."""
+        """The model's outputs on ``args`` with ``state`` (buffer updates dropped).
+
+        Raises:
+            Exception: eager's exception (``IndexError``, ``RuntimeError``...) when a value
+                check fails in a direct call (no tracers; see the class docstring).
+        """
+        self._warn_buffers_dropped()
+        self._warn_inputs_dropped()
+        return self._run_checked(state, args, key).outputs
+
+    def _warn_buffers_dropped(self) -> None:
         if self.mutated_buffers and not self._warned:
             self._warned = True
             warnings.warn(
@@ -360,20 +415,57 @@ class JaxFunction:
                 "Use fn.with_state(state, ...) -> (outputs, new_state) to keep them (or "
                 "[0] of it to drop them on purpose), or export the model in eval mode.",
                 BufferUpdatesDiscardedWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        outputs, _ = self._run(state, args, key)
-        return outputs
 
     def with_state(
         self, state: Mapping[str, Any], *args: Any, key: Any = None
     ) -> tuple[Any, State]:
         """``(outputs, new_state)``: ``new_state`` has ``state``'s keys, the buffers the
         model updates (``mutated_buffers``) replaced by their new values."""
-        outputs, updates = self._run(state, args, key)
-        new_state = dict(state)
-        new_state.update(updates)
-        return outputs, new_state
+        self._warn_inputs_dropped()
+        run = self._run_checked(state, args, key)
+        return run.outputs, _new_state(state, run.updates)
+
+    def with_updates(
+        self, state: Mapping[str, Any], *args: Any, key: Any = None
+    ) -> tuple[Any, State, tuple[Any, ...]]:
+        """``(outputs, new_state, new_args)``: every update the model makes. ``new_args``
+        is ``args`` with the inputs the model updates in place (``mutated_inputs``)
+        replaced by their new values."""
+        run = self._run_checked(state, args, key)
+        return run.outputs, _new_state(state, run.updates), run.new_args
+
+    @property
+    def checked(self) -> CheckedJaxFunction:
+        """This function with its value checks as a value: ``fn.checked(state, *args)``
+        returns ``(outputs, err)``, ``fn.checked.with_state`` ``(outputs, new_state,
+        err)``, ``fn.checked.with_updates`` ``(outputs, new_state, new_args, err)``; call
+        ``err.throw()`` outside JAX transformations to raise eager's error."""
+        return CheckedJaxFunction(self)
+
+    def _warn_inputs_dropped(self) -> None:
+        if self.mutated_inputs and not self._warned_inputs:
+            self._warned_inputs = True
+            warnings.warn(
+                f"this model updates its inputs in place (positions {list(self.mutated_inputs)} "
+                "of the flattened arguments), and JAX arrays are immutable: fn(...) and "
+                "fn.with_state(...) drop the new values. Use fn.with_updates(state, ...) -> "
+                "(outputs, new_state, new_args) to get them.",
+                InputUpdatesDiscardedWarning,
+                stacklevel=3,
+            )
+
+    def _run_checked(self, state: Mapping[str, Any], args: tuple[Any, ...], key: Any) -> _Run:
+        """A run that raises eager's error for a failed value check, when the call is
+        direct (no tracer among its arguments) and checks are on."""
+        direct = self.checks and not any(
+            isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((dict(state), args, key))
+        )
+        run = self._run(state, args, key, check=direct)
+        if run.checked is not None:
+            run.checked.throw()
+        return run
 
     def split_state(self, state: Mapping[str, Any]) -> tuple[State, State]:
         """``(parameters, buffers)`` of a state dict: differentiate the first."""
@@ -413,8 +505,8 @@ class JaxFunction:
     # -- the trace ---------------------------------------------------------------------
 
     def _run(
-        self, state: Mapping[str, Any], args: tuple[Any, ...], key: Any
-    ) -> tuple[Any, dict[str, jax.Array]]:
+        self, state: Mapping[str, Any], args: tuple[Any, ...], key: Any, *, check: bool
+    ) -> _Run:
         if key is None and self.random_ops:
             first = self.random_ops[0]
             more = len(self.random_ops) - 1
@@ -452,15 +544,28 @@ class JaxFunction:
                 else:
                     values.append(_array(state[inp.name], inp.example, f"state['{inp.name}']"))
             self._check_ranges(sizes)
-            results = ExportInterpreter(self.graph_module, key, sizes).run(*values)
+            interpreter = ExportInterpreter(self.graph_module, key, sizes)
+            checked = None
+            if check:
+                with value_checks.collecting() as found:
+                    results = interpreter.run(*values)
+                checked = ValueCheckResult(found.result(), found.checks)
+            else:
+                results = interpreter.run(*values)
             user_outputs, updates = [], {}
+            new_leaves = list(leaves)
             for (kind, target), value in zip(self._outputs, results, strict=True):
                 if kind is OutputKind.USER_OUTPUT:
                     user_outputs.append(value)
                 elif kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION):
                     assert target is not None
                     updates[target] = value
-            return _unflatten(self._out_spec, iter(user_outputs)), updates
+                elif kind is OutputKind.USER_INPUT_MUTATION:
+                    assert target is not None
+                    new_leaves[self._user_positions[target]] = value
+            new_args, _ = pytree.tree_unflatten(new_leaves, spec)
+            outputs = _unflatten(self._out_spec, iter(user_outputs))
+            return _Run(outputs, updates, tuple(new_args), checked)
 
     def _check_state_keys(self, state: Mapping[str, Any]) -> None:
         names = set(self.parameter_names) | set(self.buffer_names)
@@ -508,6 +613,52 @@ class JaxFunction:
                     f"[{low}, {high}] torch.export allowed for it. Export with "
                     "dynamic_shapes whose Dim(min=..., max=...) include this size."
                 )
+
+
+class CheckedJaxFunction:
+    """A ``JaxFunction`` that returns its value checks as a value (``fn.checked``).
+
+    Each call returns the plain form's result with a ``ValueCheckResult`` last; it
+    never raises for a failed check, so it works under every JAX transformation.
+    """
+
+    def __init__(self, fn: JaxFunction) -> None:
+        self.fn = fn
+        self.__name__ = "jax_function_checked"
+        self.__qualname__ = "jax_function_checked"
+
+    def __call__(
+        self, state: Mapping[str, Any], *args: Any, key: Any = None
+    ) -> tuple[Any, ValueCheckResult]:
+        """``(outputs, err)``; drops buffer and input updates, warning once as ``fn``."""
+        self.fn._warn_buffers_dropped()
+        self.fn._warn_inputs_dropped()
+        run = self.fn._run(state, args, key, check=True)
+        assert run.checked is not None
+        return run.outputs, run.checked
+
+    def with_state(
+        self, state: Mapping[str, Any], *args: Any, key: Any = None
+    ) -> tuple[Any, State, ValueCheckResult]:
+        """``(outputs, new_state, err)``, as ``JaxFunction.with_state``."""
+        run = self.fn._run(state, args, key, check=True)
+        assert run.checked is not None
+        return run.outputs, _new_state(state, run.updates), run.checked
+
+    def with_updates(
+        self, state: Mapping[str, Any], *args: Any, key: Any = None
+    ) -> tuple[Any, State, tuple[Any, ...], ValueCheckResult]:
+        """``(outputs, new_state, new_args, err)``, as ``JaxFunction.with_updates``."""
+        run = self.fn._run(state, args, key, check=True)
+        assert run.checked is not None
+        return run.outputs, _new_state(state, run.updates), run.new_args, run.checked
+
+
+def _new_state(state: Mapping[str, Any], updates: Mapping[str, jax.Array]) -> State:
+    """``state`` with the updated entries replaced (same keys)."""
+    new_state = dict(state)
+    new_state.update(updates)
+    return new_state
 
 
 def _is_host_scalar(n: torch.fx.Node) -> bool:
@@ -607,6 +758,7 @@ def jax_function(
     dynamic_shapes: Any = None,
     strict: bool = False,
     fallback_ops: Iterable[str] = (),
+    checks: bool = True,
 ) -> tuple[JaxFunction, State]:
     """A torch model as a pure JAX function, and the model's state as a pytree.
 
@@ -629,6 +781,10 @@ def jax_function(
         fallback_ops: ops to run in eager PyTorch through host callbacks even where a
             JAX rule exists, as the backend's option of that name: ``"aten.sort"`` (all
             overloads) or ``"aten.sort.default"``. ``strict`` accepts these.
+        checks: whether a direct call of ``fn`` (arrays, no tracers) computes eager's
+            value checks and raises eager's error (an index out of range, an integer
+            division by zero). Under JAX transformations ``fn`` computes none either
+            way; ``fn.checked`` returns them as a value (``err.throw()`` raises).
 
     Returns:
         ``(fn, state)``: the ``JaxFunction`` (``fn(state, *args, key=None)``; see its
@@ -664,7 +820,7 @@ def jax_function(
     if strict and unwanted:
         raise CallbackOpsError(unwanted)
     callbacks = tuple(CallbackOp.from_verdict(v, _differentiable(nodes[v.node])) for v in refused)
-    fn = JaxFunction(ep, gm, callbacks, _random_ops(gm), _tied_names(module_or_fn))
+    fn = JaxFunction(ep, gm, callbacks, _random_ops(gm), _tied_names(module_or_fn), checks)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", _TRUNCATION_WARNING, UserWarning)
         state = {name: _state_array(ep, name) for name in (*fn.parameter_names, *fn.buffer_names)}
