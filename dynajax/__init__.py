@@ -16,6 +16,7 @@ from dynajax.extending import RuleOverrideWarning, register_rule, unregister_rul
 from dynajax.interop import JaxFunction, jax_function
 from dynajax.interop.call_jax import call_jax
 from dynajax.lowering.registry import supported_ops
+from dynajax.passes.user import Rewrite, RewriteRecord
 from dynajax.sharding import ShardingRules
 from dynajax.stablehlo import ExportedModel, export
 
@@ -32,6 +33,8 @@ __all__ = [
     "Reason",
     "RuleOverrideWarning",
     "Report",
+    "Rewrite",
+    "RewriteRecord",
     "ShardingError",
     "ShardingRules",
     "Supported",

@@ -16,6 +16,7 @@ import jax
 import torch
 
 from dynajax.errors import OptionsError
+from dynajax.passes.user import Rewrite, normalize_passes
 from dynajax.sharding.rules import ShardingRules
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -82,6 +83,20 @@ class Options:
             match wins; unmatched: replicated). None: everything replicated, inputs
             split along dim 0 over the mesh's ``"data"`` axis if it has one (data
             parallelism). Needs ``mesh``.
+        passes: the user's graph passes, by the stage they run at:
+            ``{"pre_aot": [...], "post_aot": [...], "post_passes": [...]}`` (each a
+            ``torch.fx`` ``PassBase`` or a function of a ``GraphModule``; a single pass
+            may stand alone). ``pre_aot``: Dynamo's torch-level graph, before
+            aot_autograd; ``post_aot``: each ATen graph (inference, forward, backward)
+            before dynajax's passes; ``post_passes``: after them, before the capability
+            stage. The ATen stages run in dynajax's own ``PassManager``
+            (``dynajax/passes/user.py``). No environment variable.
+        rewrites: pattern rewrites applied to Dynamo's torch-level graph before the
+            ``pre_aot`` passes: ``dynajax.Rewrite(pattern, replacement, ...)`` objects or
+            ``(pattern, replacement)`` pairs of functions (the pattern matched by
+            torch.fx's ``SubgraphMatcher``; the replacement traced per match and may call
+            ``dynajax.call_jax``). The report lists each rewrite with its matches and
+            their source lines. No environment variable.
     """
 
     min_block_size: int = 1
@@ -95,6 +110,8 @@ class Options:
     device: Any = None
     mesh: Any = None
     sharding: Any = None
+    passes: Any = ()
+    rewrites: Any = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.min_block_size, bool) or not isinstance(self.min_block_size, int):
@@ -143,6 +160,14 @@ class Options:
                 "sharding rules need a mesh to lay tensors out on: pass mesh=jax.sharding."
                 "Mesh(...) as well (or drop sharding)."
             )
+        try:
+            object.__setattr__(self, "passes", normalize_passes(self.passes))
+            rewrites = self.rewrites
+            if isinstance(rewrites, Rewrite) or callable(rewrites):
+                rewrites = [rewrites]
+            object.__setattr__(self, "rewrites", tuple(Rewrite.coerce(r) for r in rewrites))
+        except (TypeError, ValueError) as e:  # the validators' own refusals
+            raise OptionsError(str(e)) from None
         if self.mesh is not None:
             rules = ShardingRules.coerce(self.sharding)
             rules.validate(self.mesh)

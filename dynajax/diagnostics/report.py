@@ -13,6 +13,7 @@ import torch.fx
 from dynajax.capability import Reason, Unsupported, verdict_of
 from dynajax.diagnostics.whatif import WhatIf, current_partitions, rank, what_if
 from dynajax.partition import PREFIX, PartitionModule, compute_op_count
+from dynajax.passes.user import RewriteRecord
 from dynajax.runtime.cache import CompileStats, stats_of
 from dynajax.sharding.report import GraphSharding
 
@@ -50,6 +51,9 @@ class GraphReport:
             mesh, each parameter's and buffer's spec, and the bytes each device holds,
             measured from the placed arrays when the report is read; None without a
             placement.
+        rewrites: what the user's rewrites (option ``rewrites``) did to the Dynamo
+            graph this graph came from: each pattern, its matches and their source
+            lines (on the inference or forward graph; a backward graph repeats none).
     """
 
     kind: str
@@ -63,6 +67,7 @@ class GraphReport:
     min_block_size: int = 1
     compile_stats: CompileStats | None = None
     sharding: GraphSharding | None = None
+    rewrites: list[RewriteRecord] = dataclasses.field(default_factory=list)
 
     @property
     def jax_ops(self) -> int:
@@ -91,6 +96,10 @@ class GraphReport:
             f"{len(self.partitions)} JAX partition(s), {len(self.fallbacks)} op(s) in "
             f"PyTorch{host}"
         ]
+        if self.rewrites:
+            out.append("  rewrites (option rewrites, on Dynamo's graph before aot_autograd):")
+            for r in self.rewrites:
+                out.extend(r.lines("    "))
         for p in self.partitions:
             top = ", ".join(
                 f"{k.removeprefix('aten.')} x{n}"
