@@ -30,6 +30,7 @@ from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
 from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitched_callable
 from dynajax.passes import run_passes
+from dynajax.passes.user import RewriteRecord, apply_rewrites, passes_at, run_pass_list
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import compile_partition
 from dynajax.sharding import GraphSharding, Placement, StateName, dynamo_input_names
@@ -90,6 +91,11 @@ class Backend:
                 'or torch.compile(m, backend="dynajax", options={...}).'
             )
         compile_aten_graph: Callable[..., Any] = self.compile_aten_graph
+        # The user's rewrites and pre_aot passes change Dynamo's torch-level graph.
+        rewrites = apply_rewrites(gm, self.options.rewrites)
+        gm = run_pass_list(gm, passes_at(self.options.passes, "pre_aot"))
+        if rewrites:
+            compile_aten_graph = functools.partial(compile_aten_graph, rewrites=rewrites)
         if self.placement is not None:
             # Parameter and buffer names, by Dynamo input, for the sharding rules.
             names = dynamo_input_names(gm)
@@ -103,13 +109,19 @@ class Backend:
         *,
         kind: str,
         input_names: Sequence[StateName | None] = (),
+        rewrites: Sequence[RewriteRecord] = (),
     ) -> Callable[..., Any]:
         """Compiles one ATen graph: JAX partitions for what JAX can run, eager for the rest.
 
         ``input_names``: the parameter or buffer each input of Dynamo's graph is (None
-        for other inputs), which the sharding rules match.
+        for other inputs), which the sharding rules match. ``rewrites``: what the
+        user's rewrites did to Dynamo's graph (shown by the forward's report).
         """
-        gm = run_passes(gm)
+        gm = run_passes(
+            gm,
+            before=passes_at(self.options.passes, "post_aot"),
+            after=passes_at(self.options.passes, "post_passes"),
+        )
         checker = CapabilityChecker(self.options.fallback_ops)
         refused = checker.annotate(gm)
         if self.options.strict:
@@ -161,6 +173,8 @@ class Backend:
             )
             report.compile_stats = stats
             report.sharding = sharding
+            if kind != "backward":  # (the forward's report shows its Dynamo graph's rewrites)
+                report.rewrites = list(rewrites)
             self.graphs.append(report)
         log_fallbacks_once(report.fallbacks)
         trace_artifact(report.__str__)
