@@ -52,7 +52,8 @@ import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._dynamo import convert_frame as _convert_frame
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from dynajax.capability.eager_kernel import eager_refusal
 
@@ -187,6 +188,39 @@ def _tracing_decompositions() -> dict[Any, Callable[..., Any]]:
     return {op: _unless_eager_refuses(op, fn) for op, fn in decompositions().items()}
 
 
+def _partition_without_reading_mutated_inputs(
+    joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """The min-cut partition, unless its backward reads an input the forward mutates.
+
+    The min-cut partitioner may recompute a value in the backward from a graph input
+    (``sinc(x0)`` from ``x0``). When the program mutates that input in place (``x0.neg_()``
+    after ``sinc``), aot_autograd saves the input itself, the mutation is applied to it
+    after the forward, and the backward would read the new value; autograd's version
+    counter catches it and backward raises "one of the variables needed for gradient
+    computation has been modified by an inplace operation" where eager does not. (PyTorch's
+    own ``aot_eager_decomp_partition`` fails the same way.) Such a graph is split by the
+    default partitioner, which saves what the forward computed, as eager's autograd does.
+    The joint graph's output descriptors name the mutated inputs."""
+    fw, bw = min_cut_rematerialization_partition(
+        joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
+    )
+    output = next(iter(joint.graph.find_nodes(op="output")))
+    mutated = [
+        d.mutated_input
+        for d in output.meta.get("desc") or ()
+        if isinstance(d, InputMutationAOTOutput)
+    ]
+    if not mutated:
+        return fw, bw
+    names = {
+        n.name for n in joint.graph.find_nodes(op="placeholder") if n.meta.get("desc") in mutated
+    }
+    if not any(n.name in names for n in bw.graph.find_nodes(op="placeholder")):
+        return fw, bw
+    return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+
 # compile_aten_graph(gm, example_inputs, kind=...) -> the compiled callable
 GraphCompiler = Callable[..., Callable[..., Any]]
 
@@ -231,6 +265,8 @@ def aot_compile(
         # transposes, pointwise masks) are recomputed inside the backward's JAX
         # partition instead of being materialized and saved by the forward. Random
         # ops are never recomputed, so the backward reuses the forward's dropout mask.
-        partition_fn=min_cut_rematerialization_partition,
+        # An input mutated in place is never read by the backward
+        # (_partition_without_reading_mutated_inputs).
+        partition_fn=_partition_without_reading_mutated_inputs,
     )
     return compiler(gm, example_inputs)

@@ -18,6 +18,15 @@ from tests.helpers import compare_with_eager
 NAN, INF = float("nan"), float("inf")
 
 
+def _compare_with_eager_and_signed_zeros(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> None:
+    """``compare_with_eager``, and the sign of every zero (and non-NaN) eager's too."""
+    compare_with_eager(fn, x)
+    actual = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(x)
+    expected = fn(x)
+    same_sign = expected.isnan() | (actual.signbit() == expected.signbit())
+    assert bool(same_sign.all()), f"signs differ: {actual} vs eager {expected}"
+
+
 def _assert_raises_like_eager(fn: Callable[..., Any], *args: Any) -> None:
     """Eager raises; the compiled function raises an exception of the same type."""
     with pytest.raises(Exception) as eager:
@@ -27,44 +36,32 @@ def _assert_raises_like_eager(fn: Callable[..., Any], *args: Any) -> None:
         compiled(*args)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aten.exp2 is jnp.exp2 in the input's dtype (_float_unary): for bfloat16 JAX "
-    "computes exp(x * ln2) with the product rounded to bfloat16 (no excess precision), "
-    "so exp2(10) is 1000, not 1024; eager computes in float32 and rounds once. "
-    "float16 is 14x less accurate than eager but within the table.",
-)
+# Was: aten.exp2 was jnp.exp2 in the input's dtype; for bfloat16 XLA computes
+# exp(x * ln2) with the product rounded to bfloat16, so exp2(10) was 1000, not 1024.
+# Eager computes half types in float32 and rounds once, as the rule now does.
 def test_exp2_bfloat16() -> None:
     x = torch.tensor([10.0, 14.6875, 3.3, -7.3], dtype=torch.bfloat16)
     compare_with_eager(lambda t: torch.exp2(t), x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the _softmax/_log_softmax rules return ones/zeros for a 0-dim input whatever "
-    "its value; eager computes exp(x - x) and x - x, NaN for NaN and +-inf.",
-)
+# Was: the _softmax/_log_softmax rules returned ones/zeros for a 0-dim input whatever
+# its value; eager computes exp(x - x) and x - x, NaN for NaN and +-inf.
 @pytest.mark.parametrize("fn", [torch.softmax, torch.log_softmax], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("value", [NAN, INF, -INF], ids=str)
 def test_softmax_of_a_nonfinite_scalar(fn: Callable[..., torch.Tensor], value: float) -> None:
     compare_with_eager(lambda t: fn(t, 0), torch.tensor(value))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aten.sign/aten.sgn lower to jnp.sign, which keeps NaN; PyTorch's CPU kernel "
-    "computes (0 < x) - (x < 0), 0 for NaN. Also the gradient of abs (abs_backward is "
-    "grad * sgn(x)): eager's is 0 at NaN, dynajax's NaN.",
-)
-def test_sign_of_nan() -> None:
-    compare_with_eager(lambda t: (torch.sign(t), torch.sgn(t)), torch.tensor([NAN, 1.5, -2.0]))
+# Was: aten.sign/aten.sgn lowered to jnp.sign, which keeps NaN (and -0.); PyTorch's CPU
+# kernel computes (0 < x) - (x < 0), 0 for NaN.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_sign_of_nan(dtype: torch.dtype) -> None:
+    x = torch.tensor([NAN, 1.5, -2.0, -0.0, 0.0, -INF], dtype=dtype)
+    compare_with_eager(lambda t: torch.sgn(t), x)
+    _compare_with_eager_and_signed_zeros(lambda t: torch.sign(t), x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the same cause: the gradient of abs at a NaN (sgn(NaN) is NaN in dynajax, 0 "
-    "in eager), here through a matmul that spreads it to every input gradient.",
-)
+# Was the same cause: the gradient of abs (abs_backward is grad * sgn(x)) at a NaN.
 def test_abs_gradient_at_nan() -> None:
     x = torch.tensor([NAN, 1.5, -2.0], requires_grad=True)
     y = x.detach().clone().requires_grad_()
@@ -74,53 +71,67 @@ def test_abs_gradient_at_nan() -> None:
     torch.testing.assert_close(actual, expected, equal_nan=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a product with a bool converted to float is 0 where the other factor is inf "
-    "or NaN (eager: 0 * inf = NaN): XLA's algebraic simplifier rewrites x * convert(pred) "
-    "into select(pred, x, 0), which is not IEEE-exact (plain jax.jit does the same). "
-    "mul in float32/float64 (half precision multiplies in float32 and escapes), addcmul "
-    "in every floating dtype (inf + 0 where eager has inf + NaN)",
-)
+# Was: a product with a bool converted to float was 0 where the other factor is inf
+# or NaN (eager: 0 * inf = NaN): XLA's algebraic simplifier rewrites x * convert(pred)
+# into select(pred, x, 0). Bools now become floats through a select (dtypes.as_dtype).
 @pytest.mark.parametrize(
     "fn, dtype",
     [
         (lambda b, x: b * x, torch.float32),
+        (lambda b, x: b * x, torch.float64),
+        (lambda b, x: b * x, torch.float16),
+        (lambda b, x: x * b.to(x.dtype), torch.float32),
         (lambda b, x: torch.addcmul(x, b, x), torch.bfloat16),
+        (lambda b, x: torch.addcmul(x, b, x), torch.float32),
     ],
-    ids=["mul-float32", "addcmul-bfloat16"],
+    ids=[
+        "mul-float32",
+        "mul-float64",
+        "mul-float16",
+        "to-then-mul-float32",
+        "addcmul-bfloat16",
+        "addcmul-float32",
+    ],
 )
 def test_product_with_a_bool_of_inf(fn: Callable[..., torch.Tensor], dtype: torch.dtype) -> None:
     b = torch.tensor([False, True, False])
     compare_with_eager(fn, b, torch.tensor([INF, NAN, -INF], dtype=dtype))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pow(x, 0.5) lowers to jnp.power, whose C pow semantics give pow(-inf, 0.5) = inf "
-    "and pow(-0., 0.5) = 0.; eager's kernel computes sqrt for exponent 0.5 (NaN, -0.)",
+# Was: pow(x, +-0.5) lowered to jnp.power, whose C pow semantics give pow(-inf, 0.5) =
+# inf and pow(-0., 0.5) = 0.; eager's kernel computes sqrt (NaN, -0.) and rsqrt for
+# float32, float64 and bfloat16 (float16 goes through std::pow, as jnp.power does).
+@pytest.mark.parametrize("exponent", [0.5, -0.5], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str
 )
-def test_pow_half_of_special_values() -> None:
-    compare_with_eager(lambda t: torch.pow(t, 0.5), torch.tensor([-INF, INF, 4.0]))
+def test_pow_half_of_special_values(exponent: float, dtype: torch.dtype) -> None:
+    x = torch.tensor([-INF, INF, 4.0, -0.0, 0.0, NAN, -4.0], dtype=dtype)
+    _compare_with_eager_and_signed_zeros(lambda t: torch.pow(t, exponent), x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="integer pow with an int64 exponent of 2**32 or more uses only the exponent's "
-    "low 32 bits (jnp.power's square-and-multiply loop): 3 ** (2**40 + 1) gives 3; eager "
-    "wraps modulo 2**64 like any int64 product",
-)
+# Was: integer pow used jnp.power, whose square-and-multiply loop stops after 6 bits
+# of the exponent (3 ** (2**40 + 1) gave 3, 2 ** 64 gave 1); eager wraps modulo 2**64.
 def test_int64_pow_with_a_huge_exponent() -> None:
     compare_with_eager(
-        lambda b, e: torch.pow(b, e), torch.tensor([3, -2, 5]), torch.tensor([2**40 + 1] * 3)
+        lambda b, e: torch.pow(b, e),
+        torch.tensor([3, -2, 5, 2, 3, -3, 1, -1, 0, 7]),
+        torch.tensor([2**40 + 1] * 3 + [64, 64, 65, 2**40, 2**40 + 1, 0, -3]),
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the backward of amax/amin over a slice that holds a NaN: eager's grad * (x == "
-    "result) / count is 0 / 0 = NaN for every element, dynajax's is 0",
-)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32], ids=str)
+def test_narrow_integer_pow_wraps(dtype: torch.dtype) -> None:
+    compare_with_eager(
+        lambda b, e: torch.pow(b, e),
+        torch.tensor([2, 3, 5, 1], dtype=dtype),
+        torch.tensor([8, 100, 127, 9], dtype=dtype),
+    )
+
+
+# Was: the backward of amax/amin over a slice holding a NaN: eager's grad * (x ==
+# result) / count is 0 / 0 = NaN for every element, dynajax's was 0 (the product with
+# the bool mask, the same XLA rewrite as above).
 @pytest.mark.parametrize("fn", [torch.amax, torch.amin], ids=lambda f: f.__name__)
 def test_amax_gradient_with_nan(fn: Callable[..., torch.Tensor]) -> None:
     x = torch.tensor([1.0, NAN, 3.0], requires_grad=True)
@@ -131,15 +142,13 @@ def test_amax_gradient_with_nan(fn: Callable[..., torch.Tensor]) -> None:
     torch.testing.assert_close(actual, expected, equal_nan=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="backward raises 'one of the variables needed for gradient computation has been "
-    "modified by an inplace operation': on the core-ATen-decomposed graph (sinc is cheap "
-    "pointwise ops), the min-cut partitioner recomputes sinc(x0) in the backward from x0, "
-    "an input the forward mutates (x0.neg_()); aot_autograd saves x0 itself, whose "
-    "version the mutation bumps. aot_autograd with the same partitioner and dynajax's "
-    "decompositions fails the same way; without the decompositions it saves sinc(x0)",
-)
+# Was: backward raised 'one of the variables needed for gradient computation has been
+# modified by an inplace operation': on the core-ATen-decomposed graph (sinc is cheap
+# pointwise ops) the min-cut partitioner recomputed sinc(x0) in the backward from x0, an
+# input the forward mutates (x0.neg_()), so aot_autograd saved x0 itself, whose version
+# the mutation bumps. PyTorch's aot_eager_decomp_partition fails the same way; dynajax
+# now splits such a graph with the default partitioner
+# (aot._partition_without_reading_mutated_inputs).
 def test_backward_after_mutating_an_input_the_backward_recomputes_from() -> None:
     def f(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
         v0 = torch.sinc(x0)
@@ -149,18 +158,16 @@ def test_backward_after_mutating_an_input_the_backward_recomputes_from() -> None
     x0, x1 = torch.tensor(0.7), torch.tensor(300.0, requires_grad=True)
     out = torch.compile(f, backend=dynajax.Backend(cache_dir=""))(x0, x1)
     (grad,) = torch.autograd.grad(out, x1)
-    (expected,) = torch.autograd.grad(f(torch.tensor(0.7), x1), x1)
+    x0_eager = torch.tensor(0.7)
+    (expected,) = torch.autograd.grad(f(x0_eager, x1), x1)
     torch.testing.assert_close(grad, expected)
+    torch.testing.assert_close(x0, x0_eager)  # the mutation reached the input
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dynajax's value checks raise RuntimeError('index 5 is out of bounds for "
-    "dimension 0 with size 3'): index_add's entry in lowering/checks.py _ORIGINS, or "
-    "index_put's for a 0-dim self (decomposed to index_put); eager's index_add raises "
-    "IndexError('index out of range in self') when self has 0 or 1 dims (RuntimeError "
-    "from 2 dims on)",
-)
+# Was: dynajax's value checks raised RuntimeError('index 5 is out of bounds for dimension
+# 0 with size 3'), index_add's error for a self of 2 dims or more; eager's index_add
+# raises IndexError('index out of range in self') when self has 0 or 1 dims
+# (lowering/checks.py: Origin.vector).
 @pytest.mark.parametrize("shape", [(), (3,)], ids=str)
 def test_index_add_out_of_range_on_a_vector(shape: tuple[int, ...]) -> None:
     src = torch.ones(()) if not shape else torch.ones(1)

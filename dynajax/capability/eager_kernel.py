@@ -10,20 +10,20 @@ computes a value for those dtypes where eager raises. Such a node must run in ea
 PyTorch, which then raises its own error.
 
 No table of dtypes is kept (it would drift from the kernels): the kernel is asked. The
-probe calls the op on real CPU tensors with the node's dtypes and ranks, every size
-shrunk to 1 (0 stays 0), so it costs one call on one element, cached per signature:
+probe calls the op on real CPU tensors of zeros with the node's dtypes and ranks, every
+size shrunk to 1 (0 stays 0), so it costs one call on one element, cached per signature:
 
-    eager kernel on zeros  -> succeeds                   accepted
-                           -> raises NotImplementedError refused (a dispatch macro or
-                                                         no kernel at all: any values)
-                           -> raises anything else:
-    meta kernel            -> raises                     accepted (the shrunk sizes do
-                                                         not fit the op's size arguments;
-                                                         the node's own sizes do)
-    eager kernel on ones   -> raises too                 refused (the error is not the
-                                                         values': a division by zero
-                                                         passes on ones, an index of 1
-                                                         into a size-1 dim on zeros)
+    eager kernel -> succeeds                       accepted
+                 -> raises NotImplementedError     refused (a dispatch macro's "not
+                                                   implemented for", or no CPU kernel)
+                 -> raises anything else, and
+                    the same call with its bool
+                    tensors as uint8 succeeds      refused (a hand-written check of
+                                                   bool: relu, sub, argmin)
+                 -> otherwise                      accepted (the error is the shrunk
+                                                   sizes' or the values': a meta kernel
+                                                   that checks fewer sizes than its CPU
+                                                   kernel, convolution_backward's)
 
 Ops outside the ``aten`` namespace are not probed (a custom op may have effects),
 nor calls without tensor arguments. Seeded random ops run under ``fork_rng``, so the
@@ -34,17 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.fx
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
-
-# Values of the probe's tensors, in order: zeros first (valid indices into any dim of
-# size 1), then ones (valid divisors, probabilities that sum to more than 0).
-_FILLS = (0, 1)
 
 # The exception types PyTorch's C++ errors become in Python (c10::Error and its
 # subclasses; NotImplementedError is apart: it always means refused).
@@ -111,37 +106,31 @@ def _hashable(value: Any) -> Any:
 
 @functools.lru_cache(maxsize=4096)
 def _probe(op: torch._ops.OpOverload, signature: tuple[Any, ...], spec: Any) -> str | None:
-    def call(make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+    def call(bool_as: torch.dtype) -> None:
         leaves = [
-            make(s.shape, s.dtype) if isinstance(s, _TensorSpec) else _unhashable(s)
+            torch.zeros(s.shape, dtype=bool_as if s.dtype == torch.bool else s.dtype)
+            if isinstance(s, _TensorSpec)
+            else _unhashable(s)
             for s in signature
         ]
         args, kwargs = tree_unflatten(leaves, spec)
         op(*args, **kwargs)
 
-    def filled(fill: int) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
-        return lambda shape, dtype: torch.full(shape, fill, dtype=dtype)
-
-    def meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device="meta")
-
     with _disable_current_modes(), torch.no_grad(), _keep_rng(op):
         try:
-            call(filled(_FILLS[0]))
+            call(torch.bool)
             return None
         except NotImplementedError as e:
             return _describe(e)
-        except _EAGER_ERRORS as first:
-            error: Exception = first
+        except _EAGER_ERRORS as e:
+            error: Exception = e
+        if not any(isinstance(s, _TensorSpec) and s.dtype == torch.bool for s in signature):
+            return None  # not a dtype's error: the shrunk sizes, or a value
         try:
-            call(meta)
+            call(torch.uint8)
         except (*_EAGER_ERRORS, NotImplementedError):
-            return None  # the shrunk sizes do not fit the op's size arguments
-        try:
-            call(filled(_FILLS[1]))
-        except _EAGER_ERRORS:
-            return _describe(error)  # raised for zeros and for ones: not the values'
-        return None
+            return None  # raised whatever the dtype
+        return _describe(error)
 
 
 def _unhashable(s: Any) -> Any:

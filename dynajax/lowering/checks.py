@@ -89,11 +89,14 @@ class Origin:
         message: eager's message; fields ``value``, ``size`` and those the checking
             rule passes (``dim``, ``axis``).
         negative: whether eager's kernel accepts indices in ``[-size, 0)``.
+        vector: eager's error instead when the indexed tensor has at most one dim
+            (``index_add`` of a 0- or 1-dim self takes another path of its kernel).
     """
 
     error: type[Exception]
     message: str
     negative: bool
+    vector: Origin | None = None
 
 
 _TARGET_OUT_OF_BOUNDS = Origin(IndexError, "Target {value} is out of bounds.", False)
@@ -109,7 +112,10 @@ _ORIGINS: dict[Any, Origin | None] = {
         True,
     ),
     aten.index_add.default: Origin(
-        RuntimeError, "index {value} is out of bounds for dimension {axis} with size {size}", False
+        RuntimeError,
+        "index {value} is out of bounds for dimension {axis} with size {size}",
+        False,
+        vector=Origin(IndexError, "index out of range in self", False),
     ),
     aten.index_copy.default: Origin(
         IndexError,
@@ -280,6 +286,7 @@ def fail_if_out_of_bounds(
     /,
     *,
     negative: bool,
+    rank: int | None = None,
     **payload: Any,
 ) -> None:
     """``fail_if`` for indices outside their range, reported as eager reports them.
@@ -293,6 +300,8 @@ def fail_if_out_of_bounds(
         error, message: eager's error for the op itself; the template sees ``value``
             (the failing index), ``size`` and the names of ``payload``.
         negative: whether the op accepts indices in ``[-size, 0)`` (Python wraps).
+        rank: the number of dims of the indexed tensor, for origins whose error
+            depends on it (``Origin.vector``).
         **payload: more message fields (``dim``, ``axis``).
     """
     collector = _ACTIVE.get()
@@ -302,6 +311,8 @@ def fail_if_out_of_bounds(
         origin = ORIGINS[collector.origin]
         if origin is None:
             return
+        if origin.vector is not None and rank is not None and rank <= 1:
+            origin = origin.vector
         error, message, negative = origin.error, origin.message, origin.negative
     fail_if(
         out_of_bounds(index, size, negative=negative),

@@ -133,10 +133,19 @@ def float_result_type(*args: Any) -> np.dtype:
 
 
 def as_dtype(x: Any, dtype: Any) -> jax.Array:
-    """``x`` (array or scalar) as a JAX array of ``dtype``; no-op when already so."""
+    """``x`` (array or scalar) as a JAX array of ``dtype``; no-op when already so.
+
+    A bool array becomes a floating one through a select, not a convert: XLA's
+    algebraic simplifier rewrites ``A * convert(pred)`` into ``select(pred, A, 0)``,
+    which is 0 where A is inf or NaN (eager's ``inf * 0.`` is NaN); it leaves
+    ``A * select(pred, 1, 0)`` a multiply."""
     if isinstance(x, bool | int | float | complex):
         return jnp.asarray(x, dtype=dtype)
-    return x if x.dtype == dtype else x.astype(dtype)
+    if x.dtype == dtype:
+        return x
+    if x.dtype == np.bool_ and (is_floating(dtype) or is_complex(dtype)):
+        return jnp.where(x, jnp.ones((), dtype), jnp.zeros((), dtype))
+    return x.astype(dtype)
 
 
 def promote(*args: Any, dtype: Any = None) -> list[jax.Array]:

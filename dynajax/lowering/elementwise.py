@@ -52,6 +52,14 @@ def _rsqrt(x):
     return jax.lax.rsqrt(x)
 
 
+def _exp2(x):
+    # PyTorch computes half types in float32 and rounds once; XLA's exp2 of bfloat16 is
+    # exp(x * ln2) with the product rounded to bfloat16 (exp2(10) = 1000, not 1024).
+    if x.dtype in (np.float16, jnp.bfloat16):
+        return jnp.exp2(x.astype(np.float32)).astype(x.dtype)
+    return jnp.exp2(x)
+
+
 def _digamma(x):
     # PyTorch: digamma(+-0) = -+inf (jax gives NaN); NaN at negative integers as jax.
     return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), jax.scipy.special.digamma(x))
@@ -80,7 +88,7 @@ lower(aten.asinh.default)(_float_unary(jnp.arcsinh))
 lower(aten.acosh.default)(_float_unary(jnp.arccosh))
 lower(aten.atanh.default)(_float_unary(jnp.arctanh))
 lower(aten.exp.default)(_float_unary(jnp.exp))
-lower(aten.exp2.default)(_float_unary(jnp.exp2))
+lower(aten.exp2.default)(_float_unary(_exp2))
 lower(aten.expm1.default)(_float_unary(jnp.expm1))
 lower(aten.log.default)(_float_unary(jnp.log))
 lower(aten.log2.default)(_float_unary(jnp.log2))
@@ -114,7 +122,12 @@ def _abs(x):
 
 @lower(aten.sign.default)
 def _sign(x):
-    return x if x.dtype == np.bool_ else jnp.sign(x)  # sign of a bool is itself
+    if x.dtype == np.bool_:
+        return x  # sign of a bool is itself
+    if is_floating(x.dtype):
+        # Eager's kernel: (0 < x) - (x < 0), so 0 for NaN and +0 for -0 (jnp.sign: NaN, -0).
+        return (0 < x).astype(x.dtype) - (x < 0).astype(x.dtype)
+    return jnp.sign(x)
 
 
 @lower(aten.sgn.default)
@@ -370,9 +383,20 @@ def _pow_check(x, exponent):
     return None
 
 
+# The dtypes for which eager's pow(x, 0.5) and pow(x, -0.5) are its sqrt and rsqrt
+# kernels (pow_tensor_scalar_kernel, PowKernel.cpp); float16 goes through std::pow.
+_POW_AS_ROOT = (np.float32, np.float64, jnp.bfloat16, np.complex64, np.complex128)
+
+
 @lower(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, check=_pow_check)
 def _pow(x, exponent):
     dt = result_type(x, exponent)
+    if isinstance(exponent, float) and exponent in (0.5, -0.5) and dt in _POW_AS_ROOT:
+        # sqrt and rsqrt differ from pow at -inf (NaN, not inf) and -0. (-0. and -inf).
+        v = as_dtype(x, dt)
+        if exponent > 0:
+            return jnp.sqrt(v)
+        return 1 / jnp.sqrt(v) if is_complex(dt) else _rsqrt(v)
     if isinstance(exponent, int) and not is_complex(dt):
         if exponent == 2:
             return as_dtype(x, dt) * as_dtype(x, dt)
@@ -385,10 +409,23 @@ def _pow(x, exponent):
 def _int_pow(a, b):
     # PyTorch's integer pow with a negative exponent is 1 / a**-b truncated: 1 for a == 1,
     # +-1 for a == -1, else 0. XLA's integer power leaves it undefined.
-    pos = jnp.power(a, jnp.maximum(b, 0))
+    pos = _powi(a, jnp.maximum(b, 0))
     minus_one = jnp.where(b % 2 == 0, 1, -1).astype(a.dtype)
     neg = jnp.where(a == 1, 1, jnp.where(a == -1, minus_one, 0)).astype(a.dtype)
     return jnp.where(b < 0, neg, pos)
+
+
+def _powi(a, b):
+    """``a ** b`` for integers ``b >= 0``, wrapping as eager's ``powi``: square and
+    multiply over every bit of ``b``. jnp.power stops after 6 bits of the exponent (a
+    larger power overflows), but eager's products wrap: 3 ** 64 is a nonzero int64 and
+    2 ** 64 is 0, where jnp.power gives 1 for both."""
+    acc = jnp.ones_like(a)
+    for _ in range(np.iinfo(b.dtype).bits):
+        acc = jnp.where((b & 1) == 1, acc * a, acc)
+        a = a * a
+        b = jax.lax.shift_right_logical(b, jnp.ones_like(b))
+    return acc
 
 
 @lower(aten.pow.Scalar)
@@ -552,7 +589,7 @@ def _to_copy(
         x = jnp.trunc(x)
         if np.dtype(dtype).itemsize < 4:
             x = x.astype(np.int32)
-    return x.astype(dtype)
+    return as_dtype(x, dtype)  # bool -> float as a select (see as_dtype)
 
 
 @lower(prims.convert_element_type.default)

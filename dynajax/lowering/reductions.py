@@ -234,7 +234,9 @@ def _cumprod(x, dim, *, dtype=None):
 def _softmax(x, dim, half_to_float):
     out_dtype = np.float32 if half_to_float else x.dtype
     if x.ndim == 0:
-        return jnp.ones((), out_dtype)
+        # Eager's one-element softmax: exp(x - max) / 1, NaN for NaN and +-inf.
+        x = x.astype(out_dtype)
+        return jnp.exp(x - x)
     return jax.nn.softmax(x.astype(out_dtype), axis=dim % x.ndim)
 
 
@@ -242,7 +244,9 @@ def _softmax(x, dim, half_to_float):
 def _log_softmax(x, dim, half_to_float):
     out_dtype = np.float32 if half_to_float else x.dtype
     if x.ndim == 0:
-        return jnp.zeros((), out_dtype)
+        # Eager's one-element log_softmax: x - max - log(1), NaN for NaN and +-inf.
+        x = x.astype(out_dtype)
+        return x - x
     return jax.nn.log_softmax(x.astype(out_dtype), axis=dim % x.ndim)
 
 

@@ -271,21 +271,37 @@ def test_a_decomposition_steps_aside_where_eager_refuses() -> None:
     assert (fb.target, fb.reason) == ("aten.softplus.default", Reason.EAGER_REFUSES)
 
 
+# grad, input, weight, bias sizes, stride, padding, dilation, transposed, output
+# padding, groups, output mask: conv2d of (2, 8, 2, 2) by (8, 8, 3, 3), padding 1.
+_CONV_BACKWARD = (
+    *(torch.ones(2, 8, 2, 2), torch.ones(2, 8, 2, 2), torch.ones(8, 8, 3, 3)),
+    *([8], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]),
+)
+
+
 @pytest.mark.parametrize(
     "op, args, refused",
     [
         (aten.relu.default, (torch.ones(3, dtype=torch.bool),), "Boolean inputs"),
         (aten.mm.default, (torch.ones(2, 3, dtype=torch.bool),) * 2, "addmm_impl_cpu_"),
         (aten.relu.default, (torch.ones(3),), None),
-        # The probe's one-element tensors do not fit the sizes: a question of sizes
-        # (the meta kernel raises too), not of dtypes.
+        (aten.sub.Tensor, (torch.ones(3, dtype=torch.bool), 1), "Subtraction"),
+        # The probe's one-element tensors do not fit the sizes: a question of sizes,
+        # not of dtypes (the CPU kernel checks sizes the meta kernel does not).
         (aten.view.default, (torch.ones(6, dtype=torch.int64), [2, 3]), None),
-        # Raises on zeros (division by zero), not on ones: the values', not the dtype's.
+        (aten.convolution_backward.default, _CONV_BACKWARD, None),
+        # Raises on zeros (an integer division by zero): the values', not the dtype's.
         (aten.remainder.Tensor, (torch.ones(3, dtype=torch.int64),) * 2, None),
-        # Raises on ones (index 1 of a size-1 dim), not on zeros.
-        (aten.index_select.default, (torch.ones(5), 0, torch.ones(2, dtype=torch.int64)), None),
     ],
-    ids=["relu-bool", "mm-bool", "relu-float32", "view-sizes", "remainder-int64", "index"],
+    ids=[
+        "relu-bool",
+        "mm-bool",
+        "relu-float32",
+        "sub-bool",
+        "view-sizes",
+        "convolution_backward-sizes",
+        "remainder-int64",
+    ],
 )
 def test_eager_refusal_asks_the_kernel(op, args, refused) -> None:
     from dynajax.capability.eager_kernel import eager_refusal

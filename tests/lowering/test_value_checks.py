@@ -220,6 +220,18 @@ CASES: list[ValueCase] = [
         lambda: (_x(), _ints(0, 9), randn(3, 2)),
     ),
     ValueCase(
+        "index_add-vector",
+        lambda x, i, s: x.index_add(0, i, s),
+        lambda: (randn(10), _ints(0, 12), randn(2)),
+        lambda: (randn(10), _ints(0, 9), randn(2)),
+    ),
+    ValueCase(
+        "index_add-scalar",
+        lambda x, i, s: x.index_add(0, i, s),
+        lambda: (randn(()), _ints(-1), randn(())),
+        lambda: (randn(()), _ints(0), randn(())),
+    ),
+    ValueCase(
         "index_copy",
         lambda x, i, s: x.index_copy(1, i, s),
         lambda: (_x(), _ints(0, 12), randn(3, 2)),
