@@ -17,7 +17,10 @@ EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if p.name != 
 
 def test_every_feature_example_is_listed() -> None:
     assert {
+        "attention_rewrite.py",
+        "custom_op_rule.py",
         "export_gpt2.py",
+        "graph_pass.py",
         "jax_training.py",
         "pallas_in_torch.py",
         "resident_device.py",
