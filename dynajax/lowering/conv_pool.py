@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +106,11 @@ def _pool_out_size(n, k, s, p, d, ceil_mode):
 
 
 def _window_pads(x, nd, kernel, stride, padding, dilation, ceil_mode):
+    # Without ceil_mode, the explicit padding on both sides gives PyTorch's output size
+    # (floor division: a window that would end past the padding is not formed) with no
+    # arithmetic on the input size, so symbolic sizes (dynajax.export) pass.
+    if not ceil_mode:
+        return [(p, p) for p in padding]
     pads = []
     for i in range(nd):
         n = x.shape[x.ndim - nd + i]
@@ -121,7 +128,7 @@ def _max_pool_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode,
     spatial = x.shape[lead:]
     # Flat spatial index of each input element, pooled alongside the values; ties keep
     # the first index and NaN wins, as in PyTorch.
-    idx = jnp.arange(int(np.prod(spatial)), dtype=np.int64).reshape(spatial)
+    idx = jnp.arange(math.prod(spatial), dtype=np.int64).reshape(spatial)  # sizes may be symbolic
     idx = jnp.broadcast_to(idx, x.shape)
     window = (1,) * lead + tuple(kernel)
     strides = (1,) * lead + tuple(stride)
