@@ -1,10 +1,12 @@
 """Where the per-call time of a tiny compiled function goes, layer by layer.
 
     python -m benchmarks.overhead
-    python -m benchmarks.overhead --calls 20000 --rounds 7
+    python -m benchmarks.overhead --calls 5000 --rounds 21
 
-``x + 1`` on a 1-element float32 tensor, each layer timed on its own (median per call of
-the best round), two ways:
+Two functions: ``x + 1`` on a 1-element float32 tensor, and the sum of 100 float32[4]
+inputs. Each layer is timed on its own; layers are interleaved round by round (the
+order rotating), so load from other processes falls on all of them alike; the table
+gives the median over rounds of the time per call (and the best round). Two ways:
 
 * **alone**: the call in a tight loop, so every cache holds its code and data;
 * **in context**: each timed call follows one call of an unrelated inductor-compiled
@@ -13,16 +15,19 @@ the best round), two ways:
 Layers, from the bottom up:
 
 * ``jax.jit, jax.Array in/out``: the raw floor (no torch at all, result not waited for);
-* ``jax.jit, torch in/out``: a tensor's NumPy view in, the output waited for and wrapped
+* ``jax.jit, torch in/out``: tensors' NumPy views in, the output waited for and wrapped
   as a tensor (``torch.from_numpy(np.asarray(out))``): what any torch->JAX call costs;
 * ``dynajax partition``: ``CompiledPartition.run``, the JAX side of a dynajax call
   (cached input arrays, the executable, outputs as tensors);
+* ``dynajax, backend's callable``: what Dynamo calls after its guards: the stitched
+  graph, and aot_autograd's runtime wrapper where it has work to do;
 * ``dynajax, whole call``: ``torch.compile(f, backend="dynajax")``, adding Dynamo's
-  guards and aot_autograd's runtime wrapper;
-* ``inductor, whole call`` and ``eager`` for scale.
+  guards and frame;
+* ``inductor, backend's callable`` and ``inductor, whole call``: the same layers of
+  ``torch.compile``'s default backend, and ``eager`` for scale.
 
-The in-context figures answer the question the tight loop cannot: how near a raw
-``jax.jit`` call a dynajax partition is when the caches are shared with other work.
+The whole call minus the backend's callable is Dynamo's share, the same code for both
+backends.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+N_INPUTS = 100
 
 
 def _per_call_us(fn: Callable[[], Any], between: Callable[[], Any] | None, calls: int) -> float:
@@ -54,65 +61,139 @@ def _per_call_us(fn: Callable[[], Any], between: Callable[[], Any] | None, calls
     return spent / calls / 1e3
 
 
-def layers() -> dict[str, Callable[[], Any]]:
+def _capturing(backend: Callable[..., Any], into: list[Any]) -> Callable[..., Any]:
+    """``backend``, keeping the callable it returns to Dynamo."""
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        fn = backend(gm, example_inputs)
+        into.append(fn)
+        return fn
+
+    return compile_graph
+
+
+def layers(f: Callable[..., torch.Tensor], xs: list[torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    """The layers of a call of ``f(*xs)``, each a zero-argument callable."""
     import jax
-    import jax.numpy as jnp
+    from torch._inductor.compile_fx import compile_fx
 
     import dynajax
+    from benchmarks.harness import _own_code
     from dynajax.runtime.compiled import CompiledPartition
 
-    x = torch.zeros(1)
-    jitted = jax.jit(lambda a: a + 1)
-    x_jax = jnp.zeros(1)
+    jitted = jax.jit(f)
+    xs_jax = [jax.numpy.asarray(x.numpy()) for x in xs]
 
     def jit_torch() -> torch.Tensor:
-        return torch.from_numpy(np.asarray(jitted(x.numpy())))
+        return torch.from_numpy(np.asarray(jitted(*[x.numpy() for x in xs])))
 
+    def jit_jax() -> Any:
+        return jitted(*xs_jax)
+
+    # Each compiles its own code object: Dynamo's cache of one code object would hold
+    # both peers' entries, and each call would check the other's guards first.
     backend = dynajax.Backend(cache_dir="")
-    compiled = torch.compile(lambda t: t + 1, backend=backend)
-    compiled(x)
+    dj_fns: list[Any] = []
+    compiled = torch.compile(_own_code(f, "dynajax"), backend=_capturing(backend, dj_fns))
+    compiled(*xs)
     gm = backend.graphs[0].graph_module
     [part] = [m for m in gm.children() if isinstance(m, CompiledPartition)]
-    inputs = [x]
-    inductor = torch.compile(lambda t: t + 1)
-    inductor(x)
+    ind_fns: list[Any] = []
+    inductor = torch.compile(_own_code(f, "inductor"), backend=_capturing(compile_fx, ind_fns))
+    inductor(*xs)
     jit_torch()
+    [dj_fn], [ind_fn] = dj_fns, ind_fns
     return {
-        "jax.jit, jax.Array in/out": lambda: jitted(x_jax),
+        "jax.jit, jax.Array in/out": jit_jax,
         "jax.jit, torch in/out": jit_torch,
-        "dynajax partition": lambda: part.run(inputs),
-        "dynajax, whole call": lambda: compiled(x),
-        "inductor, whole call": lambda: inductor(x),
-        "eager": lambda: x + 1,
+        "dynajax partition": lambda: part.run(xs),
+        "dynajax, backend's callable": lambda: dj_fn(*xs),
+        "dynajax, whole call": lambda: compiled(*xs),
+        "inductor, backend's callable": lambda: ind_fn(*xs),
+        "inductor, whole call": lambda: inductor(*xs),
+        "eager": lambda: f(*xs),
     }
+
+
+def _add_one(t: torch.Tensor) -> torch.Tensor:
+    return t + 1
+
+
+def _sum_inputs(*xs: torch.Tensor) -> torch.Tensor:
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = acc + x
+    return acc
+
+
+def measure(
+    steps: dict[str, Callable[[], Any]],
+    between: Callable[[], Any] | None,
+    calls: int,
+    rounds: int,
+) -> dict[str, tuple[float, float]]:
+    """(median, best) µs per call of each step, rounds interleaved in rotating order."""
+    names = list(steps)
+    for fn in steps.values():
+        _per_call_us(fn, between, max(calls // 10, 50))  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(_per_call_us(steps[name], between, calls))
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=10000, help="calls per round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; the best is kept")
+    parser.add_argument("--calls", type=int, default=3000, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
+    parser.add_argument("--no-context", action="store_true", help="skip the in-context mode")
     args = parser.parse_args(argv)
+    import os
     import warnings
 
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-    steps = layers()
     other = torch.compile(lambda t: t * 2 - 1)  # the unrelated work between calls
     y = torch.zeros(1)
     other(y)
-    results: dict[str, dict[str, float]] = {name: {} for name in steps}
-    for mode, between in (("alone", None), ("in context", lambda: other(y))):
-        for name, fn in steps.items():
-            _per_call_us(fn, between, 200)  # warm-up
-            rounds = [_per_call_us(fn, between, args.calls) for _ in range(args.rounds)]
-            results[name][mode] = min(rounds)
-            results[name][mode + " median"] = statistics.median(rounds)
-    width = max(map(len, steps))
-    print(f"{'per call, µs (best of ' + str(args.rounds) + ' rounds)':<{width}}  alone  in context")
-    for name, r in results.items():
-        print(f"{name:<{width}}  {r['alone']:5.1f}  {r['in context']:10.1f}")
-    floor = results["jax.jit, torch in/out"]["in context"]
-    part = results["dynajax partition"]["in context"]
-    print(f"\ndynajax partition / jax.jit with torch in/out, in context: {part / floor:.2f}")
+    cases = {
+        "x + 1": (_add_one, [torch.zeros(1)]),
+        f"{N_INPUTS} inputs": (
+            _sum_inputs,
+            [torch.full((4,), float(i)) for i in range(N_INPUTS)],
+        ),
+    }
+    modes: list[tuple[str, Callable[[], Any] | None]] = [("alone", None)]
+    if not args.no_context:
+        modes.append(("in context", lambda: other(y)))
+    print(
+        f"µs per call: median of {args.rounds} interleaved rounds of {args.calls} calls "
+        f"(best round); load average at start {os.getloadavg()[0]:.1f}, "
+        f"{os.cpu_count()} cpus"
+    )
+    for case, (f, xs) in cases.items():
+        steps = layers(f, xs)
+        results = {m: measure(steps, between, args.calls, args.rounds) for m, between in modes}
+        width = max(map(len, steps))
+        head = "".join(f"  {mode + ' (best)':>22}" for mode, _ in modes)
+        print(f"\n{case:<{width}}{head}")
+        for name in steps:
+            cells = "".join(
+                f"  {results[m][name][0]:>12.1f} ({results[m][name][1]:>6.1f})" for m, _ in modes
+            )
+            print(f"{name:<{width}}{cells}")
+        for mode, _ in modes:
+            r = results[mode]
+            dj, ind = r["dynajax, whole call"][0], r["inductor, whole call"][0]
+            dynamo_dj = dj - r["dynajax, backend's callable"][0]
+            dynamo_ind = ind - r["inductor, backend's callable"][0]
+            floor = r["jax.jit, torch in/out"][0]
+            print(
+                f"{mode}: dynajax / inductor, whole call {dj / ind:.2f}; Dynamo's share "
+                f"{dynamo_dj:.1f} (dynajax) / {dynamo_ind:.1f} (inductor); partition / "
+                f"jax.jit with torch in/out {r['dynajax partition'][0] / floor:.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from torch._decomp import core_aten_decompositions
 from torch._dynamo import convert_frame as _convert_frame
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+from torch._functorch._aot_autograd.schemas import OutputType, SubclassCreationMeta
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from dynajax.capability.eager_kernel import eager_refusal
@@ -250,16 +251,61 @@ def _under_compile_lock(compile_graph: GraphCompiler) -> GraphCompiler:
     return locked
 
 
+def _runtime_wrapper_is_idle(n_graph_inputs: int, example_inputs: Sequence[Any]) -> bool:
+    """Whether aot_autograd's runtime wrapper around the inference graph being compiled
+    does nothing the graph's own callable does not (read while aot_autograd compiles it).
+
+    The wrapper writes mutated inputs back, regenerates outputs that alias inputs or
+    intermediates, threads effect tokens, wraps and unwraps tensor subclasses, drops
+    duplicated inputs, merges aliased ones into synthetic bases, prepends parameters
+    and RNG state, turns autocast off around the call and grad mode off (which changes
+    nothing when no input requires grad). When none of that applies, its only effect
+    is its cost (about 1.5 µs per call: ``benchmarks/overhead.py``).
+    """
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is None or torch._C._is_any_autocast_enabled():
+        return False
+    return (
+        n_graph_inputs == len(example_inputs)  # no dedupe, synthetic bases, params, RNG
+        and not any(isinstance(x, list | tuple | dict) for x in example_inputs)
+        and not meta.tokens
+        and meta.num_intermediate_bases == 0
+        and not any(i.mutates_data or i.mutates_metadata for i in meta.input_info)
+        and all(
+            o.output_type == OutputType.non_alias and not o.requires_grad for o in meta.output_info
+        )
+        and not any(isinstance(m, SubclassCreationMeta) for m in meta.subclass_inp_meta)
+        and not any(isinstance(m, SubclassCreationMeta) for m in meta.subclass_fw_graph_out_meta)
+    )
+
+
 def aot_compile(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_aten_graph: GraphCompiler
 ) -> Callable[..., Any]:
     """Runs aot_autograd on Dynamo's graph and hands each ATen graph it makes to
     ``compile_aten_graph(graph, inputs, kind=...)``, ``kind`` being ``inference``,
-    ``forward`` or ``backward``."""
+    ``forward`` or ``backward``.
+
+    For an inference graph whose runtime wrapper would do nothing
+    (``_runtime_wrapper_is_idle``), Dynamo gets the compiled graph's own unboxed
+    callable (``unboxed`` of ``stitched_callable``'s result) instead of aot_autograd's
+    wrapper chain; its first call still goes through the chain, which checks custom
+    ops' aliasing on first calls.
+    """
+    inference: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
+
+    def compile_inference(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
+        compiled = compile_aten_graph(graph, inputs, kind="inference")
+        unboxed = getattr(compiled, "unboxed", None)
+        if unboxed is not None and _runtime_wrapper_is_idle(len(inputs), example_inputs):
+            inference.append(unboxed)
+        return compiled
+
     compiler = aot_autograd(
         fw_compiler=functools.partial(compile_aten_graph, kind="forward"),
         bw_compiler=_under_compile_lock(functools.partial(compile_aten_graph, kind="backward")),
-        inference_compiler=functools.partial(compile_aten_graph, kind="inference"),
+        inference_compiler=compile_inference,
         decompositions=_tracing_decompositions(),
         # What the backward needs is chosen as inductor chooses it: cheap ops (views,
         # transposes, pointwise masks) are recomputed inside the backward's JAX
@@ -269,4 +315,7 @@ def aot_compile(
         # (_partition_without_reading_mutated_inputs).
         partition_fn=_partition_without_reading_mutated_inputs,
     )
-    return compiler(gm, example_inputs)
+    wrapped = compiler(gm, example_inputs)
+    if len(inference) != 1:
+        return wrapped
+    return inference[0](wrapped)

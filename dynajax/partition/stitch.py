@@ -10,6 +10,7 @@ graph is one partition between its inputs and outputs:
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -40,9 +41,10 @@ def stitched_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     the GraphModule and its nn.Module machinery; otherwise the GraphModule's generated
     ``forward`` runs (eager fallback ops between partitions).
     """
-    direct = _single_partition(gm)
-    if direct is not None:
-        run = direct
+    found = _single_partition(gm)
+    unboxed: Callable[..., Any]
+    if found is not None:
+        run, unboxed = found
     else:
         forward = gm.forward
 
@@ -51,13 +53,39 @@ def stitched_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
             args.clear()
             return forward(*inputs)
 
+        def unboxed(args: tuple[Any, ...]) -> Any:
+            return forward(*args)
+
     run._boxed_call = True  # type: ignore[attr-defined]
     run.graph_module = gm  # type: ignore[attr-defined]
+    run.unboxed = functools.partial(_first_then, then=unboxed)  # type: ignore[attr-defined]
     return run
 
 
-def _single_partition(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any] | None:
-    """A direct call of the graph's only partition, or None if the graph has more."""
+def _first_then(first: Callable[..., Any], *, then: Callable[..., Any]) -> Callable[..., Any]:
+    """The unboxed callable ``fn(*inputs) -> outputs`` of a stitched graph, for a caller
+    that hands Dynamo the graph's callable without aot_autograd's runtime wrapper
+    (``aot.aot_compile``, where that wrapper would do nothing): the first call goes to
+    ``first`` (aot_autograd's wrapper, which checks custom ops on first calls), the
+    rest straight to ``then``, which takes the tuple of inputs (a single partition's
+    ``run`` itself: one Python frame between Dynamo and the partition)."""
+    pending = [first]
+
+    def call(*args: Any) -> Any:
+        if pending:  # two threads may both take it: both calls are correct
+            once = pending[0]
+            pending.clear()
+            return once(*args)
+        return then(args)
+
+    return call
+
+
+def _single_partition(
+    gm: torch.fx.GraphModule,
+) -> tuple[Callable[[list[Any]], Any], Callable[..., Any]] | None:
+    """A direct call of the graph's only partition, boxed and unboxed, or None if the
+    graph has more."""
     placeholders: dict[torch.fx.Node, int] = {}
     call = None
     getitems: dict[torch.fx.Node, int] = {}
@@ -110,7 +138,7 @@ def _single_partition(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any] | 
             args.clear()
             return outs
 
-        return run
+        return run, call_part
 
     def run_mapped(args: list[Any]) -> list[Any]:
         outs = call_part([args[i] for i in in_idx])
@@ -118,7 +146,11 @@ def _single_partition(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any] | 
         args.clear()
         return result
 
-    return run_mapped
+    def run_mapped_tuple(args: tuple[Any, ...]) -> list[Any]:
+        outs = call_part([args[i] for i in in_idx])
+        return [outs[v] if kind == 0 else args[v] if kind == 1 else v for kind, v in plan]
+
+    return run_mapped, run_mapped_tuple
 
 
 def _n_outputs(part: PartitionModule) -> int:

@@ -11,9 +11,10 @@ take a measurable part of it off (``benchmarks/overhead.py`` measures the layers
   directly saves a Python frame. Public fallback: the ``Compiled`` object itself.
 * ``direct_executor(compiled)``: the loaded XLA executable's own entry point
   (``Compiled._executable.xla_executable.execute_sharded``, with the indices of the
-  arguments XLA kept, ``_kept_var_idx``), which skips the per-argument checks of the
-  dispatch path when the caller has already checked the arguments. Public fallback:
-  None (the caller stays on the dispatch path).
+  arguments XLA kept, ``_kept_var_idx``, and the C++ result handlers the dispatch path
+  builds its output arrays with), which skips the per-argument checks of the dispatch
+  path when the caller has already checked the arguments. Public fallback: None (the
+  caller stays on the dispatch path).
 
 ``status()`` says which internals this JAX release has; the test suite asserts that all
 are present, so a JAX release that moves one fails loudly in CI instead of silently
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -86,24 +87,40 @@ def dispatch_of(compiled: jax.stages.Compiled) -> Callable[..., Any]:
     return fast if callable(fast) else compiled
 
 
-# (indices of the arguments XLA kept, execute(list of arrays) -> sharded results)
-DirectExecutor = tuple[list[int], Callable[[Sequence[jax.Array]], Any]]
+class DirectExecutor(NamedTuple):
+    """A loaded executable's own entry point: ``execute(arrays).consume_with_handlers(
+    handlers)`` is the list of its output arrays, ``arrays`` being the arguments at
+    the positions ``kept`` (XLA drops unused ones)."""
+
+    kept: list[int]
+    execute: Callable[[Sequence[jax.Array]], Any]
+    handlers: list[Any]
 
 
 def direct_executor(compiled: jax.stages.Compiled) -> DirectExecutor | None:
-    """The executable's own entry point and the arguments it takes, or None when this
-    JAX release does not expose them (callers then keep the dispatch path).
-
-    ``execute(arrays)`` returns XLA's sharded results; call
-    ``.disassemble_into_single_device_arrays()`` on them for per-output arrays.
+    """The executable's own entry point, or None where this JAX release does not expose
+    it or where the dispatch path does more than execute and wrap the results (effects
+    and host callbacks need runtime tokens, mutable arrays write back, ``jax_debug_nans``
+    checks each output): callers then keep the dispatch path.
     """
     inner = getattr(compiled, "_executable", None)
     kept = getattr(inner, "_kept_var_idx", None)
     xla = getattr(inner, "xla_executable", None)
     execute = getattr(xla, "execute_sharded", None)
-    if kept is None or not callable(execute):
+    call = getattr(inner, "unsafe_call", None)
+    handlers = getattr(getattr(call, "out_handler", None), "handlers", None)
+    if kept is None or not callable(execute) or handlers is None:
         return None
-    return sorted(kept), execute
+    if (
+        getattr(call, "ordered_effects", True)
+        or getattr(call, "has_unordered_effects", True)
+        or getattr(call, "has_host_callbacks", True)
+        or getattr(call, "mut", True) is not None
+        or jax.debug_nans.value
+        or jax.debug_infs.value
+    ):
+        return None
+    return DirectExecutor(sorted(kept), execute, list(handlers))
 
 
 def status() -> dict[str, bool]:
