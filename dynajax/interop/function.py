@@ -260,7 +260,7 @@ class JaxFunction:
     ``ValueCheckResult`` pytree that goes through every transformation like an output;
     ``err.throw()`` outside them raises eager's exception type and message (the first
     failing element of a vmapped or scanned result). ``fn`` itself stays pure: under a
-    transformation it computes no checks (out-of-range indices are clamped, as
+    transformation it computes no checks (invalid indices are clamped or filled, as
     everywhere in JAX), and called directly on arrays (no tracers) it checks and raises
     eager's error before returning (``jax_function(..., checks=False)`` turns that off).
 
