@@ -16,8 +16,10 @@ function then returns one extra output: an int64 vector ``[code, *payload]``, co
 when every check passed, else ``k`` for the k-th check (in graph order) that failed
 first, computed inside the XLA program. ``CompiledPartition`` reads that vector on the
 host after each call and raises eager's exception before handing any output back
-(``CheckTable.raise_if_failed``). Without an active collector (abstract evaluation,
-``dynajax.jax_function``, checks turned off, the padding proof) ``fail_if`` does
+(``CheckTable.raise_if_failed``). ``dynajax.jax_function`` activates one for
+``fn.checked`` and direct calls of ``fn``, and returns the vector as a
+``ValueCheckResult`` (``interop/checked.py``). Without an active collector (abstract
+evaluation, a traced ``fn``, checks turned off, the padding proof) ``fail_if`` does
 nothing and rules skip computing their conditions (``checking()``).
 
 Bounds checks of indices go through ``fail_if_out_of_bounds``, so that ops which
