@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+# distance() is the package's (dynajax.debug uses the same float64 criterion); fuzz/
+# imports it from here.
+from dynajax.debug.accuracy import distance
 from tests.tolerances import assert_same, assert_same_layout, tolerance
 
 TIES, FLOAT64 = "ties", "float64"
@@ -107,18 +110,6 @@ def _float64(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _float64(v) for k, v in value.items()}
     return value
-
-
-def distance(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| in float64; 0 where both are NaN or the same infinity, inf where
-    only one of them is."""
-    x = x.detach().to(ref.dtype)
-    both_nan = x.isnan() & ref.isnan()
-    same_inf = x.isinf() & ref.isinf() & (x == ref)
-    d = (x - ref).abs()
-    d = torch.where(both_nan | same_inf, torch.zeros((), dtype=d.dtype), d)
-    d = torch.where(d.isnan(), torch.full((), float("inf"), dtype=d.dtype), d)
-    return float(d.max()) if d.numel() else 0.0
 
 
 def _assert_as_accurate(actual: Any, expected: Any, reference: Any, path: str = "out") -> None:

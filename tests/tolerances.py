@@ -11,26 +11,11 @@ from typing import Any
 
 import torch
 
-# dtype -> (rtol, atol)
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-7),
-    torch.float32: (1.3e-5, 1e-5),
-    torch.complex64: (1.3e-5, 1e-5),
-    torch.complex128: (1e-7, 1e-7),
-    torch.float16: (1e-2, 1e-2),
-    torch.bfloat16: (1.6e-2, 2e-2),
-}
+# The tables and ``tolerance(dtype, model)`` are the package's (``dynajax.debug``
+# compares with them too): one table for the suite and the accuracy debugger.
+from dynajax.debug.accuracy import MODEL_TOLERANCES, TOLERANCES, tolerance
 
-# Whole models accumulate differences over many layers.
-MODEL_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float32: (1e-4, 1e-4),
-    torch.float64: (1e-7, 1e-7),
-}
-
-
-def tolerance(dtype: torch.dtype, model: bool = False) -> tuple[float, float]:
-    table = MODEL_TOLERANCES if model else TOLERANCES
-    return table.get(dtype, TOLERANCES.get(dtype, (0.0, 0.0)))
+__all__ = ["MODEL_TOLERANCES", "TOLERANCES", "assert_same", "assert_same_layout", "tolerance"]
 
 
 def assert_same_layout(actual: Any, expected: torch.Tensor, path: str = "out") -> None:
