@@ -2,6 +2,7 @@
 
     python -m benchmarks.checks
     python -m benchmarks.checks --rounds 9 --rows tiny,gpt2
+    python -m benchmarks.checks --workloads all   # every row of benchmarks/workloads.py
 
 A check computes eager's condition inside the XLA program (an index compared with its
 bound, reduced to one flag) and costs one small device-to-host read per call of a
@@ -15,11 +16,15 @@ the rounds' per-call means):
   (benchmarks/workloads.py's row): two embedding lookups, inference.
 * ``GPT-2 train``: the same model, one forward and backward step (cross entropy on
   its own logits' argmax): the embedding checks in the forward, none in the backward.
+* ``--workloads``: the rows of the main benchmark table (``benchmarks/workloads.py``,
+  inference and training), each step built twice by the row's own ``setup``, with
+  as many calls per round as fit in about 0.2 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -98,6 +103,26 @@ def _gpt2_train(checks: bool) -> Step:
     return step
 
 
+def _workload(name: str) -> Callable[[bool], Step]:
+    """A row of the main benchmark table, compiled by dynajax with checks on or off."""
+
+    def make(checks: bool) -> Step:
+        from benchmarks.workloads import WORKLOADS
+
+        w = WORKLOADS[name]
+        step = w.setup(lambda f: _compiled(f, checks))
+        if not w.no_grad:
+            return step
+
+        def no_grad_step() -> Any:
+            with torch.no_grad():
+                return step()
+
+        return no_grad_step
+
+    return make
+
+
 ROWS: dict[str, tuple[str, Callable[[bool], Step], int]] = {
     "tiny": ("x[idx], 16x16 float32, 4 indices", _tiny, 2000),
     "div": ("a // b, 1M int64", _division, 20),
@@ -107,13 +132,22 @@ ROWS: dict[str, tuple[str, Callable[[bool], Step], int]] = {
 
 
 def measure(row: str, rounds: int, scale: float = 1.0) -> dict[str, float]:
-    """Median seconds per call with checks off and on, interleaved round by round."""
-    _, make, calls = ROWS[row]
-    calls = max(1, int(calls * scale))
+    """Median seconds per call with checks off and on, interleaved round by round.
+
+    ``row`` is a key of ``ROWS`` or ``workload:<name>`` (a main-table row; calls per
+    round: as many as fit in about 0.2 s, at least 1).
+    """
+    if row.startswith("workload:"):
+        make, calls = _workload(row.split(":", 1)[1]), 0
+    else:
+        _, make, calls = ROWS[row]
     steps = {"off": make(False), "on": make(True)}
     for step in steps.values():
         for _ in range(3):
             step()  # compile, warm up
+    if not calls:
+        calls = max(1, int(0.2 / min(_per_call_s(s, 1) for s in steps.values())))
+    calls = max(1, int(calls * scale))
     samples: dict[str, list[float]] = {k: [] for k in steps}
     order = list(steps)
     for r in range(rounds):
@@ -130,20 +164,42 @@ def main(argv: list[str] | None = None) -> int:
         "--rows", default=",".join(ROWS), help="comma separated: " + ", ".join(ROWS)
     )
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies calls per round")
+    parser.add_argument(
+        "--workloads",
+        help="rows of the main benchmark table instead of --rows: 'all' or comma separated",
+    )
     args = parser.parse_args(argv)
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = sorted(set(rows) - set(ROWS))
-    if unknown:
-        parser.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
+    if args.workloads:
+        from benchmarks.workloads import WORKLOADS
+
+        names = list(WORKLOADS) if args.workloads == "all" else args.workloads.split(",")
+        unknown = sorted(set(names) - set(WORKLOADS))
+        if unknown:
+            parser.error(f"unknown workloads {unknown}; workloads are {', '.join(WORKLOADS)}")
+        rows = [f"workload:{n}" for n in names]
+    else:
+        rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+        unknown = sorted(set(rows) - set(ROWS))
+        if unknown:
+            parser.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
     print(f"{'row':<40} {'off ms':>10} {'on ms':>10} {'on/off':>8}")
+    ratios: dict[str, float] = {}
     for row in rows:
         med = measure(row, args.rounds, args.scale)
-        label = ROWS[row][0]
+        label = row.split(":", 1)[1] if row.startswith("workload:") else ROWS[row][0]
+        ratios[row] = med["on"] / med["off"]
         print(
-            f"{label:<40} {med['off'] * 1e3:>10.4f} {med['on'] * 1e3:>10.4f} "
-            f"{med['on'] / med['off']:>8.3f}",
+            f"{label:<40} {med['off'] * 1e3:>10.4f} {med['on'] * 1e3:>10.4f} {ratios[row]:>8.3f}",
             flush=True,
         )
+    if args.workloads:
+        from benchmarks.workloads import WORKLOADS
+
+        for group in ("model", "training"):
+            rs = [r for n, r in ratios.items() if WORKLOADS[n.split(":", 1)[1]].group == group]
+            if rs:
+                g = math.exp(sum(map(math.log, rs)) / len(rs))
+                print(f"{group} rows geomean on/off: {g:.3f} (target < 1.02)")
     return 0
 
 

@@ -55,6 +55,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks import harness
     from benchmarks.workloads import WORKLOADS
 
+    if args.suite:  # the test suite's models: rows built on the fly, not in WORKLOADS
+        from benchmarks.suite import suite_workloads
+
+        WORKLOADS = suite_workloads(train=args.train)  # noqa: N806
+        args.no_first_call = True  # first-call workers look rows up in WORKLOADS
     names = args.workloads.split(",") if args.workloads else list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if bad:
         sys.exit(f"unknown peer(s) {bad}; known: {list(harness.PEERS)}")
 
-    repeats = args.repeats or (5 if args.quick else 30)
+    repeats = args.repeats or (5 if args.quick or args.suite else 30)
     out: dict[str, Any] = {
         "meta": {
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -80,6 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "peers": peers,
             "torch_threads": torch.get_num_threads(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "suite": args.suite,
         },
         "workloads": {},
     }
@@ -90,8 +96,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             w,
             peers,
             repeats=repeats,
-            warmup=args.warmup if args.warmup is not None else (2 if args.quick else 5),
-            budget_s=args.budget,
+            warmup=args.warmup
+            if args.warmup is not None
+            else (2 if args.quick or args.suite else 5),
+            budget_s=args.budget if args.budget is not None else (5.0 if args.suite else 20.0),
         )
         if args.no_memory:
             steady.get("dynajax", {}).pop("memory", None)
@@ -315,10 +323,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="quick rows only, few repeats")
     p.add_argument("--workloads", help="comma-separated names (default: all)")
-    p.add_argument("--peers", default="eager,inductor,dynajax,jax")
+    p.add_argument("--peers", help="default eager,inductor,dynajax,jax (suite: no jax)")
     p.add_argument("--repeats", type=int, help="timing rounds per peer (default 30; quick 5)")
     p.add_argument("--warmup", type=int, help="untimed calls before timing (default 5; quick 2)")
-    p.add_argument("--budget", type=float, default=20.0, help="seconds of timing per workload")
+    p.add_argument(
+        "--budget", type=float, help="seconds of timing per workload (default 20; suite 5)"
+    )
+    p.add_argument(
+        "--suite",
+        choices=["models"],
+        help="models: every model of the test suite (tests/test_models.py and the "
+        "transformers zoo) instead of the benchmark table; peers eager,inductor,dynajax, "
+        "5 repeats, no first-call runs",
+    )
+    p.add_argument("--train", action="store_true", help="with --suite: a training row per model")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="run benchmarks.decode (greedy generation with a static KV cache) instead",
+    )
     p.add_argument("--no-first-call", action="store_true", help="skip cold first-call runs")
     p.add_argument("--no-memory", action="store_true", help="skip memory checks")
     p.add_argument("--no-plot", action="store_true")
@@ -336,8 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         "like there. Default: each library's own default.",
     )
     args = p.parse_args(argv)
+    if args.peers is None:
+        args.peers = "eager,inductor,dynajax" + ("" if args.suite else ",jax")
     if args.threads:
         set_threads(args.threads)
+    if args.decode:
+        from benchmarks import decode
+
+        return decode.main([f"--rounds={args.repeats or 5}"])
 
     if args.report:
         out = json.loads(args.report.read_text())

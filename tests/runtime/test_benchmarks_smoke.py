@@ -71,3 +71,98 @@ def test_floor_from_the_dynajax_lowered_function(name: str) -> None:
         expected = eager()
     actual = [torch.from_numpy(np.array(a)) for a in jax.tree_util.tree_leaves(floor())]
     assert_same(actual, [expected], model=True)
+
+
+# -- decode, model suite, checks on every row (benchmarks/decode.py, suite.py, checks.py) --
+
+
+def test_decode_benchmark_tokens_match_eager_generate() -> None:
+    """Both paths (transformers' generate with a static cache, the hand-written loop
+    over ``StaticDecoder``) give eager generate's tokens, eager and compiled by
+    dynajax, each dynajax graph one partition with no fallback."""
+    from benchmarks import decode
+
+    size = decode.Size(layers=2, width=64, heads=4, kv_heads=2, vocab=128, prompt=6, new_tokens=5)
+    out = decode.measure(size, peers=("eager", "dynajax"), rounds=1)
+    assert set(out["results"]) == {f"{p}/{q}" for p in decode.PATHS for q in ("eager", "dynajax")}
+    for key, res in out["results"].items():
+        assert res["matches_eager"], key
+        assert res["tokens_per_s"] > 0 and res["ttft_s"] > 0, key
+    for path in decode.PATHS:
+        graphs = out["results"][f"{path}/dynajax"]["graphs"]
+        assert graphs.startswith("2 graph(s), partitions per graph [1, 1]"), graphs
+        assert graphs.endswith("fallbacks none"), graphs
+
+
+def test_static_decoder_writes_its_cache_in_place() -> None:
+    """The hand-written loop's cache is its state: a prefill writes the prompt's keys
+    and nothing past them, and a one-token step at the last prompt position, which
+    sees the earlier tokens only through the cache, gives the full forward's token."""
+    from benchmarks import decode
+
+    size = decode.Size(layers=1, width=32, heads=4, kv_heads=2, vocab=64, prompt=4, new_tokens=2)
+    model = decode.build_llama(size)
+    dec = decode.StaticDecoder(model, 1, size.prompt + size.new_tokens)
+    ids = decode.prompt_ids(size)
+    with torch.no_grad():
+        dec(ids, torch.arange(size.prompt))
+        assert dec.k0[:, :, : size.prompt].abs().sum() > 0
+        assert dec.k0[:, :, size.prompt :].abs().sum() == 0
+        expected = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+        assert torch.equal(dec(ids[:, -1:], torch.tensor([size.prompt - 1])), expected)
+
+
+def test_suite_rows_cover_the_model_tests() -> None:
+    from benchmarks.suite import suite_workloads
+    from tests.test_models import CASES, ZOO
+
+    rows = suite_workloads(train=True)
+    assert set(rows) == (
+        set(CASES)
+        | {f"{n}-train" for n in CASES}
+        | {f"hf-{n}" for n in ZOO}
+        | {f"hf-{n}-train" for n in ZOO}
+    )
+    assert {w.group for n, w in rows.items() if n.endswith("-train")} == {"training"}
+
+
+@pytest.mark.parametrize("name", ["llama", "hf-vit", "cnn-train"])
+def test_suite_row_matches_eager(name: str) -> None:
+    """A suite row's dynajax step computes its eager step's answer (same seed)."""
+    from benchmarks.suite import suite_workloads
+
+    w = suite_workloads(train=True)[name]
+    eager, compiled = harness.build_step(w, "eager"), harness.build_step(w, "dynajax")
+    expected, actual = eager(), compiled()
+    if not isinstance(expected, torch.Tensor):  # a transformers ModelOutput
+        expected, actual = expected[0], actual[0]
+    assert_same(actual, expected, model=True)
+
+
+def test_run_suite_mode(tmp_path, capsys) -> None:
+    argv = ["--suite", "models", "--workloads", "mlp,mlp-train", "--train"]
+    argv += ["--peers", "eager,dynajax", "--repeats", "1", "--warmup", "1"]
+    argv += ["--no-plot", "--out", str(tmp_path)]
+    assert run.main(argv) == 0
+    assert "models geomean: dynajax/eager" in capsys.readouterr().out
+    out = json.loads((tmp_path / "latest.json").read_text())
+    assert out["meta"]["suite"] == "models"
+    assert {out["workloads"][n]["group"] for n in ("mlp", "mlp-train")} == {"model", "training"}
+    for n in ("mlp", "mlp-train"):
+        assert all(r["status"] == "ok" for r in out["workloads"][n]["steady"].values()), n
+        assert out["workloads"][n]["first_call"] == {}
+
+
+@pytest.mark.parametrize("name", ["mlp", "mlp-train"])
+def test_checks_on_and_off_compute_the_eager_row(name: str) -> None:
+    """benchmarks.checks --workloads: both variants of a main-table row compute its
+    eager answer (the mlp's first call, or the training step's first loss)."""
+    from benchmarks import checks
+
+    w = WORKLOADS[name]
+    eager = harness.build_step(w, "eager")
+    expected = eager()
+    for on in (False, True):
+        assert_same(checks._workload(name)(on)(), expected, model=True)
+    med = checks.measure(f"workload:{name}", rounds=1, scale=0.01)
+    assert med["on"] > 0 and med["off"] > 0

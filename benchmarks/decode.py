@@ -1,0 +1,363 @@
+"""Greedy decoding with a static KV cache: tokens per second and time to first token.
+
+    python -m benchmarks.decode                       # eager, inductor, dynajax side by side
+    python -m benchmarks.decode --layers 2 --new-tokens 16 --rounds 3
+    python -m benchmarks.run --decode                 # the same, from the main command
+
+A LLaMA-style model (``transformers.LlamaConfig``, random weights, built from a config)
+generates greedily two ways, each peer with the same static cache:
+
+* ``generate``: ``transformers``' ``model.generate(..., cache_implementation="static")``
+  with ``model.forward = compile(model.forward)`` (the documented recipe).
+* ``loop``: a hand-written decode loop (``StaticDecoder``): the same weights, one KV
+  buffer per layer updated in place with ``index_copy_``, one compiled prefill function
+  and one compiled decode-step function called once per token.
+
+Per peer and path: the *cold* time to first token (prefill including its compile, in
+this process with the compile caches off) and the first decode step (its compile),
+then, interleaved round by round with the other peers, the *warm* time to first token
+(prefill alone) and decode tokens per second (batch x steps / decode time). Every
+peer's tokens are compared with eager ``generate``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+PEERS = ("eager", "inductor", "dynajax")
+PATHS = ("generate", "loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """The model and the generation: a small LLaMA, batch 1 by default."""
+
+    layers: int = 4
+    width: int = 256
+    heads: int = 8
+    kv_heads: int = 4
+    vocab: int = 1024
+    batch: int = 1
+    prompt: int = 32
+    new_tokens: int = 64
+
+
+def build_llama(size: Size) -> nn.Module:
+    """``LlamaForCausalLM`` from a config (seeded random weights), in eval mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=size.layers,
+        hidden_size=size.width,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        intermediate_size=2 * size.width,
+        vocab_size=size.vocab,
+        max_position_embeddings=max(256, size.prompt + size.new_tokens),
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        use_cache=True,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt_ids(size: Size) -> torch.Tensor:
+    """Seeded prompt without the pad token (no attention mask growing per step)."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, size.vocab, (size.batch, size.prompt), generator=g)
+
+
+class StaticDecoder(nn.Module):
+    """A LLaMA decoder over ``LlamaForCausalLM``'s weights with a hand-written static cache.
+
+    Keys and values live in one buffer per layer, shaped (batch, kv heads, max length,
+    head dim), written in place with ``index_copy_`` at the positions of the tokens fed
+    in; attention reads the whole buffer under a mask of the positions written so far.
+    Every decode step therefore has the same shapes: one executable for the prefill,
+    one for all decode steps. ``forward`` returns the greedy next token, (batch, 1).
+    """
+
+    def __init__(self, hf: nn.Module, batch: int, max_len: int) -> None:
+        super().__init__()
+        cfg = hf.config
+        self.hf = hf
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.max_len = max_len
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        for i in range(cfg.num_hidden_layers):
+            self.register_buffer(f"k{i}", torch.zeros(shape), persistent=False)
+            self.register_buffer(f"v{i}", torch.zeros(shape), persistent=False)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        base = self.hf.model
+        b, s = ids.shape
+        x = base.embed_tokens(ids)
+        cos, sin = base.rotary_emb(x, pos[None])
+        mask = pos[:, None] >= torch.arange(self.max_len)[None]  # (s, max_len)
+        rep = self.heads // self.kv_heads
+        for i, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            kc, vc = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
+            o = nn.functional.scaled_dot_product_attention(
+                q,
+                kc.repeat_interleave(rep, dim=1),
+                vc.repeat_interleave(rep, dim=1),
+                attn_mask=mask,
+            )
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.hf.lm_head(base.norm(x[:, -1:]))
+        return logits.argmax(-1)
+
+
+Generate = Callable[[int], torch.Tensor]
+
+
+def _compile_fn(peer: str) -> tuple[Callable[[Callable[..., Any]], Callable[..., Any]], Any]:
+    """The peer's compile, through a code object of its own, and dynajax's backend
+    (None for the other peers); dynajax's persistent cache off."""
+    from benchmarks.harness import _own_code
+
+    if peer == "eager":
+        return (lambda f: f), None
+    if peer == "inductor":
+        return (lambda f: torch.compile(_own_code(f, peer))), None
+    import dynajax
+
+    backend = dynajax.Backend(cache_dir="")
+    return (lambda f: torch.compile(_own_code(f, peer), backend=backend)), backend
+
+
+def graph_summary(backend: Any) -> str:
+    """dynajax's graphs, partitions, fallbacks and XLA compiles, in one line."""
+    import dynajax
+
+    report = dynajax.Report(backend.graphs)
+    parts = [len(g.partitions) for g in report.graphs]
+    fallbacks = sorted({str(f.target) for f in report.fallbacks})
+    return (
+        f"{len(report.graphs)} graph(s), partitions per graph {parts}, "
+        f"{report.compile_stats.xla_compiles} XLA compile(s), fallbacks {fallbacks or 'none'}"
+    )
+
+
+class Timed:
+    """One peer's generation on one path: ``run(n)`` -> tokens, with its timings."""
+
+    def __init__(self, peer: str, path: str, model: nn.Module, ids: torch.Tensor, size: Size):
+        self.peer, self.path, self.ids, self.size = peer, path, ids, size
+        compile, self.backend = _compile_fn(peer)
+        self.prefill_s = 0.0
+        self.decode_s: list[float] = []
+        if path == "generate":
+            self.model = model
+            self.forward = compile(type(model).forward.__get__(model))
+        else:
+            self.decoder = StaticDecoder(model, size.batch, size.prompt + size.new_tokens)
+            self.prefill = compile(self.decoder)
+            self.step = compile(self.decoder)
+
+    def run(self, new_tokens: int) -> torch.Tensor:
+        """Greedy tokens (batch, new_tokens); sets prefill_s and decode_s (per step)."""
+        with torch.no_grad():
+            if self.path == "generate":
+                return self._generate(new_tokens)
+            return self._loop(new_tokens)
+
+    def _generate(self, new_tokens: int) -> torch.Tensor:
+        # generate() has no per-token hook: time to first token is a 1-token
+        # generate, and the decode time is the rest of an n-token one.
+        self.model.forward = self.forward
+        try:
+            kw = dict(do_sample=False, cache_implementation="static", disable_compile=True)
+            t0 = time.perf_counter()
+            self.model.generate(self.ids, max_new_tokens=1, **kw)
+            t1 = time.perf_counter()
+            out = self.model.generate(self.ids, max_new_tokens=new_tokens, **kw)
+            t2 = time.perf_counter()
+        finally:
+            del self.model.forward
+        self.prefill_s = t1 - t0
+        self.decode_s = [(t2 - t1 - self.prefill_s) / max(new_tokens - 1, 1)] * (new_tokens - 1)
+        return out[:, self.ids.shape[1] :]
+
+    def _loop(self, new_tokens: int) -> torch.Tensor:
+        p = self.ids.shape[1]
+        pos = torch.arange(p)
+        t0 = time.perf_counter()
+        tok = self.prefill(self.ids, pos)
+        self.prefill_s = time.perf_counter() - t0
+        toks, self.decode_s = [tok], []
+        pos = torch.tensor([p])
+        for _ in range(new_tokens - 1):
+            t0 = time.perf_counter()
+            tok = self.step(tok, pos)
+            self.decode_s.append(time.perf_counter() - t0)
+            toks.append(tok)
+            pos.add_(1)
+        return torch.cat(toks, 1)
+
+
+def _caches_off() -> None:
+    """Cold compiles in this process: inductor's on-disk FX graph and autograd caches off."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+
+
+def measure(
+    size: Size,
+    peers: tuple[str, ...] = PEERS,
+    paths: tuple[str, ...] = PATHS,
+    rounds: int = 5,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
+    """Per (path, peer): cold and warm time to first token, decode tokens/s, token match."""
+    _caches_off()
+    model = build_llama(size)
+    ids = prompt_ids(size)
+    with torch.no_grad():
+        reference = model.generate(
+            ids,
+            max_new_tokens=size.new_tokens,
+            do_sample=False,
+            cache_implementation="static",
+            disable_compile=True,
+        )[:, ids.shape[1] :]
+    results: dict[str, dict[str, Any]] = {}
+    runners: dict[tuple[str, str], Timed] = {}
+    for path in paths:
+        for peer in peers:
+            log(f"{path} / {peer}: first generation (compiles)")
+            r = Timed(peer, path, model, ids, size)
+            t0 = time.perf_counter()
+            toks = r.run(size.new_tokens)
+            total = time.perf_counter() - t0
+            runners[path, peer] = r
+            results[f"{path}/{peer}"] = {
+                "cold_ttft_s": r.prefill_s,
+                "cold_first_step_s": r.decode_s[0] if path == "loop" and r.decode_s else None,
+                "cold_total_s": total,
+                "matches_eager": bool(torch.equal(toks, reference)),
+                "graphs": graph_summary(r.backend) if r.backend is not None else None,
+                "ttft": [],
+                "decode": [],
+            }
+    order = list(runners)
+    for rnd in range(rounds):
+        log(f"round {rnd + 1}/{rounds}")
+        k = rnd % len(order)
+        for key in order[k:] + order[:k]:
+            r = runners[key]
+            toks = r.run(size.new_tokens)
+            res = results[f"{key[0]}/{key[1]}"]
+            res["matches_eager"] &= bool(torch.equal(toks, reference))
+            res["ttft"].append(r.prefill_s)
+            res["decode"].append(sum(r.decode_s))
+    steps = size.batch * (size.new_tokens - 1)
+    for res in results.values():
+        res["ttft_s"] = statistics.median(res.pop("ttft"))
+        res["tokens_per_s"] = steps / statistics.median(res.pop("decode"))
+    for key, r in runners.items():  # after the rounds: recompiles would show here
+        if r.backend is not None:
+            results[f"{key[0]}/{key[1]}"]["graphs"] = graph_summary(r.backend)
+    return {"size": dataclasses.asdict(size), "rounds": rounds, "results": results}
+
+
+def print_report(out: dict[str, Any]) -> None:
+    res = out["results"]
+    print(f"\n{out['size']}, {out['rounds']} rounds interleaved")
+    head = ["path", "peer", "tokens/s", "vs inductor", "TTFT warm", "TTFT cold", "1st step cold"]
+    head += ["1st generation", "= eager"]
+    lines = [head]
+    for key, r in res.items():
+        path, peer = key.split("/")
+        ind = res.get(f"{path}/inductor", {}).get("tokens_per_s")
+        lines.append(
+            [
+                path,
+                peer,
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['tokens_per_s'] / ind:.2f}" if ind else "-",
+                f"{r['ttft_s'] * 1e3:.2f} ms",
+                f"{r['cold_ttft_s']:.2f} s",
+                f"{r['cold_first_step_s']:.2f} s" if r["cold_first_step_s"] else "-",
+                f"{r['cold_total_s']:.2f} s",
+                "yes" if r["matches_eager"] else "NO",
+            ]
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    for j, row in enumerate(lines):
+        print(
+            "  ".join(
+                c.rjust(w) if i > 1 else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    for key, r in res.items():
+        if r.get("graphs"):
+            print(f"{key}: {r['graphs']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.decode", description=__doc__.split("\n")[0]
+    )
+    d = Size()
+    for field in dataclasses.fields(Size):
+        flag = "--" + field.name.replace("_", "-")
+        p.add_argument(flag, type=int, default=getattr(d, field.name))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="compute threads for every peer (as python -m benchmarks.run --threads)",
+    )
+    args = p.parse_args(argv)
+    if args.threads:
+        from benchmarks.run import set_threads
+
+        set_threads(args.threads)
+    size = Size(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Size)})
+    out = measure(
+        size,
+        tuple(args.peers.split(",")),
+        tuple(args.paths.split(",")),
+        args.rounds,
+        log=lambda s: print(f"[decode] {s}", file=sys.stderr, flush=True),
+    )
+    print_report(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
