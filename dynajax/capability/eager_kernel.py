@@ -10,8 +10,14 @@ computes a value for those dtypes where eager raises. Such a node must run in ea
 PyTorch, which then raises its own error.
 
 No table of dtypes is kept (it would drift from the kernels): the kernel is asked. The
-probe calls the op on real CPU tensors of zeros with the node's dtypes and ranks, every
-size shrunk to 1 (0 stays 0), so it costs one call on one element, cached per signature:
+probe calls the op on real CPU tensors of zeros with the node's dtypes, cached per
+signature. A pointwise op (``torch.Tag.pointwise``) gets one-element tensors (every size
+shrunk to 1, 0 stays 0: its kernel broadcasts and checks them). Any other op gets the
+node's own sizes, because some CPU kernels trust sizes their meta kernels checked and
+read out of bounds on others (``embedding_bag`` with shrunk offsets crashed the
+process); an op with a tensor of more than ``_EXACT_LIMIT`` elements is not probed
+(its dtypes are taken as accepted: a bool ``mm`` of two 100x100 matrices still computes
+a value where eager raises).
 
     eager kernel -> succeeds                       accepted
                  -> raises NotImplementedError     refused (a dispatch macro's "not
@@ -20,10 +26,8 @@ size shrunk to 1 (0 stays 0), so it costs one call on one element, cached per si
                     the same call with its bool
                     tensors as uint8 succeeds      refused (a hand-written check of
                                                    bool: relu, sub, argmin)
-                 -> otherwise                      accepted (the error is the shrunk
-                                                   sizes' or the values': a meta kernel
-                                                   that checks fewer sizes than its CPU
-                                                   kernel, convolution_backward's)
+                 -> otherwise                      accepted (the error is about sizes or
+                                                   values, not dtypes)
 
 Ops outside the ``aten`` namespace are not probed (a custom op may have effects),
 nor calls without tensor arguments. Seeded random ops run under ``fork_rng``, so the
@@ -34,12 +38,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, NamedTuple
 
 import torch
 import torch.fx
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+# The most elements a tensor of a probe that is not pointwise may have (32 KiB of
+# float64): such a probe runs at the node's own sizes.
+_EXACT_LIMIT = 4096
 
 # The exception types PyTorch's C++ errors become in Python (c10::Error and its
 # subclasses; NotImplementedError is apart: it always means refused).
@@ -68,16 +77,20 @@ def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
     if not tensors:
         return None
-    signature = []
-    for v in leaves:
+    shapes = {}
+    for i, v in enumerate(leaves):
         if isinstance(v, torch.Tensor):
-            shape = []
-            for s in v.shape:
-                if isinstance(s, torch.SymInt):
-                    if s.node.hint is None:
-                        return None
-                    s = s.node.hint
-                shape.append(min(int(s), 1))
+            hints = [s.node.hint if isinstance(s, torch.SymInt) else s for s in v.shape]
+            if any(h is None for h in hints):
+                return None  # an unbacked size
+            shapes[i] = [int(h) for h in hints]
+    shrink = torch.Tag.pointwise in op.tags
+    if not shrink and any(math.prod(shape) > _EXACT_LIMIT for shape in shapes.values()):
+        return None  # not probed: see the module's docstring
+    signature = []
+    for i, v in enumerate(leaves):
+        if i in shapes:
+            shape = [min(s, 1) for s in shapes[i]] if shrink else shapes[i]
             signature.append(_TensorSpec(tuple(shape), v.dtype))
         else:
             signature.append(_hashable(v))
@@ -90,7 +103,7 @@ def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
 
 
 class _TensorSpec(NamedTuple):
-    """A probe tensor: the node's rank with sizes shrunk to 1 (0 stays 0), its dtype."""
+    """A probe tensor: its sizes (the node's, or shrunk to 1 for a pointwise op) and dtype."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype

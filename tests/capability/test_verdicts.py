@@ -279,27 +279,41 @@ _CONV_BACKWARD = (
 )
 
 
+# grad, indices, num_weights, padding_idx, scale_grad_by_freq.
+_EMBEDDING_BACKWARD = (torch.ones(4, 3), torch.tensor([0, 5, 9, 2]), 10, -1, False)
+
+
 @pytest.mark.parametrize(
     "op, args, refused",
     [
         (aten.relu.default, (torch.ones(3, dtype=torch.bool),), "Boolean inputs"),
-        (aten.mm.default, (torch.ones(2, 3, dtype=torch.bool),) * 2, "addmm_impl_cpu_"),
+        (
+            aten.mm.default,
+            (torch.ones(2, 3, dtype=torch.bool), torch.ones(3, 2, dtype=torch.bool)),
+            "addmm_impl_cpu_",
+        ),
+        # Not probed: an op that is not pointwise runs at the node's sizes, up to
+        # _EXACT_LIMIT elements a tensor (a documented gap).
+        (aten.mm.default, (torch.ones(100, 100, dtype=torch.bool),) * 2, None),
         (aten.relu.default, (torch.ones(3),), None),
         (aten.sub.Tensor, (torch.ones(3, dtype=torch.bool), 1), "Subtraction"),
-        # The probe's one-element tensors do not fit the sizes: a question of sizes,
-        # not of dtypes (the CPU kernel checks sizes the meta kernel does not).
+        # Ops with size arguments, or whose CPU kernel checks sizes its meta kernel
+        # does not: probed at the node's own sizes, they pass.
         (aten.view.default, (torch.ones(6, dtype=torch.int64), [2, 3]), None),
         (aten.convolution_backward.default, _CONV_BACKWARD, None),
+        (aten.embedding_dense_backward.default, _EMBEDDING_BACKWARD, None),
         # Raises on zeros (an integer division by zero): the values', not the dtype's.
         (aten.remainder.Tensor, (torch.ones(3, dtype=torch.int64),) * 2, None),
     ],
     ids=[
         "relu-bool",
         "mm-bool",
+        "mm-bool-large",
         "relu-float32",
         "sub-bool",
         "view-sizes",
         "convolution_backward-sizes",
+        "embedding_dense_backward-sizes",
         "remainder-int64",
     ],
 )
