@@ -19,6 +19,7 @@ def test_every_feature_example_is_listed() -> None:
     assert {
         "attention_rewrite.py",
         "custom_op_rule.py",
+        "debug_planted_bug.py",
         "export_gpt2.py",
         "graph_pass.py",
         "jax_training.py",
