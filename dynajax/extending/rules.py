@@ -31,8 +31,10 @@ runs the same VJP through JAX). When the op has its own formula (``register_auto
 as transformers' grouped matmul has), that formula is kept: register a rule for every
 op its backward calls too. ``unregister_rule`` removes an installed formula again.
 
-Ops PyTorch decomposes before dynajax sees them (a ``CompositeImplicitAutograd``
-kernel) never reach the table; ``register_rule`` refuses them, naming the reason.
+Ops whose nodes never reach the table are refused by ``register_rule``, naming the
+reason: ops PyTorch decomposes before dynajax sees them (a ``CompositeImplicitAutograd``
+kernel), and ops that mutate or alias their arguments (aot_autograd wraps them in
+``auto_functionalized``): rules are for functional ops.
 """
 
 from __future__ import annotations
@@ -86,14 +88,14 @@ def register_rule(
 
     Raises:
         ValueError: no such op; the op already has a rule and ``override`` is False; the
-            op is decomposed by PyTorch before dynajax sees it.
+            op is decomposed by PyTorch before dynajax sees it, or mutates its arguments.
         TypeError: ``op`` is neither an op nor a name, or ``check`` is not callable.
     """
     overloads = resolve_ops(op)
     if check is not None and not callable(check):
         raise TypeError(f"register_rule: check must be a function or None, got {check!r}")
     for overload in overloads:
-        _refuse_decomposed(overload)
+        _refuse_unreachable(overload)
     caller = sys._getframe(1)
     where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
 
@@ -175,11 +177,19 @@ def resolve_ops(op: OpKey) -> list[torch._ops.OpOverload]:
     return [getattr(packet, overload)]
 
 
-def _refuse_decomposed(op: torch._ops.OpOverload) -> None:
-    # (An op that has a built-in rule reaches some graph; it is not refused here.)
-    if registry.get_rule(op) is None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        op.name(), "CompositeImplicitAutograd"
-    ):
+def _refuse_unreachable(op: torch._ops.OpOverload) -> None:
+    """Raises for an op whose nodes never reach the table (an op that has a rule
+    already reaches some graph, and is not refused)."""
+    if registry.get_rule(op) is not None:
+        return
+    if not library_utils.is_functional_schema(op._schema):
+        raise ValueError(
+            f"register_rule: {op} mutates or aliases its arguments ({op._schema}); "
+            "aot_autograd functionalizes it into an auto_functionalized node, which "
+            "stays in PyTorch, so a rule for it would never be used. Define a functional "
+            "op (mutates_args=(), returning new tensors) and register its rule."
+        )
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
         raise ValueError(
             f"register_rule: {op} has a CompositeImplicitAutograd kernel, so PyTorch "
             "decomposes it into the ops it calls before dynajax sees the graph, and a "

@@ -154,6 +154,7 @@ def test_installed_backward_works_in_eager_and_is_removed(registered) -> None:
     with pytest.raises(RuntimeError, match="no autograd formula"):
         soft_clip(x, 1.5).sum().backward()
     dynajax.register_rule("dynajax_test_rules::soft_clip")(jax_soft_clip)
+    registered.append("dynajax_test_rules::soft_clip")
     (grad,) = torch.autograd.grad(soft_clip(x, 1.5).sum(), x)
     (expected,) = torch.autograd.grad(torch_soft_clip(x, 1.5).sum(), x)
     assert_same(grad, expected)
@@ -288,6 +289,16 @@ def test_decomposed_ops_are_refused() -> None:
             dynajax.register_rule("dynajax_test_rules_implicit::twice")
     finally:
         lib._destroy()
+
+
+@torch.library.custom_op("dynajax_test_rules::add_one_", mutates_args=("x",))
+def add_one_(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+def test_mutating_ops_are_refused() -> None:
+    with pytest.raises(ValueError, match="mutates or aliases its arguments"):
+        dynajax.register_rule("dynajax_test_rules::add_one_")
 
 
 def test_registering_over_a_rule_needs_override(registered) -> None:
