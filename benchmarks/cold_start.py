@@ -1,20 +1,35 @@
-"""The first call in a second process against the first call in a cold process.
+"""The first call in a second process against the first call in a cold process,
+dynajax and inductor side by side.
 
-    python -m benchmarks.cold_start                      # mlp, encoder, gpt2
-    python -m benchmarks.cold_start --workloads encoder --repeats 3
+    python -m benchmarks.cold_start                          # the model and training rows
+    python -m benchmarks.cold_start --workloads gpt2,mlp-train --repeats 3
+    python -m benchmarks.cold_start --peers dynajax          # without inductor
 
-For each workload, pairs of fresh processes run one after the other: the first against
-an empty cache directory (cold: trace, lower, XLA compile, store), the second against
-the directory the first filled (warm: trace, lower, load). Each process times its first
-call (imports excluded) and splits it: dynajax's graph work (``compile_aten_graph``),
-tracing and lowering the partitions to StableHLO (with the cache key), getting the
-executables (XLA compile + store when cold, load when warm), and the rest, which is
-torch's (Dynamo, aot_autograd) plus the run itself. The target is warm/cold <= 0.3.
+For each workload of ``benchmarks.workloads`` (the ``model`` and ``training`` rows by
+default) and each peer, pairs of fresh processes run one after the other: the first
+against empty cache directories (cold), the second against the directories the first
+filled (warm). dynajax's cache is ``DYNAJAX_CACHE_DIR``; inductor's is
+``TORCHINDUCTOR_CACHE_DIR`` (its FX graph cache and AOT-autograd cache, both on by
+default). Each process times the workload's first step (a forward call for model
+rows; forward, backward and optimizer step for training rows), imports and model
+construction excluded. dynajax's first step is split into:
+
+    dynamo    Dynamo's trace and guards, and the step itself (first - the rest)
+    aot       aot_autograd (its tracing, functionalization, min-cut partition)
+    dynajax   dynajax's graph work: passes, capability verdicts, partitioning
+    lower     tracing partitions through the rule table and lowering to StableHLO
+              (none on a warm hit: executables are found by their program)
+    xla       XLA compile and store (cold), or loading the executable (warm)
+
+The ratios are medians over the pairs; warm/cold is per peer, and the last column is
+dynajax's warm first step over inductor's. Targets (issue 19): dynajax warm/cold <= 0.3,
+and dynajax's warm first step below inductor's.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -27,75 +42,89 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _workload(name: str):
-    import torch
-
-    from tests.models import gpt2, mlp, tokens
-
-    torch.manual_seed(0)
-    if name == "mlp":
-        return mlp().eval(), (torch.randn(8, 32),)
-    if name == "encoder":
-        enc = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
-        return enc.eval(), (torch.randn(8, 16, 64),)
-    if name == "gpt2":
-        return gpt2().eval(), (tokens(2, 32),)
-    raise SystemExit(f"unknown workload {name!r}")
-
-
-def _timed(owner: type, attr: str, spent: dict[str, float], key: str) -> None:
+def _timed(owner: object, attr: str, spent: dict[str, float], key: str) -> None:
+    """Adds the time of every call of ``owner.attr`` to ``spent[key]``; while it runs,
+    ``spent["inside_" + key]`` is 1 (so nested timers can tell where they are)."""
     original = getattr(owner, attr)
+    inside = "inside_" + key
 
     def timed(*a, **k):
         start = time.perf_counter()
+        spent[inside] = spent.get(inside, 0) + 1
         try:
             return original(*a, **k)
         finally:
-            spent[key] += time.perf_counter() - start
+            spent[inside] -= 1
+            took = time.perf_counter() - start
+            spent[key] += took
+            if key == "aten_s" and spent.get("inside_aot_s"):
+                spent["aten_in_aot_s"] += took
 
-    setattr(owner, attr, timed)
+    static = isinstance(inspect.getattr_static(owner, attr), staticmethod)
+    setattr(owner, attr, staticmethod(timed) if static else timed)
 
 
-def child(name: str) -> None:
+def child(name: str, peer: str) -> None:
     import torch
 
-    import dynajax
-    from dynajax.runtime import cache, executables
+    from benchmarks.workloads import WORKLOADS
 
-    model, args = _workload(name)
-    spent = {"aten_s": 0.0, "lower_s": 0.0, "xla_s": 0.0}
-    _timed(dynajax.Backend, "compile_aten_graph", spent, "aten_s")
-    _timed(executables.Executables, "compile", spent, "lower_s")
-    _timed(cache.ExecutableCache, "compile", spent, "xla_s")
-    backend = dynajax.Backend()
-    f = torch.compile(model, backend=backend)
-    with torch.no_grad():
+    workload = WORKLOADS[name]
+    spent = {"aot_s": 0.0, "aten_s": 0.0, "aten_in_aot_s": 0.0, "exe_s": 0.0, "xla_s": 0.0}
+    if peer == "dynajax":
+        import dynajax
+        import dynajax.backend
+        from dynajax.runtime import cache, executables
+
+        _timed(dynajax.backend, "aot_compile", spent, "aot_s")
+        _timed(dynajax.Backend, "compile_aten_graph", spent, "aten_s")
+        _timed(executables.Executables, "compile", spent, "exe_s")
+        for attr in ("_compile", "_load", "_store"):
+            _timed(cache.ExecutableCache, attr, spent, "xla_s")
+        backend = dynajax.Backend()
+
+        def compile(m):
+            return torch.compile(m, backend=backend)
+    else:
+
+        def compile(m):
+            return torch.compile(m, backend="inductor")
+
+    with torch.no_grad() if workload.no_grad else torch.enable_grad():
+        step = workload.setup(compile)
         start = time.perf_counter()
-        f(*args)
+        step()
         first = time.perf_counter() - start
-    stats = dynajax.Report(backend.graphs).compile_stats
-    spent["lower_s"] -= spent["xla_s"]  # trace + lower + key, without compile/load
-    print(
-        json.dumps(
-            {
-                "first_s": first,
-                **spent,
-                "xla_compiles": stats.xla_compiles,
-                "cache_hits": stats.cache_hits,
-            }
+    result = {"first_s": first}
+    if peer == "dynajax":
+        stats = dynajax.Report(backend.graphs).compile_stats
+        # aot_compile's time includes the forward (or inference) graph's
+        # compile_aten_graph; a backward's runs later, inside the first backward call.
+        # Executables compile at a partition's first call, after aot_compile returned.
+        result.update(
+            aot_s=spent["aot_s"] - spent["aten_in_aot_s"],
+            aten_s=spent["aten_s"],
+            lower_s=spent["exe_s"] - spent["xla_s"],
+            xla_s=spent["xla_s"],
+            xla_compiles=stats.xla_compiles,
+            cache_hits=stats.cache_hits,
         )
+    print(json.dumps(result))
+
+
+def _run(name: str, peer: str, cache_dir: str) -> dict:
+    env = dict(
+        os.environ,
+        DYNAJAX_CACHE_DIR=os.path.join(cache_dir, "dynajax"),
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
     )
-
-
-def _run(name: str, cache_dir: str) -> dict:
-    env = dict(os.environ, DYNAJAX_CACHE_DIR=cache_dir)
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.cold_start", "--child", name],
+        [sys.executable, "-m", "benchmarks.cold_start", "--child", name, "--peers", peer],
         capture_output=True,
         text=True,
         env=env,
         cwd=ROOT,
-        timeout=600,
+        timeout=900,
     )
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
@@ -103,40 +132,58 @@ def _run(name: str, cache_dir: str) -> dict:
 
 
 def main() -> None:
+    from benchmarks.workloads import WORKLOADS
+
+    rows = [n for n, w in WORKLOADS.items() if w.group in ("model", "training")]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="mlp,encoder,gpt2")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workloads", default=",".join(rows))
+    parser.add_argument("--peers", default="dynajax,inductor")
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child)
+        return child(args.child, args.peers)
+    peers = args.peers.split(",")
     print(
-        "first call = torch (Dynamo, aot_autograd, the run) + dynajax graph work (passes,\n"
-        "capability, partition) + trace/lower/key + executables (XLA compile+store, or load)\n"
+        "first step (s); dynajax's split: dynamo (trace, guards, the step) + aot (aot_autograd)\n"
+        "+ dynajax (passes, verdicts, partitions) + lower (trace+lower) + xla (compile or load)\n"
     )
-    head = f"{'workload':<9} {'':<5} {'first call':>10} {'torch':>7} {'dynajax':>7} "
-    print(head + f"{'lower':>7} {'xla':>7}   compiles, hits")
+    print(
+        f"{'workload':<15} {'peer':<8} {'cold':>7} {'warm':>7} {'warm/cold':>9}   "
+        f"{'warm split: dynamo':>18} {'aot':>6} {'dynajax':>7} {'lower':>6} {'xla':>6}"
+    )
+    summary = []
     for name in args.workloads.split(","):
-        ratios, colds, warms = [], [], []
+        runs: dict[str, list[tuple[dict, dict]]] = {p: [] for p in peers}
         for _ in range(args.repeats):
-            with tempfile.TemporaryDirectory() as d:
-                cold = _run(name, d)
-                warm = _run(name, d)
-            colds.append(cold)
-            warms.append(warm)
-            ratios.append(warm["first_s"] / cold["first_s"])
-        for label, runs in (("cold", colds), ("warm", warms)):
-            r = min(runs, key=lambda r: r["first_s"])
-            torch_s = r["first_s"] - r["aten_s"] - r["lower_s"] - r["xla_s"]
-            print(
-                f"{name:<9} {label:<5} {r['first_s']:>9.2f}s {torch_s:>6.2f}s "
-                f"{r['aten_s']:>6.2f}s {r['lower_s']:>6.2f}s {r['xla_s']:>6.2f}s   "
-                f"{r['xla_compiles']}, {r['cache_hits']}"
-            )
-        print(
-            f"{name:<9} warm/cold first call: {statistics.median(ratios):.2f} "
-            f"(median of {args.repeats} pairs; target <= 0.3)"
-        )
+            for peer in peers:  # interleaved: one pair of each peer per repeat
+                with tempfile.TemporaryDirectory() as d:
+                    runs[peer].append((_run(name, peer, d), _run(name, peer, d)))
+        warm_first = {}
+        for peer in peers:
+            pairs = runs[peer]
+            cold = statistics.median(c["first_s"] for c, _ in pairs)
+            warm = statistics.median(w["first_s"] for _, w in pairs)
+            ratio = statistics.median(w["first_s"] / c["first_s"] for c, w in pairs)
+            warm_first[peer] = warm
+            line = f"{name:<15} {peer:<8} {cold:>7.2f} {warm:>7.2f} {ratio:>9.2f}"
+            if peer == "dynajax":
+                w = min((w for _, w in pairs), key=lambda r: r["first_s"])
+                dynamo = w["first_s"] - w["aot_s"] - w["aten_s"] - w["lower_s"] - w["xla_s"]
+                line += (
+                    f"   {dynamo:>18.2f} {w['aot_s']:>6.2f} {w['aten_s']:>7.2f} "
+                    f"{w['lower_s']:>6.2f} {w['xla_s']:>6.2f}   "
+                    f"(warm: {w['xla_compiles']} compiles, {w['cache_hits']} hits)"
+                )
+            print(line, flush=True)
+        if {"dynajax", "inductor"} <= set(peers):
+            vs = warm_first["dynajax"] / warm_first["inductor"]
+            summary.append((name, vs))
+            print(f"{name:<15} dynajax warm / inductor warm: {vs:.2f}", flush=True)
+    if summary:
+        print("\ndynajax warm first step / inductor warm first step:")
+        for name, vs in summary:
+            print(f"  {name:<15} {vs:.2f}")
 
 
 if __name__ == "__main__":

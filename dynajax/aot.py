@@ -52,6 +52,7 @@ import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._dynamo import convert_frame as _convert_frame
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch._functorch._aot_autograd.schemas import OutputType, SubclassCreationMeta
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
@@ -202,10 +203,19 @@ def _partition_without_reading_mutated_inputs(
     computation has been modified by an inplace operation" where eager does not. (PyTorch's
     own ``aot_eager_decomp_partition`` fails the same way.) Such a graph is split by the
     default partitioner, which saves what the forward computed, as eager's autograd does.
-    The joint graph's output descriptors name the mutated inputs."""
-    fw, bw = min_cut_rematerialization_partition(
-        joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
-    )
+    The joint graph's output descriptors name the mutated inputs.
+
+    The partitioner's common-subexpression pass is off while it runs (functorch's ``cse``
+    setting; compiles run under Dynamo's compile lock, so no other compile sees it): the
+    pass imports inductor's pattern matcher, and with it all of inductor's lowerings,
+    which cost every process 0.5-1 s at its first training graph, most of aot_autograd's
+    time in a warm process (``benchmarks/cold_start.py``). XLA eliminates common
+    subexpressions inside each partition, and the forward saves the same tensors without
+    the pass (4, 27 and 183 on the MLP, encoder and ResNet-18 training rows)."""
+    with functorch_config.patch(cse=False):
+        fw, bw = min_cut_rematerialization_partition(
+            joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
+        )
     output = next(iter(joint.graph.find_nodes(op="output")))
     mutated = [
         d.mutated_input

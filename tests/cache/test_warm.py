@@ -75,6 +75,7 @@ def test_second_process_traces_nothing_and_gives_eagers_answers(tmp_path) -> Non
     assert warm["hits"] == cold["compiles"]
     assert warm["traces"] == 0  # nothing traced through the rule table, nothing lowered
     assert warm["graphs"] == cold["graphs"] == ["inference", "forward", "backward"]
+    assert not cold["inductor_lowerings"] and not warm["inductor_lowerings"]
     # the report shows the same verdicts and partitions
     for key in ("partitions", "nodes", "fallbacks"):
         assert warm[key] == cold[key], key

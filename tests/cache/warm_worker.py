@@ -73,6 +73,9 @@ def main(cache_dir: str) -> None:
                 "hits": stats.cache_hits,
                 "misses": dict(stats.cache_misses),
                 "traces": traces,
+                # the training graph's partition never imported inductor's lowerings
+                # (aot.py turns the min-cut partitioner's CSE pass off)
+                "inductor_lowerings": "torch._inductor.lowering" in sys.modules,
                 "graphs": [g.kind for g in backend.graphs],
                 "partitions": [(p.name, p.op_count, p.ops) for p in report.partitions],
                 "nodes": [g.node_partition for g in backend.graphs],
