@@ -436,7 +436,7 @@ class JaxFunction:
         run = self._run_checked(state, args, key)
         return run.outputs, _new_state(state, run.updates), run.new_args
 
-    @property
+    @functools.cached_property
     def checked(self) -> CheckedJaxFunction:
         """This function with its value checks as a value: ``fn.checked(state, *args)``
         returns ``(outputs, err)``, ``fn.checked.with_state`` ``(outputs, new_state,

@@ -163,6 +163,12 @@ def test_checked_under_vmap_and_scan_raises_for_the_first_failing_element() -> N
         errs.throw()
     _, errs = jax.lax.scan(step, jnp.zeros(()), batch[:2])
     assert not errs.failed()
+    # A model with no checks: the result holds the code alone, 0.
+    linear, linear_state = dynajax.jax_function(nn.Linear(4, 2), torch.randn(3, 4))
+    assert linear.checked is linear.checked  # one object: jax.jit caches its traces
+    _, err = jax.vmap(linear.checked, in_axes=(None, 0))(linear_state, np.ones((3, 3, 4)))
+    assert err.checks == () and np.asarray(err.vector).shape == (3, 1)
+    assert not err.failed() and err.get() is None
 
 
 def test_checked_under_grad_and_with_state() -> None:
