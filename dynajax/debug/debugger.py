@@ -215,6 +215,12 @@ class AccuracyReport:
                 "no rule disagrees with eager on its own inputs: the partitions' outputs "
                 "drift by rounding, accumulated over the graph"
             )
+        elif not self.clean:
+            out.append(
+                "no rule disagrees with eager on its own inputs and every partition matches "
+                "eager on its inputs: the difference comes from outside the partitions' "
+                "rules (a graph pass, a decomposition, an op kept in PyTorch)"
+            )
         else:
             out.append("no rule disagrees with eager on its own inputs")
         out.append(f"partitions checked ({len(self.partitions)} call(s)):")

@@ -180,6 +180,24 @@ def test_float64_criterion_clears_a_rule_that_rounds_differently(exact_exp_rule:
     assert "rounds differently" in str(report)
 
 
+def test_a_wrong_graph_pass_is_not_blamed_on_a_rule() -> None:
+    def tanh_to_sigmoid(gm: torch.fx.GraphModule) -> None:  # a wrong user pass
+        for node in gm.graph.nodes:
+            if node.target is torch.tanh:
+                node.target = torch.sigmoid
+        gm.recompile()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * 2) + 1
+
+    options = {**NO_CACHE, "passes": {"pre_aot": [tanh_to_sigmoid]}}
+    report = dynajax.debug.compare(fn, torch.randn(16), options=options)
+    assert report.first is None and report.mismatches == [], str(report)
+    assert report.outputs is not None and not report.outputs.within
+    assert all(p.outputs is not None and p.outputs.within for p in report.partitions)
+    assert "comes from outside the partitions' rules" in str(report)
+
+
 def test_recording_is_only_on_the_debuggers_backend() -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return (x.sin() + 1).exp()
