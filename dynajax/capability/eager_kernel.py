@@ -15,9 +15,10 @@ signature. A pointwise op (``torch.Tag.pointwise``) gets one-element tensors (ev
 shrunk to 1, 0 stays 0: its kernel broadcasts and checks them). Any other op gets the
 node's own sizes, because some CPU kernels trust sizes their meta kernels checked and
 read out of bounds on others (``embedding_bag`` with shrunk offsets crashed the
-process); an op with a tensor of more than ``_EXACT_LIMIT`` elements is not probed
-(its dtypes are taken as accepted: a bool ``mm`` of two 100x100 matrices still computes
-a value where eager raises).
+process); such an op with an input or output of more than ``_EXACT_LIMIT`` elements,
+or outputs unknown, is not probed (its dtypes are taken as accepted: a bool ``mm`` of
+two 100x100 matrices still computes a value where eager raises). The aot stage asks
+about pointwise ops only (it has no outputs to size).
 
     eager kernel -> succeeds                       accepted
                  -> raises NotImplementedError     refused (a dispatch macro's "not
@@ -55,13 +56,16 @@ _EXACT_LIMIT = 4096
 _EAGER_ERRORS = (RuntimeError, IndexError, ValueError, TypeError)
 
 
-def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
+def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any], out: Any = None) -> str | None:
     """Eager's error (``Type: message``) if its CPU kernel refuses these dtypes, else None.
 
     Args:
         op: the ATen overload.
         args, kwargs: its arguments, tensors as fake (or real) tensors or as FX nodes
             whose ``meta["val"]`` holds one; sizes may be backed SymInts.
+        out: the node's output (fake tensors). An op that is not pointwise is probed
+            only when its outputs are known and small too (``x.repeat(1000, 1000)``
+            would allocate its real output).
     """
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
@@ -77,15 +81,15 @@ def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
     if not tensors:
         return None
-    shapes = {}
+    shapes: dict[int, list[int]] = {}
     for i, v in enumerate(leaves):
         if isinstance(v, torch.Tensor):
-            hints = [s.node.hint if isinstance(s, torch.SymInt) else s for s in v.shape]
-            if any(h is None for h in hints):
+            hints = [_hint(s) for s in v.shape]
+            if None in hints:
                 return None  # an unbacked size
-            shapes[i] = [int(h) for h in hints]
+            shapes[i] = [h for h in hints if h is not None]
     shrink = torch.Tag.pointwise in op.tags
-    if not shrink and any(math.prod(shape) > _EXACT_LIMIT for shape in shapes.values()):
+    if not shrink and not _small(shapes.values(), out):
         return None  # not probed: see the module's docstring
     signature = []
     for i, v in enumerate(leaves):
@@ -100,6 +104,25 @@ def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
     except TypeError:
         return None  # an argument we cannot key a cache on (nothing seen so far)
     return _probe(*key)
+
+
+def _small(shapes: Any, out: Any) -> bool:
+    """Whether every input (``shapes``) and output tensor has at most _EXACT_LIMIT elements."""
+    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if not outputs:
+        return False  # outputs unknown: their size could be anything
+    sizes = [*shapes, *([_hint(s) for s in t.shape] for t in outputs)]
+    if any(s is None for shape in sizes for s in shape):
+        return False  # an unbacked output size
+    return all(math.prod(shape) <= _EXACT_LIMIT for shape in sizes)
+
+
+def _hint(size: Any) -> int | None:
+    """A size as an int: a backed SymInt at its hint (no guard), None if unbacked."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return None if hint is None else int(hint)
+    return int(size)
 
 
 class _TensorSpec(NamedTuple):

@@ -199,7 +199,7 @@ class CapabilityChecker:
             return self._refuse(node, Reason.DTYPE, f"{bad_dtype} has no JAX equivalent")
         # Also before the table: where eager's CPU kernel refuses the dtypes its meta
         # kernel accepted, the program must raise eager's error, which no rule gives.
-        refusal = eager_refusal(node.target, node.args, node.kwargs)
+        refusal = eager_refusal(node.target, node.args, node.kwargs, out)
         if refusal is not None:
             return self._refuse(node, Reason.EAGER_REFUSES, refusal)
         if not isinstance(node.target, torch._ops.OpOverload):

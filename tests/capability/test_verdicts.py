@@ -320,7 +320,9 @@ _EMBEDDING_BACKWARD = (torch.ones(4, 3), torch.tensor([0, 5, 9, 2]), 10, -1, Fal
 def test_eager_refusal_asks_the_kernel(op, args, refused) -> None:
     from dynajax.capability.eager_kernel import eager_refusal
 
-    found = eager_refusal(op, args, {})
+    # The node's output, as its fake tensor would record it (the meta kernel).
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+    found = eager_refusal(op, args, {}, op(*meta))
     assert found is None if refused is None else refused in found
 
 
