@@ -6,7 +6,7 @@ the rule's ``check`` accepts the arguments, and abstract evaluation of the rule
 (``jax.eval_shape`` on the node's fake-tensor shapes and dtypes) produces exactly the
 shapes and dtypes PyTorch's meta kernels recorded in ``node.meta["val"]``, and eager's
 CPU kernel takes its dtypes (which meta kernels do not check: ``eager_kernel``, the one
-place that runs an op, on one-element tensors). No exception at call time decides
+place that runs an op, on small tensors of zeros). No exception at call time decides
 support.
 """
 
@@ -129,7 +129,7 @@ class CapabilityChecker:
        -> DATA_DEPENDENT_SHAPE
     5. Does every tensor and dtype it touches exist in JAX?  -> DTYPE
        Does eager's CPU kernel take these dtypes (``eager_kernel.eager_refusal``: the
-       kernel is asked on one-element tensors)?  -> EAGER_REFUSES
+       kernel is asked on small tensors of zeros)?  -> EAGER_REFUSES
     6. Does the table have a rule for its exact overload?  -> NO_LOWERING
     7. Does the rule's ``check`` accept the arguments, and does ``jax.eval_shape`` of the
        rule on the node's fake-tensor shapes reproduce PyTorch's output shapes and
