@@ -24,6 +24,10 @@ Candidates:
 * ``lhs-copy``: the left operand of ``mm``/``bmm`` behind an optimization barrier, so a
   transposed one (a weight gradient, ``g^T @ x``) is copied row-major and the dot goes
   to YNNPACK instead of Eigen.
+* ``vec512``: XLA's own loop fusions (bias, ReLU, layer norm, softmax) vectorized for
+  512-bit registers (``xla_cpu_prefer_vector_width=512``; the default is 256).
+* ``concurrency-scheduler``: ``xla_cpu_enable_concurrency_optimized_scheduler``, an
+  instruction order meant to let independent thunks run concurrently.
 
 oneDNN fusions (``xla_cpu_experimental_onednn_fusion_type``) and XNNPACK graph fusion
 are accepted as options by jaxlib 0.10.2 but leave every dot as it was (YNNPACK or
@@ -46,6 +50,8 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "ynn-dot": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
     "eigen": {"xla_cpu_experimental_ynn_fusion_type": ""},
     "lhs-copy": {},
+    "vec512": {"xla_cpu_prefer_vector_width": 512},
+    "concurrency-scheduler": {"xla_cpu_enable_concurrency_optimized_scheduler": True},
 }
 
 
