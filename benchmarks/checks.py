@@ -17,8 +17,10 @@ the rounds' per-call means):
 * ``GPT-2 train``: the same model, one forward and backward step (cross entropy on
   its own logits' argmax): the embedding checks in the forward, none in the backward.
 * ``--workloads``: the rows of the main benchmark table (``benchmarks/workloads.py``,
-  inference and training), each step built twice by the row's own ``setup``, with
-  as many calls per round as fit in about 0.2 s.
+  inference and training), each step built twice by the row's own ``setup``; single
+  calls alternate between the two, each timed alone, about ``rounds`` x 0.2 s of
+  calls each, and the medians compared (on a loaded machine, rounds of many calls
+  let load drifting over seconds fall on one variant more than on the other).
 """
 
 from __future__ import annotations
@@ -50,7 +52,26 @@ def _compiled(fn: Any, checks: bool) -> Any:
     from benchmarks.harness import _own_code
 
     own = _own_code(fn, "checks_on" if checks else "checks_off")
-    return torch.compile(own, backend=dynajax.Backend(cache_dir="", checks=checks))
+    backend = dynajax.Backend(cache_dir="", checks=checks)
+    _backends.append(backend)
+    return torch.compile(own, backend=backend)
+
+
+_backends: list[Any] = []  # every backend _compiled made, for checks_in
+
+
+def checks_in(backends: list[Any]) -> int:
+    """Value checks in the programs these backends compiled (0: on and off are one
+    program, and their ratio is the run's noise)."""
+    from dynajax.runtime.compiled import CompiledPartition
+
+    return sum(
+        len(m.value_checks.checks or ())
+        for b in backends
+        for g in b.graphs
+        for m in g.graph_module.children()
+        if isinstance(m, CompiledPartition) and m.value_checks is not None
+    )
 
 
 def _tiny(checks: bool) -> Step:
@@ -131,22 +152,33 @@ ROWS: dict[str, tuple[str, Callable[[bool], Step], int]] = {
 }
 
 
-def measure(row: str, rounds: int, scale: float = 1.0) -> dict[str, float]:
-    """Median seconds per call with checks off and on, interleaved round by round.
+def measure(row: str, rounds: int, scale: float = 1.0) -> dict[str, Any]:
+    """Median seconds per call with checks off and on, interleaved round by round,
+    and ``checks``: how many value checks the "on" program computes.
 
     ``row`` is a key of ``ROWS`` or ``workload:<name>`` (a main-table row; calls per
-    round: as many as fit in about 0.2 s, at least 1).
+    round: single calls alternating, see the module's docstring).
     """
     if row.startswith("workload:"):
         make, calls = _workload(row.split(":", 1)[1]), 0
     else:
         _, make, calls = ROWS[row]
-    steps = {"off": make(False), "on": make(True)}
+    off = make(False)
+    first = len(_backends)
+    steps = {"off": off, "on": make(True)}
     for step in steps.values():
         for _ in range(3):
             step()  # compile, warm up
-    if not calls:
-        calls = max(1, int(0.2 / min(_per_call_s(s, 1) for s in steps.values())))
+    checks = checks_in(_backends[first:])
+    if not calls:  # a main-table row: single calls, alternating, each timed alone
+        per_call = min(_per_call_s(s, 1) for s in steps.values())
+        n = max(3, int(rounds * 0.2 * scale / per_call))
+        alone: dict[str, list[float]] = {k: [] for k in steps}
+        order = list(steps)
+        for r in range(n):
+            for k in order[r % 2 :] + order[: r % 2]:
+                alone[k].append(_per_call_s(steps[k], 1))
+        return {k: statistics.median(v) for k, v in alone.items()} | {"checks": checks}
     calls = max(1, int(calls * scale))
     samples: dict[str, list[float]] = {k: [] for k in steps}
     order = list(steps)
@@ -154,7 +186,7 @@ def measure(row: str, rounds: int, scale: float = 1.0) -> dict[str, float]:
         for k in order[r % 2 :] + order[: r % 2]:  # rotate who goes first
             steps[k]()  # one untimed call: OpenMP workers of the other peer settle
             samples[k].append(_per_call_s(steps[k], calls))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return {k: statistics.median(v) for k, v in samples.items()} | {"checks": checks}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads",
         help="rows of the main benchmark table instead of --rows: 'all' or comma separated",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="compute threads (as python -m benchmarks.run --threads; 1 on a loaded machine)",
+    )
     args = parser.parse_args(argv)
+    if args.threads:
+        from benchmarks.run import set_threads
+
+        set_threads(args.threads)
     if args.workloads:
         from benchmarks.workloads import WORKLOADS
 
@@ -182,14 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(rows) - set(ROWS))
         if unknown:
             parser.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
-    print(f"{'row':<40} {'off ms':>10} {'on ms':>10} {'on/off':>8}")
+    print(f"{'row':<40} {'off ms':>10} {'on ms':>10} {'on/off':>8} {'checks':>7}")
     ratios: dict[str, float] = {}
     for row in rows:
         med = measure(row, args.rounds, args.scale)
         label = row.split(":", 1)[1] if row.startswith("workload:") else ROWS[row][0]
         ratios[row] = med["on"] / med["off"]
         print(
-            f"{label:<40} {med['off'] * 1e3:>10.4f} {med['on'] * 1e3:>10.4f} {ratios[row]:>8.3f}",
+            f"{label:<40} {med['off'] * 1e3:>10.4f} {med['on'] * 1e3:>10.4f} "
+            f"{ratios[row]:>8.3f} {med['checks']:>7}",
             flush=True,
         )
     if args.workloads:
