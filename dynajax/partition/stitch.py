@@ -6,6 +6,10 @@ aot_autograd's boxed calling convention, and skips the GraphModule entirely when
 graph is one partition between its inputs and outputs:
 
     placeholders -> jax_0 -> getitem* -> output        (called as jax_0.run(args))
+
+Its ``unboxed(first)`` is the same graph as a plain ``fn(*inputs)``, which ``aot.py``
+hands Dynamo instead of aot_autograd's runtime wrapper where that wrapper would do
+nothing: Dynamo's compiled frame then calls the partition with no layer between.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ def stitched_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     be freed as soon as they are used. When the graph is a single JAX partition between
     its inputs and outputs (the common case), the partition is called directly, without
     the GraphModule and its nn.Module machinery; otherwise the GraphModule's generated
-    ``forward`` runs (eager fallback ops between partitions).
+    ``forward`` runs (eager fallback ops between partitions). ``run.unboxed(first)``
+    makes the unboxed callable (``_first_then``), for Dynamo only: a single partition is
+    called through ``run_guarded``, which relies on Dynamo's guards.
     """
     found = _single_partition(gm)
     unboxed: Callable[..., Any]
@@ -130,6 +136,9 @@ def _single_partition(
     identity_in = in_idx == list(range(len(placeholders)))
     identity_out = plan == [(0, k) for k in range(n_out)]
     call_part = part.run
+    # The unboxed callable is only handed to Dynamo, whose guards have just fixed every
+    # graph input's sizes and strides (``CompiledPartition.run_guarded``).
+    call_guarded = getattr(part, "run_guarded", call_part)
 
     if identity_in and identity_out:
 
@@ -138,7 +147,7 @@ def _single_partition(
             args.clear()
             return outs
 
-        return run, call_part
+        return run, call_guarded
 
     def run_mapped(args: list[Any]) -> list[Any]:
         outs = call_part([args[i] for i in in_idx])
@@ -147,7 +156,7 @@ def _single_partition(
         return result
 
     def run_mapped_tuple(args: tuple[Any, ...]) -> list[Any]:
-        outs = call_part([args[i] for i in in_idx])
+        outs = call_guarded([args[i] for i in in_idx])
         return [outs[v] if kind == 0 else args[v] if kind == 1 else v for kind, v in plan]
 
     return run_mapped, run_mapped_tuple

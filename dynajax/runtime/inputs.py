@@ -153,6 +153,26 @@ class InputCache:
             return snap
         return None
 
+    def hit_guarded(self, ts: Sequence[torch.Tensor]) -> _Snapshot | None:
+        """``hit`` for inputs whose sizes and strides the caller has checked (Dynamo's
+        guards, which fix every input's sizes and strides before a compiled frame
+        runs): the same objects at the same data pointers suffice, versions are not
+        read. Where arrays are the tensors' own memory (``same_layout_reuse``), a
+        version bump with the same pointer, sizes and strides keeps the array anyway;
+        elsewhere (resident copies on another device) this is ``hit``.
+        """
+        if not self._same_layout_reuse:
+            return self.hit(ts)
+        snap = self._snap
+        if (
+            snap is not None
+            and not snap.volatile
+            and tuple(map(id, c := snap.get(ts))) == snap.ids
+            and tuple(map(_data_ptr, c)) == snap.ptrs
+        ):
+            return snap
+        return None
+
     @property
     def current(self) -> _Snapshot | None:
         """The snapshot in use when every input is cached, else None."""

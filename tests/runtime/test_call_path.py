@@ -1,0 +1,129 @@
+"""The per-call path Dynamo runs: aot_autograd's runtime wrapper only where it has work
+(dynajax/aot.py), the partition called through its guarded entry point
+(CompiledPartition.run_guarded), and eager's answer after every kind of change to the
+inputs between calls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import dynajax
+from dynajax.partition import stitch
+from tests.tolerances import assert_same
+
+
+def _compile(f: Callable[..., Any]) -> tuple[Callable[..., Any], list[Any]]:
+    """``f`` compiled by dynajax, and the callables the backend handed Dynamo."""
+    backend = dynajax.Backend(cache_dir="")
+    handed: list[Any] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        fn = backend(gm, example_inputs)
+        handed.append(fn)
+        return fn
+
+    return torch.compile(f, backend=capture), handed
+
+
+def _skips_wrapper(fn: Any) -> bool:
+    return getattr(fn, "__module__", None) == stitch.__name__
+
+
+def test_inference_graph_without_wrapper_work_is_called_directly() -> None:
+    def f(x, y):
+        return torch.sin(x) + y, (x * y).sum()
+
+    compiled, handed = _compile(f)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(3):  # the first call goes through aot_autograd's wrapper, then not
+        assert_same(compiled(x, y), f(x, y))
+    [fn] = handed
+    assert _skips_wrapper(fn)
+
+
+def _mutates_input(x):
+    x.add_(1)
+    return x * 2
+
+
+def _returns_input_view(x):
+    return x.view(-1), x + 1
+
+
+@pytest.mark.parametrize(
+    "f",
+    [_mutates_input, _returns_input_view],
+    ids=["input-mutation", "output-view-of-input"],
+)
+def test_wrapper_kept_where_it_has_work(f: Callable[..., Any]) -> None:
+    compiled, handed = _compile(f)
+    x = torch.randn(2, 3)
+    x_eager = x.clone()
+    for _ in range(3):
+        got, want = compiled(x), f(x_eager)
+        assert_same(got, want)
+        assert_same(x, x_eager)
+    [fn] = handed
+    assert not _skips_wrapper(fn)
+
+
+def test_autocast_gives_eager_answer_on_every_call() -> None:
+    # Dynamo records autocast in the graph (the wrapper turns nothing off around it)
+    def f(x, w):
+        return x @ w, (x + 1).sum()
+
+    compiled, _ = _compile(f)
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(3):
+            assert_same(compiled(x, w), f(x, w))
+
+
+def test_training_graph_keeps_wrapper() -> None:
+    def f(x, w):
+        return (x @ w).tanh().sum()
+
+    compiled, handed = _compile(f)
+    x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+    compiled(x, w).backward()
+    assert not any(_skips_wrapper(fn) for fn in handed)
+
+
+def test_guarded_path_follows_every_change_of_the_inputs() -> None:
+    """Between calls: in-place updates (version bump, same memory), writes that bypass
+    the version counter, new memory under the same object, in-place layout changes
+    that keep the data pointer (Dynamo's guards recompile), new objects."""
+
+    def f(a, b, c):
+        return a * 2 + b, a.sum(0) - c
+
+    compiled, handed = _compile(f)
+    a, b, c = torch.randn(3, 3), torch.randn(3, 3), torch.randn(3)
+
+    def check() -> None:
+        assert_same(compiled(a, b, c), f(a, b, c))
+
+    for _ in range(3):
+        check()
+    assert _skips_wrapper(handed[0])
+    a.add_(1)  # version bump, same memory
+    check()
+    b.numpy()[:] = 5.0  # no version bump
+    check()
+    c.data = torch.randn(3)  # new memory, same object
+    check()
+    a.t_()  # same pointer, strides swapped: a guard fails, Dynamo recompiles
+    check()
+    check()
+    a.t_()  # back to the first layout: the first graph's cached arrays are still right
+    a.mul_(3)
+    check()
+    c.resize_(3)  # a no-op resize: same pointer, same layout
+    check()
+    b = torch.randn(3, 3)  # a new object at one position
+    check()
+    check()
