@@ -50,6 +50,25 @@ from dynajax.runtime.jax_internals import X64, direct_executor, dispatch_of
 from dynajax.runtime.programs import describe_partition
 from dynajax.sharding.placement import PartitionPlacement, Placement
 
+_from_numpy = torch.from_numpy
+_asarray = np.asarray
+# The dtypes whose XLA buffers NumPy views and torch.from_numpy wraps directly.
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+
 # From this many inputs, a call whose inputs are all cached skips the executable's
 # argument checks (``CompiledPartition._build_direct``). Measured side by side
 # (``benchmarks/overhead.py``), the direct entry point is cheaper from one input up.
@@ -187,6 +206,16 @@ class CompiledPartition(torch.nn.Module):
             self._to_torch = placement.placement.to_torch()  # this process's whole copy
         else:
             self._to_torch = cpu_to_torch if on_cpu else to_torch
+        # Outputs that NumPy can view and torch.from_numpy can wrap as they are (CPU,
+        # no bfloat16 or float8): wrapped by two C-level maps, no Python frame per output.
+        self._numpy_outputs = (
+            on_cpu
+            and placement is None
+            and all(
+                isinstance(v, torch.Tensor) and v.dtype in _NUMPY_DTYPES
+                for v in _output_vals(graph)
+            )
+        )
         quiet_readonly_warning()
 
     def run_guarded(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -200,6 +229,8 @@ class CompiledPartition(torch.nn.Module):
             results = direct.execute(direct.args).consume_with_handlers(direct.handlers)
             if direct.checked:
                 direct.checked.raise_if_failed(results.pop(), self.name)
+            if self._numpy_outputs:
+                return list(map(_from_numpy, map(_asarray, results)))
             return list(map(self._to_torch, results))
         return self.run(tensors)
 
@@ -212,6 +243,8 @@ class CompiledPartition(torch.nn.Module):
                 # Eager's error where a value check failed, before any output is handed
                 # back; the code is an output of this same execution (no extra sync).
                 direct.checked.raise_if_failed(results.pop(), self.name)
+            if self._numpy_outputs:
+                return list(map(_from_numpy, map(_asarray, results)))
             return list(map(self._to_torch, results))
         token = X64.enable()  # int64/float64 stay 64-bit, as in torch
         try:
@@ -280,6 +313,8 @@ class CompiledPartition(torch.nn.Module):
             # (so aot_autograd writes no input back); then the outputs without it.
             checks.raise_if_failed(outs[-1], self.name)
             outs = outs[:-1]
+        if self._numpy_outputs:
+            return list(map(_from_numpy, map(_asarray, outs)))
         return list(map(self._to_torch, outs))
 
     def _first_call(self, tensors: Sequence[Any], arrays: list[Any]) -> Any:
