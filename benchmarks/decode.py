@@ -8,7 +8,8 @@ A LLaMA-style model (``transformers.LlamaConfig``, random weights, built from a 
 generates greedily two ways, each peer with the same static cache:
 
 * ``generate``: ``transformers``' ``model.generate(..., cache_implementation="static")``
-  with ``model.forward = compile(model.forward)`` (the documented recipe).
+  with ``model.forward = compile(model.forward)`` (the documented recipe); a streamer
+  stamps the time each token arrives.
 * ``loop``: a hand-written decode loop (``StaticDecoder``): the same weights, one KV
   buffer per layer updated in place with ``index_copy_``, one compiled prefill function
   and one compiled decode-step function called once per token.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
@@ -134,9 +136,6 @@ class StaticDecoder(nn.Module):
         return logits.argmax(-1)
 
 
-Generate = Callable[[int], torch.Tensor]
-
-
 def _compile_fn(peer: str) -> tuple[Callable[[Callable[..., Any]], Callable[..., Any]], Any]:
     """The peer's compile, through a code object of its own, and dynajax's backend
     (None for the other peers); dynajax's persistent cache off."""
@@ -189,20 +188,25 @@ class Timed:
             return self._loop(new_tokens)
 
     def _generate(self, new_tokens: int) -> torch.Tensor:
-        # generate() has no per-token hook: time to first token is a 1-token
-        # generate, and the decode time is the rest of an n-token one.
+        # generate() hands each new token to a streamer as it is chosen: the time to
+        # the first one is the time to first token, the times between are decode steps.
         self.model.forward = self.forward
+        stamps = _Stamps()
         try:
-            kw = dict(do_sample=False, cache_implementation="static", disable_compile=True)
             t0 = time.perf_counter()
-            self.model.generate(self.ids, max_new_tokens=1, **kw)
-            t1 = time.perf_counter()
-            out = self.model.generate(self.ids, max_new_tokens=new_tokens, **kw)
-            t2 = time.perf_counter()
+            out = self.model.generate(
+                self.ids,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                cache_implementation="static",
+                disable_compile=True,
+                streamer=stamps,
+            )
         finally:
             del self.model.forward
-        self.prefill_s = t1 - t0
-        self.decode_s = [(t2 - t1 - self.prefill_s) / max(new_tokens - 1, 1)] * (new_tokens - 1)
+        times = stamps.times[1:]  # the first put is the prompt
+        self.prefill_s = times[0] - t0
+        self.decode_s = [b - a for a, b in itertools.pairwise(times)]
         return out[:, self.ids.shape[1] :]
 
     def _loop(self, new_tokens: int) -> torch.Tensor:
@@ -220,6 +224,19 @@ class Timed:
             toks.append(tok)
             pos.add_(1)
         return torch.cat(toks, 1)
+
+
+class _Stamps:
+    """A ``transformers`` streamer that records when each chunk of tokens arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def _caches_off() -> None:
@@ -261,7 +278,7 @@ def measure(
             runners[path, peer] = r
             results[f"{path}/{peer}"] = {
                 "cold_ttft_s": r.prefill_s,
-                "cold_first_step_s": r.decode_s[0] if path == "loop" and r.decode_s else None,
+                "cold_first_step_s": r.decode_s[0] if r.decode_s else None,
                 "cold_total_s": total,
                 "matches_eager": bool(torch.equal(toks, reference)),
                 "graphs": graph_summary(r.backend) if r.backend is not None else None,

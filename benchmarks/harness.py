@@ -95,6 +95,9 @@ class _Recorder:
     def hit(self, ts: Any) -> None:
         return None  # take the regular path, through ``arrays``
 
+    def hit_guarded(self, ts: Any) -> None:
+        return None  # the same from the guarded entry (CompiledPartition.run_guarded)
+
     def arrays(self, ts: Any) -> list[Any]:
         out = self.inner.arrays(ts)
         self.seen = list(out)
