@@ -176,6 +176,23 @@ def test_index_add_out_of_range_on_a_vector(shape: tuple[int, ...]) -> None:
     )
 
 
+# Found by a 15-minute run (seed 1, program 65): eager's index_add of a self with 2 dims
+# or more and no elements returns before checking the indices; dynajax raised.
+@pytest.mark.parametrize(
+    "shape, index", [((0, 1), [0, 1, 2, 3]), ((2, 0), [0, 5])], ids=["0x1", "2x0"]
+)
+def test_index_add_into_an_empty_matrix_checks_nothing(
+    shape: tuple[int, ...], index: list[int]
+) -> None:
+    source = torch.ones((len(index), *shape[1:]))
+    compare_with_eager(
+        lambda x, i, s: torch.index_add(x, 0, i, s, alpha=2),
+        torch.zeros(shape),
+        torch.tensor(index),
+        source,
+    )
+
+
 # Eager's CPU kernels refuse some dtypes that the meta kernels (which Dynamo's fake
 # tensors run) accept; dynajax computed a value where eager raises. Fixed: the
 # capability stage asks the eager kernel (capability/eager_kernel.py) and such a node
@@ -197,6 +214,11 @@ def test_index_add_out_of_range_on_a_vector(shape: tuple[int, ...]) -> None:
         (lambda t: torch.argmin(t, 0), torch.tensor([True, False])),  # RuntimeError
         (lambda t: torch.median(t, 0).values, torch.tensor([True, False])),
         (lambda t: F.linear(t, t[None]), torch.tensor([True, False])),  # NotImplementedError
+        # Found by a 15-minute run (seed 1, program 1025): matmul of vectors is dot,
+        # decomposed (the aot stage sizes a call that is not pointwise by its meta kernel).
+        (lambda t: torch.matmul(t, t), torch.tensor([True, False])),  # NotImplementedError
+        # Found by the same run (program 1352): the bool is a Python scalar.
+        (lambda t: torch.rsub(t, True), torch.tensor([[1, -2]])),  # RuntimeError
     ],
     ids=[
         "relu-bool",
@@ -212,6 +234,8 @@ def test_index_add_out_of_range_on_a_vector(shape: tuple[int, ...]) -> None:
         "argmin-bool",
         "median-bool",
         "linear-bool",
+        "matmul-bool-vectors",
+        "rsub-int64-by-a-bool-scalar",
     ],
 )
 def test_raises_where_eager_kernel_lacks_the_dtype(

@@ -17,16 +17,17 @@ node's own sizes, because some CPU kernels trust sizes their meta kernels checke
 read out of bounds on others (``embedding_bag`` with shrunk offsets crashed the
 process); such an op with an input or output of more than ``_EXACT_LIMIT`` elements,
 or outputs unknown, is not probed (its dtypes are taken as accepted: a bool ``mm`` of
-two 100x100 matrices still computes a value where eager raises). The aot stage asks
-about pointwise ops only (it has no outputs to size).
+two 100x100 matrices still computes a value where eager raises). The aot stage, which
+has no node outputs yet, sizes them with the meta kernel.
 
     eager kernel -> succeeds                       accepted
                  -> raises NotImplementedError     refused (a dispatch macro's "not
                                                    implemented for", or no CPU kernel)
                  -> raises anything else, and
                     the same call with its bool
-                    tensors as uint8 succeeds      refused (a hand-written check of
-                                                   bool: relu, sub, argmin)
+                    tensors as uint8 and bool
+                    scalars as ints succeeds       refused (a hand-written check of
+                                                   bool: relu, sub, rsub(x, True), argmin)
                  -> otherwise                      accepted (the error is about sizes or
                                                    values, not dtypes)
 
@@ -63,9 +64,9 @@ def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any], out: Any = None) -
         op: the ATen overload.
         args, kwargs: its arguments, tensors as fake (or real) tensors or as FX nodes
             whose ``meta["val"]`` holds one; sizes may be backed SymInts.
-        out: the node's output (fake tensors). An op that is not pointwise is probed
-            only when its outputs are known and small too (``x.repeat(1000, 1000)``
-            would allocate its real output).
+        out: the node's output (fake tensors; None: asked of the meta kernel). An op
+            that is not pointwise is probed only when its outputs are small too
+            (``x.repeat(1000, 1000)`` would allocate its real output).
     """
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
@@ -89,7 +90,7 @@ def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any], out: Any = None) -
                 return None  # an unbacked size
             shapes[i] = [h for h in hints if h is not None]
     shrink = torch.Tag.pointwise in op.tags
-    if not shrink and not _small(shapes.values(), out):
+    if not shrink and any(math.prod(shape) > _EXACT_LIMIT for shape in shapes.values()):
         return None  # not probed: see the module's docstring
     signature = []
     for i, v in enumerate(leaves):
@@ -103,18 +104,43 @@ def eager_refusal(op: Any, args: Any, kwargs: dict[str, Any], out: Any = None) -
         hash(key)
     except TypeError:
         return None  # an argument we cannot key a cache on (nothing seen so far)
+    if not shrink:
+        sizes = _output_sizes(out) if out is not None else _meta_output_sizes(*key)
+        if sizes is None or any(math.prod(shape) > _EXACT_LIMIT for shape in sizes):
+            return None  # outputs unknown or large (x.repeat(1000, 1000))
     return _probe(*key)
 
 
-def _small(shapes: Any, out: Any) -> bool:
-    """Whether every input (``shapes``) and output tensor has at most _EXACT_LIMIT elements."""
-    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    if not outputs:
-        return False  # outputs unknown: their size could be anything
-    sizes = [*shapes, *([_hint(s) for s in t.shape] for t in outputs)]
-    if any(s is None for shape in sizes for s in shape):
-        return False  # an unbacked output size
-    return all(math.prod(shape) <= _EXACT_LIMIT for shape in sizes)
+def _output_sizes(out: Any) -> list[list[int]] | None:
+    """The sizes of the tensors of ``out`` (fake tensors), None if unknown or unbacked."""
+    sizes = []
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor):
+            hints = [_hint(s) for s in t.shape]
+            if None in hints:
+                return None
+            sizes.append([h for h in hints if h is not None])
+    return sizes or None
+
+
+@functools.lru_cache(maxsize=4096)
+def _meta_output_sizes(
+    op: torch._ops.OpOverload, signature: tuple[Any, ...], spec: Any
+) -> list[list[int]] | None:
+    """The output sizes of the call by its meta kernel (for the aot stage, which has no
+    node outputs yet); None where the meta kernel raises."""
+    leaves = [
+        torch.empty(s.shape, dtype=s.dtype, device="meta")
+        if isinstance(s, _TensorSpec)
+        else _unhashable(s)
+        for s in signature
+    ]
+    args, kwargs = tree_unflatten(leaves, spec)
+    with _disable_current_modes(), torch.no_grad():
+        try:
+            return _output_sizes(op(*args, **kwargs))
+        except (*_EAGER_ERRORS, NotImplementedError):
+            return None
 
 
 def _hint(size: Any) -> int | None:
@@ -142,28 +168,35 @@ def _hashable(value: Any) -> Any:
 
 @functools.lru_cache(maxsize=4096)
 def _probe(op: torch._ops.OpOverload, signature: tuple[Any, ...], spec: Any) -> str | None:
-    def call(bool_as: torch.dtype) -> None:
-        leaves = [
-            torch.zeros(s.shape, dtype=bool_as if s.dtype == torch.bool else s.dtype)
-            if isinstance(s, _TensorSpec)
-            else _unhashable(s)
-            for s in signature
-        ]
+    def call(bools: bool) -> None:
+        # bools=False: bool tensors as uint8 and Python bools as ints.
+        leaves: list[Any] = []
+        for s in signature:
+            if isinstance(s, _TensorSpec):
+                dtype = s.dtype if bools or s.dtype != torch.bool else torch.uint8
+                leaves.append(torch.zeros(s.shape, dtype=dtype))
+            elif isinstance(s, bool) and not bools:
+                leaves.append(int(s))
+            else:
+                leaves.append(_unhashable(s))
         args, kwargs = tree_unflatten(leaves, spec)
         op(*args, **kwargs)
 
     with _disable_current_modes(), torch.no_grad(), _keep_rng(op):
         try:
-            call(torch.bool)
+            call(bools=True)
             return None
         except NotImplementedError as e:
             return _describe(e)
         except _EAGER_ERRORS as e:
             error: Exception = e
-        if not any(isinstance(s, _TensorSpec) and s.dtype == torch.bool for s in signature):
-            return None  # not a dtype's error: the shrunk sizes, or a value
+        if not any(
+            isinstance(s, bool) or (isinstance(s, _TensorSpec) and s.dtype == torch.bool)
+            for s in signature
+        ):
+            return None  # not a dtype's error: the sizes, or a value
         try:
-            call(torch.uint8)
+            call(bools=False)
         except (*_EAGER_ERRORS, NotImplementedError):
             return None  # raised whatever the dtype
         return _describe(error)

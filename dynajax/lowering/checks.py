@@ -93,12 +93,15 @@ class Origin:
         negative: whether eager's kernel accepts indices in ``[-size, 0)``.
         vector: eager's error instead when the indexed tensor has at most one dim
             (``index_add`` of a 0- or 1-dim self takes another path of its kernel).
+        unchecked_if_empty: whether eager checks nothing when the indexed tensor has
+            no elements (``index_add`` of a self of 2 dims or more returns early).
     """
 
     error: type[Exception]
     message: str
     negative: bool
     vector: Origin | None = None
+    unchecked_if_empty: bool = False
 
 
 _TARGET_OUT_OF_BOUNDS = Origin(IndexError, "Target {value} is out of bounds.", False)
@@ -118,6 +121,7 @@ _ORIGINS: dict[Any, Origin | None] = {
         "index {value} is out of bounds for dimension {axis} with size {size}",
         False,
         vector=Origin(IndexError, "index out of range in self", False),
+        unchecked_if_empty=True,
     ),
     aten.index_copy.default: Origin(
         IndexError,
@@ -288,7 +292,7 @@ def fail_if_out_of_bounds(
     /,
     *,
     negative: bool,
-    rank: int | None = None,
+    shape: tuple[int, ...] | None = None,
     **payload: Any,
 ) -> None:
     """``fail_if`` for indices outside their range, reported as eager reports them.
@@ -302,8 +306,8 @@ def fail_if_out_of_bounds(
         error, message: eager's error for the op itself; the template sees ``value``
             (the failing index), ``size`` and the names of ``payload``.
         negative: whether the op accepts indices in ``[-size, 0)`` (Python wraps).
-        rank: the number of dims of the indexed tensor, for origins whose error
-            depends on it (``Origin.vector``).
+        shape: the indexed tensor's shape, for origins whose check depends on it
+            (``Origin.vector``, ``Origin.unchecked_if_empty``).
         **payload: more message fields (``dim``, ``axis``).
     """
     collector = _ACTIVE.get()
@@ -313,8 +317,10 @@ def fail_if_out_of_bounds(
         origin = ORIGINS[collector.origin]
         if origin is None:
             return
-        if origin.vector is not None and rank is not None and rank <= 1:
+        if shape is not None and origin.vector is not None and len(shape) <= 1:
             origin = origin.vector
+        elif shape is not None and origin.unchecked_if_empty and math.prod(shape) == 0:
+            return
         error, message, negative = origin.error, origin.message, origin.negative
     fail_if(
         out_of_bounds(index, size, negative=negative),

@@ -50,7 +50,7 @@ def _check_indices(x, indices):
         IndexError,
         _INDEX_MESSAGE,
         negative=True,
-        rank=x.ndim,
+        shape=x.shape,
         dim=np.arange(len(found), dtype=np.int64),
         axis=np.array([axis for axis, _ in found], np.int64),
     )
