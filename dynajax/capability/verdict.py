@@ -29,6 +29,7 @@ class Reason(enum.Enum):
     HOST_SCALAR = "computes Python scalars or assertions on the host, not tensors"
     EAGER_STORAGE = "an op in eager PyTorch reads this value's storage (as_strided)"
     EAGER_REFUSES = "eager PyTorch's CPU kernel raises for these dtypes; it runs there to raise"
+    PERF = "faster in PyTorch: JAX could run it, but a JAX partition would cost more"
 
     @property
     def is_fallback(self) -> bool:
@@ -46,12 +47,14 @@ class Reason(enum.Enum):
         USER_FALLBACK and BLOCK_TOO_SMALL are the user's choices. EAGER_STORAGE nodes only
         follow another node into eager PyTorch: strict mode objects to that node, when it
         is not the user's choice. EAGER_REFUSES nodes are the user's program raising in
-        eager, which it must do under dynajax too (with eager's error, not strict's)."""
+        eager, which it must do under dynajax too (with eager's error, not strict's).
+        PERF nodes have a rule; dynajax keeps them in PyTorch because that is faster."""
         return self in (
             Reason.USER_FALLBACK,
             Reason.BLOCK_TOO_SMALL,
             Reason.EAGER_STORAGE,
             Reason.EAGER_REFUSES,
+            Reason.PERF,
         )
 
 

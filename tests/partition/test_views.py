@@ -1,0 +1,71 @@
+"""A view whose users all run in PyTorch stays in PyTorch (Reason.PERF): there it is
+new strides over its input, in a JAX partition a copy written on every call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dynajax import Reason
+from tests.helpers import assert_no_fallbacks, compare_with_eager, partition_ops
+
+
+def _perf(report) -> list[str]:
+    return [str(f.target) for f in report.fallbacks if f.reason is Reason.PERF]
+
+
+def _others(report) -> list[str]:
+    return [str(f.target) for f in report.fallbacks if f.reason is not Reason.PERF]
+
+
+def test_weight_view_before_an_op_kept_in_pytorch() -> None:
+    """``t`` of a linear layer's weight feeds only an addmm in fallback_ops: the
+    transpose stays a view in PyTorch, the ReLU between the layers runs in JAX."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    with torch.no_grad():
+        report = compare_with_eager(
+            model, torch.randn(3, 8), fallback_ops=["aten.addmm"], strict=True
+        )
+    assert _perf(report) == ["aten.permute.default"] * 2, str(report)
+    assert _others(report) == ["aten.addmm.default"] * 2, str(report)
+    assert partition_ops(report) == {"aten.relu.default"}
+    assert all("free in PyTorch" in f.detail for f in report.fallbacks if f.reason is Reason.PERF)
+
+
+def test_chain_of_views_after_jax_work() -> None:
+    """sin runs in JAX; the views after it feed only an op kept in PyTorch, so the
+    partition hands out sin's result, not a transposed copy of it."""
+
+    def f(x, w):
+        return torch.mm(x.sin().t().reshape(6, 4), w)
+
+    report = compare_with_eager(f, torch.randn(4, 6), torch.randn(4, 5), fallback_ops=["aten.mm"])
+    assert partition_ops(report) == {"aten.sin.default"}
+    assert _perf(report) == ["aten.permute.default", "aten.view.default"], str(report)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["view-is-the-output", "view-feeds-jax-too"],
+)
+def test_views_that_stay_in_jax(name: str) -> None:
+    if name == "view-is-the-output":
+        # A view compiled alone (or a graph's last op) still runs its JAX rule.
+        report = compare_with_eager(lambda x: x.sin().t(), torch.randn(3, 5))
+        assert_no_fallbacks(report)
+        assert "aten.permute.default" in partition_ops(report) or "aten.t.default" in (
+            partition_ops(report)
+        )
+    else:
+        # One user in the partition: the view is computed there anyway.
+        def f(x, w):
+            y = x.sin().t()
+            return y.cos(), torch.mm(y, w)
+
+        report = compare_with_eager(
+            f, torch.randn(4, 6), torch.randn(4, 5), fallback_ops=["aten.mm"]
+        )
+        assert _perf(report) == [], str(report)
+        assert _others(report) == ["aten.mm.default"]
