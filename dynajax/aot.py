@@ -34,6 +34,10 @@ the saved output or logsumexp:
             grad_v = p^T @ grad;  dp = grad @ v^T;  ds = p * (dp - sum(dp * p))
             grad_q = ds @ k * scale;  grad_k = ds^T @ q * scale
 
+``addcmul``'s decomposition refuses a float ``value`` when the result is an integer
+(ValueError while tracing); eager's kernel casts it to the result type, and so does
+the correction before calling the decomposition.
+
 ``torch.cholesky`` raises inside its kernel when its input is not positive definite;
 it becomes ``linalg_cholesky_ex`` (a JAX rule) plus the effectful
 ``_linalg_check_errors``, which raises eager's own error on the host.
@@ -56,6 +60,7 @@ from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch._functorch._aot_autograd.schemas import OutputType, SubclassCreationMeta
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from dynajax.capability.eager_kernel import eager_refusal
 
@@ -141,12 +146,30 @@ def _cholesky(a: torch.Tensor, upper: bool = False) -> torch.Tensor:
     return factor
 
 
+def _addcmul(
+    self: torch.Tensor, tensor1: torch.Tensor, tensor2: torch.Tensor, *, value: Any = 1
+) -> torch.Tensor:
+    """PyTorch's decomposition of ``addcmul``, with ``value`` cast as eager's CPU kernel
+    casts it: to the result's type, so a float value truncates for integers
+    (``addcmul(1, 3, 5, value=0.5)`` is 1), where the decomposition raises ValueError."""
+    if isinstance(value, float):
+        _, dtype = elementwise_dtypes(
+            self, tensor1, tensor2, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
+        )
+        if dtype == torch.bool:
+            value = bool(value)
+        elif not (dtype.is_floating_point or dtype.is_complex):
+            value = math.trunc(value)
+    return torch._refs.addcmul(self, tensor1, tensor2, value=value)
+
+
 def corrections() -> dict[Any, Callable[..., Any]]:
     """Entries that replace or extend PyTorch's core ATen decompositions."""
     table: dict[Any, Callable[..., Any]] = {
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
             _flash_attention_for_cpu_backward
         ),
+        aten.addcmul.default: _addcmul,
     }
     if hasattr(aten, "cholesky"):  # removed in torch 2.14 (torch.cholesky is deprecated)
         table[aten.cholesky.default] = _cholesky

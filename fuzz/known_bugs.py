@@ -9,11 +9,4 @@ shrinks). One bug shows under several signatures (each op and dtype it reaches).
 
 from __future__ import annotations
 
-KNOWN_BUGS: dict[str, str] = {
-    "raises:torch.matmul:NotImplementedError->BackendCompilerFailed": (
-        "addcmul with an integer result and a float value: PyTorch's core ATen "
-        "decomposition (torch._refs.addcmul) raises ValueError 'value argument of type "
-        "float cannot be safely cast to type int' while tracing; eager's kernel truncates "
-        "value to the integer type (addcmul(1, 3, 5, value=0.5) is 1)"
-    ),
-}
+KNOWN_BUGS: dict[str, str] = {}

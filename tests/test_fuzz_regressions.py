@@ -193,17 +193,14 @@ def test_index_add_into_an_empty_matrix_checks_nothing(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by a 15-minute run (seed 1, program 1589): addcmul with an integer result "
-    "and a float value; PyTorch's core ATen decomposition (torch._refs.addcmul, in "
-    "dynajax's table, not in aot_eager_decomp_partition's) raises ValueError 'value "
-    "argument of type float cannot be safely cast' while tracing, so compiling fails; "
-    "eager's kernel truncates value to the integer type. Fix: an aot correction",
-)
-def test_addcmul_of_integers_with_a_float_value() -> None:
+# Found by a 15-minute run (seed 1, program 1589): addcmul with an integer result and a
+# float value failed to compile (PyTorch's core ATen decomposition raises ValueError
+# 'value argument of type float cannot be safely cast'); eager's kernel truncates value
+# to the integer type. Fixed by an aot correction.
+@pytest.mark.parametrize("value", [0.5, -1.7, 2.9], ids=str)
+def test_addcmul_of_integers_with_a_float_value(value: float) -> None:
     compare_with_eager(
-        lambda a, b, c: torch.addcmul(a, b, c, value=0.5),
+        lambda a, b, c: torch.addcmul(a, b, c, value=value),
         torch.tensor([1, 2]),
         torch.tensor([3, -4]),
         torch.tensor([5, 6]),
