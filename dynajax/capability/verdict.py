@@ -30,6 +30,7 @@ class Reason(enum.Enum):
     EAGER_STORAGE = "an op in eager PyTorch reads this value's storage (as_strided)"
     EAGER_REFUSES = "eager PyTorch's CPU kernel raises for these dtypes; it runs there to raise"
     PERF = "faster in PyTorch: JAX could run it, but a JAX partition would cost more"
+    OUTPUT_ALIAS = "a view of a tensor the graph also returns: PyTorch keeps them aliased"
 
     @property
     def is_fallback(self) -> bool:
@@ -48,13 +49,15 @@ class Reason(enum.Enum):
         follow another node into eager PyTorch: strict mode objects to that node, when it
         is not the user's choice. EAGER_REFUSES nodes are the user's program raising in
         eager, which it must do under dynajax too (with eager's error, not strict's).
-        PERF nodes have a rule; dynajax keeps them in PyTorch because that is faster."""
+        PERF nodes have a rule; dynajax keeps them in PyTorch because that is faster.
+        OUTPUT_ALIAS nodes have a rule; PyTorch runs them so outputs alias as in eager."""
         return self in (
             Reason.USER_FALLBACK,
             Reason.BLOCK_TOO_SMALL,
             Reason.EAGER_STORAGE,
             Reason.EAGER_REFUSES,
             Reason.PERF,
+            Reason.OUTPUT_ALIAS,
         )
 
 

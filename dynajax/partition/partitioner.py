@@ -6,8 +6,10 @@ change of policy (block size today, a cost model or sharding later) changes both
 ``assign_partitions`` records the decision in the graph: every node of a kept partition
 gets ``node.meta[PARTITION_KEY] = "jax_<n>"``, and the nodes of a dissolved one get a
 BLOCK_TOO_SMALL verdict; a view whose users all run in PyTorch gets a PERF one (it
-costs nothing there; in a JAX partition it is a copy). ``fuse_partitions`` then turns
-each recorded partition into a submodule of that name.
+costs nothing there; in a JAX partition it is a copy), and a view returned beside
+another output over the same tensor an OUTPUT_ALIAS one (PyTorch makes it a real view,
+so the outputs share storage as eager's do). ``fuse_partitions`` then turns each
+recorded partition into a submodule of that name.
 
     before:  x -> sin -> custom_op -> cos -> add -> out
     assign:  sin: jax_0;  cos, add: jax_1                       (node.meta)
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 
 import torch
 import torch.fx
@@ -57,9 +60,40 @@ def is_free_view(node: torch.fx.Node) -> bool:
     return rule is None or not rule.needs_layout
 
 
-def trim_views(nodes: list[torch.fx.Node]) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+def output_alias_views(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The free views between an intermediate tensor and the graph outputs, where two or
+    more outputs are that tensor or views of it.
+
+        y = mul(x, 2);  v = view(y, [-1]);  return (y, v)       ->  {v}
+
+    Eager returns ``v`` as a view of ``y``: writing into one changes the other. A JAX
+    partition returns two arrays, and aot_autograd counts on the compiled graph to keep
+    the relation (for outputs that alias an intermediate and need no gradient it does not
+    regenerate them), so these views must run in PyTorch over the partition's output.
+    Views of graph inputs are aot_autograd's to regenerate and are not listed.
+    """
+    output = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    if output is None:
+        return set()
+    chains: dict[torch.fx.Node, list[list[torch.fx.Node]]] = {}
+    for leaf in torch.utils._pytree.tree_leaves(output.args):
+        if not isinstance(leaf, torch.fx.Node):
+            continue
+        chain, base = [], leaf
+        while is_free_view(base) and isinstance(base.args[0], torch.fx.Node):
+            chain.append(base)
+            base = base.args[0]
+        if base.op == "call_function":
+            chains.setdefault(base, []).append(chain)
+    return {v for group in chains.values() if len(group) > 1 for chain in group for v in chain}
+
+
+def trim_views(
+    nodes: list[torch.fx.Node], output_aliases: AbstractSet[torch.fx.Node] = frozenset()
+) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
     """``nodes`` (a proposed partition) without its free views whose every user is an
-    op outside the partition, and those views.
+    op outside the partition (or, for ``output_aliases``, the graph output), and those
+    views.
 
     Such a view feeds only PyTorch: there it is new strides over its input (``t`` of a
     weight before an ``addmm`` kept in PyTorch), in the partition a copy of its input
@@ -76,7 +110,11 @@ def trim_views(nodes: list[torch.fx.Node]) -> tuple[list[torch.fx.Node], list[to
         changed = False
         for n in reversed(nodes):
             if n in inside and is_free_view(n) and n.users:
-                if all(u.op == "call_function" and u not in inside for u in n.users):
+                if all(
+                    (u.op == "call_function" and u not in inside)
+                    or (u.op == "output" and n in output_aliases)
+                    for u in n.users
+                ):
                     inside.discard(n)
                     trimmed.append(n)
                     changed = True
@@ -114,7 +152,8 @@ class VerdictSupport(OperatorSupportBase):
                 return True
         verdict = node.meta.get(META_KEY)
         return verdict is not None and (
-            verdict.supported or verdict.reason in (Reason.BLOCK_TOO_SMALL, Reason.PERF)
+            verdict.supported
+            or verdict.reason in (Reason.BLOCK_TOO_SMALL, Reason.PERF, Reason.OUTPUT_ALIAS)
         )
 
 
@@ -141,6 +180,7 @@ class Proposal:
     too_small: list[list[torch.fx.Node]]
     min_block_size: int
     views: list[list[torch.fx.Node]] = dataclasses.field(default_factory=list)
+    output_aliases: set[torch.fx.Node] = dataclasses.field(default_factory=set)
 
     @property
     def jax_ops(self) -> int:
@@ -176,8 +216,9 @@ def propose_partitions(
     kept: list[list[torch.fx.Node]] = []
     too_small: list[list[torch.fx.Node]] = []
     views: list[list[torch.fx.Node]] = []
+    aliases = output_alias_views(gm.graph)
     for p in partitioner.propose_partitions():
-        nodes, trimmed = trim_views(sorted(p.nodes, key=order.__getitem__))
+        nodes, trimmed = trim_views(sorted(p.nodes, key=order.__getitem__), aliases)
         if trimmed:
             views.append(sorted(trimmed, key=order.__getitem__))
         ops = compute_op_count(nodes)
@@ -186,7 +227,7 @@ def propose_partitions(
         (kept if ops >= min_block_size else too_small).append(nodes)
     # Deterministic submodule names, in graph order.
     kept.sort(key=lambda nodes: order[nodes[0]])
-    return Proposal(kept, too_small, min_block_size, views)
+    return Proposal(kept, too_small, min_block_size, views, aliases)
 
 
 def assign_partitions(gm: torch.fx.GraphModule, min_block_size: int = 1) -> Proposal:
@@ -209,8 +250,12 @@ def assign_partitions(gm: torch.fx.GraphModule, min_block_size: int = 1) -> Prop
         for n in nodes:
             if n.meta.get(META_KEY) is not None:
                 detail = why if reason is Reason.PERF else f"partition of {ops} op(s) {why}"
+                if reason is Reason.PERF and n in proposal.output_aliases:
+                    reason_n, detail = Reason.OUTPUT_ALIAS, "returned as a view, as eager does"
+                else:
+                    reason_n = reason
                 n.meta[META_KEY] = Unsupported(
-                    reason, n.name, target_name(n), detail, source_line(n)
+                    reason_n, n.name, target_name(n), detail, source_line(n)
                 )
     for n in gm.graph.nodes:
         n.meta.pop(PARTITION_KEY, None)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import dynajax
 from dynajax import Reason
 from tests.helpers import assert_no_fallbacks, compare_with_eager, partition_ops
 
@@ -69,3 +70,35 @@ def test_views_that_stay_in_jax(name: str) -> None:
         )
         assert _perf(report) == [], str(report)
         assert _others(report) == ["aten.mm.default"]
+
+
+def _aliased(y: torch.Tensor, v: torch.Tensor) -> bool:
+    return y.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("tensor-and-its-view", lambda x: ((y := x * 2), y.view(-1))),
+        ("two-views", lambda x: ((y := x.sin()).view(-1), y.t())),
+        ("chain-of-views", lambda x: ((y := x + 1), y.t().reshape(3, 2)[1:])),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_outputs_that_alias_stay_aliased(name: str, fn) -> None:
+    """Outputs over one intermediate tensor share its storage, as eager's do: a write
+    into one shows in the other (aot_autograd leaves that relation to the compiled
+    graph, so the views run in PyTorch over the partition's output)."""
+    x = torch.randn(2, 3)
+    backend = dynajax.Backend(cache_dir="")
+    a, b = torch.compile(fn, backend=backend, fullgraph=True)(x)
+    ea, eb = fn(x)
+    assert _aliased(ea, eb) and _aliased(a, b)
+    assert a.stride() == ea.stride() and b.stride() == eb.stride()
+    a.add_(1)
+    ea.add_(1)
+    torch.testing.assert_close(b, eb, rtol=0, atol=0)
+    report = backend.graphs[-1]
+    aliases = [f for f in report.fallbacks if f.reason is Reason.OUTPUT_ALIAS]
+    assert aliases and all(f.detail == "returned as a view, as eager does" for f in aliases)
+    assert all(f.reason.is_choice for f in report.fallbacks), str(report)
