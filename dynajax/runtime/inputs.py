@@ -138,20 +138,36 @@ class InputCache:
         return {i: a for i, a in enumerate(snap.arrays) if a is not None}
 
     def hit(self, ts: Sequence[torch.Tensor]) -> _Snapshot | None:
-        """The current snapshot if *every* input is cached and unchanged, else None.
+        """The current snapshot if *every* input is cached and its array still right (the
+        same object at the same pointer, and the same version, or the same sizes and
+        strides where arrays are the tensors' own memory), else None.
 
         ``snapshot.arrays`` are then exactly the arguments ``arrays(ts)`` would return.
         """
         snap = self._snap
-        if (
-            snap is not None
-            and not snap.volatile
-            and tuple(map(id, c := snap.get(ts))) == snap.ids
-            and tuple(map(_version, c)) == snap.versions
-            and tuple(map(_data_ptr, c)) == snap.ptrs
-        ):
+        if snap is not None and not snap.volatile and self._still_right(snap, ts):
             return snap
         return None
+
+    def _still_right(self, snap: _Snapshot, ts: Sequence[torch.Tensor]) -> bool:
+        """Whether ``snap``'s arrays are right for ``ts``: the same objects at the same
+        pointers, and the same versions or, where arrays are the tensors' own memory,
+        the same sizes and strides."""
+        if tuple(map(id, c := snap.get(ts))) != snap.ids or tuple(map(_data_ptr, c)) != snap.ptrs:
+            return False
+        versions = tuple(map(_version, c))
+        if versions != snap.versions:
+            # In-place updates since the last call (a KV cache written every decode step,
+            # an optimizer step): the arrays are the tensors' memory, so they stay right
+            # while sizes and strides are unchanged. The snapshot then records the new
+            # versions, so the next call with no update takes the first test.
+            if not self._same_layout_reuse or not all(
+                t.shape == shape and t.stride() == stride
+                for t, (_, _, shape, stride) in zip(c, snap.meta.values(), strict=True)
+            ):
+                return False
+            snap.versions = versions
+        return True
 
     def hit_guarded(self, ts: Sequence[torch.Tensor]) -> _Snapshot | None:
         """``hit`` for inputs whose sizes and strides the caller has checked (Dynamo's
@@ -182,12 +198,7 @@ class InputCache:
     def arrays(self, ts: Sequence[torch.Tensor]) -> list[Any]:
         """The JAX arguments for the tensors ``ts``, one per input."""
         snap = self._snap
-        if (
-            snap is not None
-            and tuple(map(id, c := snap.get(ts))) == snap.ids
-            and tuple(map(_version, c)) == snap.versions
-            and tuple(map(_data_ptr, c)) == snap.ptrs
-        ):
+        if snap is not None and self._still_right(snap, ts):
             out = snap.arrays.copy()
             volatile = snap.volatile
         else:

@@ -127,3 +127,41 @@ def test_guarded_path_follows_every_change_of_the_inputs() -> None:
     b = torch.randn(3, 3)  # a new object at one position
     check()
     check()
+
+
+def test_inputs_updated_in_place_every_call_keep_their_arrays() -> None:
+    """A graph that writes into an input every call (a static KV cache at a position
+    advanced in place): aot_autograd's wrapper stays (it copies the update back), so the
+    partition checks its cached inputs by version, and versions move on every call. The
+    arrays are the tensors' memory, so they are kept while sizes and strides are
+    unchanged, and the executable's direct entry point stays in use; a resize at the
+    same pointer is caught, and every answer is eager's."""
+
+    def step(cache, pos, x):
+        cache.index_copy_(0, pos, x)
+        return cache.sum(0) * 2
+
+    backend = dynajax.Backend(cache_dir="")
+    compiled = torch.compile(step, backend=backend)
+    cache, ref = torch.zeros(4, 3), torch.zeros(4, 3)
+    pos, x = torch.tensor([0]), torch.randn(1, 3)
+    for _ in range(4):
+        assert_same(compiled(cache, pos, x), step(ref, pos, x))
+        assert_same(cache, ref)
+        pos.add_(1)
+        x.mul_(-1.5)
+    [report] = backend.graphs
+    part = report.graph_module.jax_0
+    snap = part.inputs.current
+    assert snap is not None and snap.arrays[0] is not None  # the cache's own array, kept
+    assert part.inputs.hit([cache, pos, x]) is snap
+    if part._direct is not None:
+        assert part._direct.snap is snap
+    pos.zero_()
+    new_x = torch.randn(1, 3)  # a new object: converted per call, the others kept
+    assert_same(compiled(cache, pos, new_x), step(ref, pos, new_x))
+    assert part.inputs.resident.get(0) is snap.arrays[0]
+    cache.resize_(2, 3)  # same pointer, new sizes: Dynamo recompiles
+    ref.resize_(2, 3)
+    assert_same(compiled(cache, pos, x), step(ref, pos, x))
+    assert_same(cache, ref)
