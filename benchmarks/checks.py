@@ -128,18 +128,11 @@ def _workload(name: str) -> Callable[[bool], Step]:
     """A row of the main benchmark table, compiled by dynajax with checks on or off."""
 
     def make(checks: bool) -> Step:
+        from benchmarks.harness import in_grad_mode
         from benchmarks.workloads import WORKLOADS
 
         w = WORKLOADS[name]
-        step = w.setup(lambda f: _compiled(f, checks))
-        if not w.no_grad:
-            return step
-
-        def no_grad_step() -> Any:
-            with torch.no_grad():
-                return step()
-
-        return no_grad_step
+        return in_grad_mode(w, w.setup(lambda f: _compiled(f, checks)))
 
     return make
 

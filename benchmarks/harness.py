@@ -74,7 +74,11 @@ def build_step(w: Workload, peer: str) -> Step | None:
     """The step for ``peer``; None where the peer has no version of this workload."""
     if peer == "jax":
         return w.jax_setup() if w.jax_setup is not None else dynajax_lowered_step(w)
-    step = w.setup(compile_fn(peer))
+    return in_grad_mode(w, w.setup(compile_fn(peer)))
+
+
+def in_grad_mode(w: Workload, step: Step) -> Step:
+    """``step`` run in the workload's grad mode (under ``no_grad`` for inference rows)."""
     if not w.no_grad:
         return step
 

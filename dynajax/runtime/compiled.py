@@ -226,26 +226,26 @@ class CompiledPartition(torch.nn.Module):
         """
         direct = self._direct
         if direct is not None and self.inputs.hit_guarded(tensors) is direct.snap:
-            results = direct.execute(direct.args).consume_with_handlers(direct.handlers)
-            if direct.checked:
-                direct.checked.raise_if_failed(results.pop(), self.name)
-            if self._numpy_outputs:
-                return list(map(_from_numpy, map(_asarray, results)))
-            return list(map(self._to_torch, results))
+            return self._run_direct(direct)
         return self.run(tensors)
+
+    def _run_direct(self, direct: Any) -> list[torch.Tensor]:
+        """One call through the executable's direct entry point (``_build_direct``),
+        for inputs the caller has found all cached in ``direct.snap``."""
+        results = direct.execute(direct.args).consume_with_handlers(direct.handlers)
+        if direct.checked:
+            # Eager's error where a value check failed, before any output is handed
+            # back; the code is an output of this same execution (no extra sync).
+            direct.checked.raise_if_failed(results.pop(), self.name)
+        if self._numpy_outputs:
+            return list(map(_from_numpy, map(_asarray, results)))
+        return list(map(self._to_torch, results))
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The per-call path: a sequence of tensors in, a list of tensors out."""
         direct = self._direct
         if direct is not None and self.inputs.hit(tensors) is direct.snap:
-            results = direct.execute(direct.args).consume_with_handlers(direct.handlers)
-            if direct.checked:
-                # Eager's error where a value check failed, before any output is handed
-                # back; the code is an output of this same execution (no extra sync).
-                direct.checked.raise_if_failed(results.pop(), self.name)
-            if self._numpy_outputs:
-                return list(map(_from_numpy, map(_asarray, results)))
-            return list(map(self._to_torch, results))
+            return self._run_direct(direct)
         token = X64.enable()  # int64/float64 stay 64-bit, as in torch
         try:
             outs = self._run(tensors)
