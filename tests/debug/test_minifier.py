@@ -88,19 +88,24 @@ def test_accuracy_minifier_shrinks_a_planted_bug_to_its_op(
 ) -> None:
     torch.manual_seed(0)
     model, x = Model(), torch.randn(4, 8)
-    config = torch._dynamo.config
-    config.repro_after = "dynamo"
-    config.repro_level = 4
-    config.repro_forward_only = True
-    config.debug_dir_root = str(tmp_path / "debug")
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="Bad accuracy detected"):
-        torch.compile(model, backend="dynajax")(x)
-    [launcher] = (tmp_path / "debug").glob("*/minifier/minifier_launcher.py")
-    assert "backend='dynajax'" in launcher.read_text()
-    torch._dynamo.reset()
-    monkeypatch.setattr(sys, "argv", [str(launcher)])  # the launcher parses its arguments
-    runpy.run_path(str(launcher), run_name="__main__")
+    # Through config.patch, which puts them back: save_config/load_config skip the
+    # repro_* settings (Dynamo's _save_config_ignore), and a minifier left on would wrap
+    # every later compile of the process.
+    with torch._dynamo.config.patch(
+        repro_after="dynamo",
+        repro_level=4,
+        repro_forward_only=True,
+        debug_dir_root=str(tmp_path / "debug"),
+    ):
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="Bad accuracy"):
+            torch.compile(model, backend="dynajax")(x)
+        [launcher] = (tmp_path / "debug").glob("*/minifier/minifier_launcher.py")
+        assert "backend='dynajax'" in launcher.read_text()
+        torch._dynamo.reset()
+        monkeypatch.setattr(sys, "argv", [str(launcher)])  # the launcher parses its arguments
+        runpy.run_path(str(launcher), run_name="__main__")
     repro = (tmp_path / "repro.py").read_text()
     forward = repro.split("def forward", 1)[1].split("\n\n", 1)[0]
     calls = [line for line in forward.splitlines()[1:] if "=" in line and "return" not in line]
     assert len(calls) == 1 and "torch.tanh(" in calls[0], forward
+    assert torch._dynamo.config.repro_after is None
