@@ -142,7 +142,9 @@ class Backend:
             if unwanted:
                 raise UnsupportedNodesError(unwanted, graph=f"{kind} graph")
         annotated = list(gm.graph.nodes)
-        proposal = assign_partitions(gm, self.options.min_block_size)
+        proposal = assign_partitions(
+            gm, self.options.min_block_size, output_aliases=kind == "inference"
+        )
         snapshot = snapshot_graph(gm)  # verdicts and partitions, before fusing
         gm = fuse_partitions(gm, proposal)
         stats = CompileStats()  # filled as the partitions compile, at their first calls

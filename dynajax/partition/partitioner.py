@@ -191,6 +191,8 @@ def propose_partitions(
     graph: torch.fx.Graph | torch.fx.GraphModule,
     min_block_size: int = 1,
     support: OperatorSupportBase | None = None,
+    *,
+    output_aliases: bool = False,
 ) -> Proposal:
     """The partitions CapabilityBasedPartitioner forms from the verdicts in node.meta.
 
@@ -202,6 +204,12 @@ def propose_partitions(
         graph: a graph whose call_function nodes carry verdicts (``META_KEY``).
         min_block_size: the smallest partition worth a JAX call, in ATen ops.
         support: which nodes may join a partition (default: ``VerdictSupport()``).
+        output_aliases: take out the views that alias another output
+            (``output_alias_views``): for inference graphs, all of whose outputs the
+            user sees. A training forward's outputs are mostly tensors saved for the
+            backward, and aot_autograd regenerates the aliases among its outputs that
+            need gradients. Views already marked OUTPUT_ALIAS (a graph re-proposed by
+            the what-if analysis) are taken out either way.
     """
     if isinstance(graph, torch.fx.GraphModule):
         gm = graph
@@ -216,7 +224,12 @@ def propose_partitions(
     kept: list[list[torch.fx.Node]] = []
     too_small: list[list[torch.fx.Node]] = []
     views: list[list[torch.fx.Node]] = []
-    aliases = output_alias_views(gm.graph)
+    aliases = output_alias_views(gm.graph) if output_aliases else set()
+    aliases |= {
+        n
+        for n in gm.graph.nodes
+        if getattr(n.meta.get(META_KEY), "reason", None) is Reason.OUTPUT_ALIAS
+    }
     for p in partitioner.propose_partitions():
         nodes, trimmed = trim_views(sorted(p.nodes, key=order.__getitem__), aliases)
         if trimmed:
@@ -230,14 +243,17 @@ def propose_partitions(
     return Proposal(kept, too_small, min_block_size, views, aliases)
 
 
-def assign_partitions(gm: torch.fx.GraphModule, min_block_size: int = 1) -> Proposal:
+def assign_partitions(
+    gm: torch.fx.GraphModule, min_block_size: int = 1, *, output_aliases: bool = False
+) -> Proposal:
     """Decides the partitions of ``gm`` and records them in its nodes' meta.
 
     Each node of ``kept[n]`` gets ``meta[PARTITION_KEY] = "jax_<n>"``; each node of a
-    dissolved partition gets a BLOCK_TOO_SMALL verdict, each trimmed view a PERF one.
-    Returns the proposal.
+    dissolved partition gets a BLOCK_TOO_SMALL verdict, each trimmed view a PERF or
+    OUTPUT_ALIAS one (``output_aliases`` as in ``propose_partitions``). Returns the
+    proposal.
     """
-    proposal = propose_partitions(gm, min_block_size)
+    proposal = propose_partitions(gm, min_block_size, output_aliases=output_aliases)
     dissolved = [
         (nodes, Reason.BLOCK_TOO_SMALL, f"< min_block_size={min_block_size}")
         for nodes in proposal.too_small
