@@ -7,8 +7,9 @@ compiled executable never sees it.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -59,6 +60,18 @@ class JaxInterpreter(torch.fx.Interpreter):
             assert self._node is not None  # set by run_node
             kwargs["layout"] = self._node.meta[LAYOUT_KEY]
         return rule.fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _set_current_node(self, node: torch.fx.Node) -> Iterator[None]:
+        """Nothing: ``torch.fx.Interpreter`` would make ``node.meta`` torch.fx's
+        *process-wide* current node meta (``fx.traceback.set_current_meta``) whenever
+        another thread's trace has turned node-meta preservation on. A partition traces
+        at its first call, outside Dynamo's compile lock, so that other trace is
+        aot_autograd's joint trace running in another thread, whose backward hooks then
+        found their counters gone ("Expected current_level > 0") or recorded this
+        graph's meta on its nodes. Lowering reads nodes through ``run_node``, never
+        through that global."""
+        yield
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self._node = n

@@ -203,8 +203,8 @@ def test_cold_compiled_model_from_16_threads() -> None:
     assert len(report.partitions) == 2 * len(report.graphs)
 
 
-def test_training_steps_from_16_threads() -> None:
-    # Forward and backward graphs, each thread its own model copy's gradients.
+def _training_threads(warm: bool, backend: dynajax.Backend) -> None:
+    """16 threads, each taking input gradients through the compiled model 3 times."""
     torch.manual_seed(0)
     model = Deep(fallback=True)
     xs = [torch.randn(4, 16) for _ in range(THREADS)]
@@ -213,8 +213,10 @@ def test_training_steps_from_16_threads() -> None:
         x = x.clone().requires_grad_()
         model(x).square().sum().backward()
         expected.append(x.grad)
-    compiled = torch.compile(model, backend=dynajax.Backend())
-    compiled(xs[0]).sum().backward()  # Dynamo compiles (see the cold test)
+    compiled = torch.compile(model, backend=backend)
+    if warm:  # Dynamo and aot_autograd compile the forward and backward here
+        x = xs[0].clone().requires_grad_()
+        torch.autograd.grad(compiled(x).square().sum(), [x])
 
     def work(i: int) -> None:
         for _ in range(3):
@@ -223,6 +225,30 @@ def test_training_steps_from_16_threads() -> None:
             assert_same(grad, expected[i])
 
     _in_threads(work, THREADS)
+
+
+def test_training_steps_from_16_threads() -> None:
+    # Forward and backward graphs compiled first: the threads only call them.
+    _training_threads(warm=True, backend=dynajax.Backend())
+
+
+def test_training_steps_compiled_from_16_threads_at_once() -> None:
+    # Regression: the threads enter the frame together, so Dynamo compiles it several
+    # times (see the cold test above) while other threads run the first calls of
+    # partitions it compiled already. A first call traces the partition through a
+    # torch.fx.Interpreter, which wrote torch.fx's process-wide current node meta while
+    # another thread's aot_autograd joint trace had node-meta preservation on: that
+    # trace failed ("Expected current_level > 0") or built a backward whose partition
+    # was handed None. Thread switches as often as possible make it show every round.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(2):
+            torch._dynamo.reset()
+            # No persistent cache: every partition traces at its first call.
+            _training_threads(warm=False, backend=dynajax.Backend(cache_dir=""))
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_dynamic_shapes_from_16_threads() -> None:
