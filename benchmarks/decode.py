@@ -3,6 +3,7 @@
     python -m benchmarks.decode                       # eager, inductor, dynajax side by side
     python -m benchmarks.decode --layers 2 --new-tokens 16 --rounds 3
     python -m benchmarks.run --decode                 # the same, from the main command
+    python -m benchmarks.decode --profile --threads 1  # where a decode step's time goes
 
 A LLaMA-style model (``transformers.LlamaConfig``, random weights, built from a config)
 generates greedily two ways, each peer with the same static cache:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import statistics
 import sys
@@ -306,6 +308,122 @@ def measure(
     return {"size": dataclasses.asdict(size), "rounds": rounds, "results": results}
 
 
+class _TensorRecorder:
+    """Stands in for a partition's ``InputCache`` and keeps the tensors of its last call."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seen: list[torch.Tensor] = []
+
+    def hit(self, ts: Any) -> Any:
+        self.seen = list(ts)
+        return self.inner.hit(ts)
+
+    def hit_guarded(self, ts: Any) -> Any:
+        self.seen = list(ts)
+        return self.inner.hit_guarded(ts)
+
+    def arrays(self, ts: Any) -> list[Any]:
+        self.seen = list(ts)
+        return self.inner.arrays(ts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def profile(
+    size: Size, calls: int = 200, rounds: int = 5, peer: str = "inductor"
+) -> dict[str, float]:
+    """Where one decode step of the hand-written loop spends its time, µs per call.
+
+    Layers, each timed as the median over ``rounds`` (interleaved, rotating order) of
+    the mean over ``calls`` calls: ``peer``'s and dynajax's whole compiled step, fed a
+    new token tensor each call as decoding does (and dynajax's fed the same one: every
+    input cached); the step's one JAX partition (``CompiledPartition.run``) on the very
+    tensors it receives during the step, as decoding calls it (a new token tensor, the
+    KV buffers at new versions after their in-place update) and with every input
+    unchanged; the XLA program alone (the partition's ``jitted`` on ``jax.Array``
+    copies: no torch edge); and the ``copy_`` of the updated KV buffers into the
+    model's, which aot_autograd's epilogue runs after each call (XLA returns them in
+    new buffers).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from dynajax.runtime.compiled import CompiledPartition
+
+    model = build_llama(size)
+    ids = prompt_ids(size)
+    p = ids.shape[1]
+    steps: dict[str, Callable[[], Any]] = {}
+    pos = torch.tensor([p])
+    dyn: Timed | None = None
+    for name in (peer, "dynajax"):
+        r = Timed(name, "loop", model, ids, size)
+        with torch.no_grad():
+            tok = r.prefill(ids, torch.arange(p))
+            r.step(tok, pos)  # compiles the decode step
+        steps[f"{name}, whole step, a new token tensor"] = functools.partial(
+            lambda step, t: step(t.clone(), pos), r.step, tok
+        )
+        dyn = r if name == "dynajax" else dyn
+    assert dyn is not None and dyn.backend is not None
+    steps["dynajax, whole step, the same token tensor"] = functools.partial(dyn.step, tok, pos)
+    decode_graph = dyn.backend.graphs[-1].graph_module
+    (part,) = [m for _, m in decode_graph.named_children() if isinstance(m, CompiledPartition)]
+    recorder = _TensorRecorder(part.inputs)
+    part.inputs = recorder  # type: ignore[assignment]
+    with torch.no_grad():
+        dyn.step(tok, pos)
+    part.inputs = recorder.inner
+    tensors = list(recorder.seen)
+    caches = [t for t in tensors if t.dim() == 4]  # the KV buffers
+    token = next(i for i, t in enumerate(tensors) if t is tok)
+
+    def run_as_decoding() -> Any:
+        for c in caches:
+            # What the in-place update does to the buffer's metadata (a new version,
+            # the same memory), without the write's own time.
+            torch.autograd.graph.increment_version(c)
+        args = list(tensors)
+        args[token] = tok.clone()
+        return part.run(args)
+
+    steps["CompiledPartition.run, as decoding calls it"] = run_as_decoding
+    steps["CompiledPartition.run, every input unchanged"] = functools.partial(part.run, tensors)
+    with jax.enable_x64(True):
+        arrays = [jnp.array(t.detach().numpy()) for t in tensors]
+    jitted = part.jitted
+
+    def floor() -> Any:
+        with jax.enable_x64(True):
+            return jax.block_until_ready(jitted(*arrays))
+
+    steps["the XLA program alone (jitted on jax.Arrays)"] = floor
+    news = [c.clone() for c in caches]
+
+    def copy_back() -> None:
+        for c, n in zip(caches, news, strict=True):
+            c.copy_(n)
+
+    steps[f"aot_autograd's copy_ of the {len(caches)} KV buffers"] = copy_back
+    steps["a token tensor's clone (in the rows above)"] = tok.clone
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    names = list(steps)
+    with torch.no_grad():
+        for name in names:
+            steps[name]()  # warm
+        for rnd in range(rounds):
+            k = rnd % len(names)
+            for name in names[k:] + names[:k]:
+                step = steps[name]
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    step()
+                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def print_report(out: dict[str, Any]) -> None:
     res = out["results"]
     print(f"\n{out['size']}, {out['rounds']} rounds interleaved")
@@ -355,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time the layers of one decode step of the loop instead (µs per call)",
+    )
+    p.add_argument("--calls", type=int, default=200, help="calls per round (--profile)")
+    p.add_argument(
         "--threads",
         type=int,
         help="compute threads for every peer (as python -m benchmarks.run --threads)",
@@ -365,6 +489,13 @@ def main(argv: list[str] | None = None) -> int:
 
         set_threads(args.threads)
     size = Size(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Size)})
+    if args.profile:
+        layers = profile(size, args.calls, args.rounds)
+        width = max(map(len, layers))
+        print(f"\n{dataclasses.asdict(size)}: one decode step, µs per call (median of rounds)")
+        for name, us in layers.items():
+            print(f"{name.ljust(width)}  {us:9.1f}")
+        return 0
     out = measure(
         size,
         tuple(args.peers.split(",")),

@@ -94,6 +94,25 @@ def test_decode_benchmark_tokens_match_eager_generate() -> None:
         assert graphs.endswith("fallbacks none"), graphs
 
 
+def test_decode_profile_times_every_layer() -> None:
+    """``--profile``: every layer of a decode step timed, on the partition the step runs."""
+    from benchmarks import decode
+
+    size = decode.Size(layers=1, width=32, heads=4, kv_heads=2, vocab=64, prompt=4, new_tokens=2)
+    layers = decode.profile(size, calls=2, rounds=1, peer="eager")
+    assert list(layers) == [
+        "eager, whole step, a new token tensor",
+        "dynajax, whole step, a new token tensor",
+        "dynajax, whole step, the same token tensor",
+        "CompiledPartition.run, as decoding calls it",
+        "CompiledPartition.run, every input unchanged",
+        "the XLA program alone (jitted on jax.Arrays)",
+        "aot_autograd's copy_ of the 2 KV buffers",
+        "a token tensor's clone (in the rows above)",
+    ]
+    assert all(us > 0 for us in layers.values()), layers
+
+
 def test_static_decoder_writes_its_cache_in_place() -> None:
     """The hand-written loop's cache is its state: a prefill writes the prompt's keys
     and nothing past them, and a one-token step at the last prompt position, which
