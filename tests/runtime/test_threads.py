@@ -251,6 +251,31 @@ def test_training_steps_compiled_from_16_threads_at_once() -> None:
         sys.setswitchinterval(interval)
 
 
+def test_lowering_leaves_torch_fx_current_meta_alone(monkeypatch) -> None:
+    # The cause of the regression above, deterministically: tracing a partition while
+    # node-meta preservation is on (as another thread's joint trace turns it on) never
+    # sets torch.fx's process-wide current node meta.
+    from torch.fx import traceback as fx_traceback
+
+    from dynajax.lowering.interpreter import to_jax_function
+
+    (part, f), weights = _partition()
+    calls: list[Any] = []
+    original = fx_traceback.set_current_meta
+
+    def spy(node: Any, *args: Any) -> Any:
+        calls.append(node)
+        return original(node, *args)
+
+    monkeypatch.setattr(fx_traceback, "set_current_meta", spy)
+    x = torch.randn(4, 16)
+    arrays = [np.asarray(t) for t in (x, *weights)]
+    with fx_traceback.preserve_node_meta():
+        (out,) = to_jax_function(part.graph_module)(*arrays)
+    assert calls == []
+    assert_same(torch.from_numpy(np.asarray(out)), f(x, *weights)[0])
+
+
 def test_dynamic_shapes_from_16_threads() -> None:
     # Every thread its own batch size: the executables' LRU is shared by the threads
     # and smaller than the number of sizes, so compiles and evictions race.
