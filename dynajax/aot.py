@@ -38,6 +38,10 @@ the saved output or logsumexp:
 (ValueError while tracing); eager's kernel casts it to the result type, and so does
 the correction before calling the decomposition.
 
+``smooth_l1_loss_backward``'s decomposition takes ``sign(x)`` outside ``|x| < beta``,
+which is 0 for a NaN difference; eager's kernel tests ``x <= -beta`` and ``x >= beta``
+and otherwise returns ``x / beta``, NaN for NaN. The correction follows the kernel.
+
 ``torch.cholesky`` raises inside its kernel when its input is not positive definite;
 it becomes ``linalg_cholesky_ex`` (a JAX rule) plus the effectful
 ``_linalg_check_errors``, which raises eager's own error on the host.
@@ -163,6 +167,25 @@ def _addcmul(
     return torch._refs.addcmul(self, tensor1, tensor2, value=value)
 
 
+def _smooth_l1_loss_backward(
+    grad_output: torch.Tensor,
+    self: torch.Tensor,
+    target: torch.Tensor,
+    reduction: int,
+    beta: float,
+) -> torch.Tensor:
+    """The gradient of ``smooth_l1_loss`` as eager's CPU kernel computes it: a NaN
+    difference gives NaN (PyTorch's decomposition gives 0 there)."""
+    dtype = self.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    x = self.to(compute) - target.to(compute)
+    norm = 1.0 / self.numel() if reduction == 1 else 1.0  # 1: Reduction.MEAN
+    g = norm * grad_output.to(compute)
+    inside = g * x / beta if beta != 0 else g * x
+    grad = torch.where(x <= -beta, -g, torch.where(x >= beta, g, inside))
+    return grad.to(dtype)
+
+
 def corrections() -> dict[Any, Callable[..., Any]]:
     """Entries that replace or extend PyTorch's core ATen decompositions."""
     table: dict[Any, Callable[..., Any]] = {
@@ -170,6 +193,7 @@ def corrections() -> dict[Any, Callable[..., Any]]:
             _flash_attention_for_cpu_backward
         ),
         aten.addcmul.default: _addcmul,
+        aten.smooth_l1_loss_backward.default: _smooth_l1_loss_backward,
     }
     if hasattr(aten, "cholesky"):  # removed in torch 2.14 (torch.cholesky is deprecated)
         table[aten.cholesky.default] = _cholesky

@@ -7,8 +7,8 @@ a time-limited run checks a prefix of the same sequence.
 Each failure is classified by its signature: the first program with a new signature is
 shrunk (unless its signature is a known bug) and gets a reproducer; later programs
 with the same signature are counted against it. ``upstream`` failures (the same under
-``aot_eager``) get an unshrunk reproducer in ``upstream/``: they are torch.compile's,
-not dynajax's, and are reported apart.
+``aot_eager``, or eager misreading its inputs' strides) get an unshrunk reproducer in
+``upstream/``: they are PyTorch's, not dynajax's, and are reported apart.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class Summary:
             f"  ok {s[OK]}, eager raised and dynajax raised the same {s[RAISED]}, "
             f"failures {s[FAIL]} ({len(fails)} distinct, "
             f"{sum(1 for f in fails if f.known)} known), "
-            f"upstream (same under aot_eager) {s[UPSTREAM]} ({len(upstream)} distinct)",
+            f"upstream (aot_eager alike, or eager misreads strides) {s[UPSTREAM]} "
+            f"({len(upstream)} distinct)",
         ]
         if self.allowances:
             used = ", ".join(f"{k} in {n}" for k, n in sorted(self.allowances.items()))

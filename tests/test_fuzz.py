@@ -12,7 +12,7 @@ import torch
 
 import fuzz.check
 from fuzz import generate, program_seed, run, source
-from fuzz.check import FAIL, OK, Mismatch, Outcome, Verdict, check, execute, fails_like
+from fuzz.check import FAIL, OK, UPSTREAM, Mismatch, Outcome, Verdict, check, execute, fails_like
 from fuzz.known_bugs import KNOWN_BUGS
 from fuzz.program import OUT_BASE, OpRecord, Program, TensorInput, to_function
 from fuzz.reproducer import write_reproducer
@@ -101,6 +101,42 @@ def test_planted_dynajax_bug_is_found_with_its_signature(monkeypatch: pytest.Mon
     program = Program((x0,), ops, (OUT_BASE + 2,))
     outcome = check(program)
     assert outcome.status == FAIL and outcome.signature == "value:torch.neg:float32"
+
+
+def _median_of_expanded(op: str) -> Program:
+    """``op`` of the median along dim 0 of an input expanded along dim 0 (stride 0)."""
+    x0 = TensorInput((4, 3), "float32", seed=11, layout="expanded")
+    ops = (
+        OpRecord("torch.median.values", (0,), (("dim", 0), ("keepdim", True)), OUT_BASE),
+        OpRecord(op, (OUT_BASE,), (), OUT_BASE + 1),
+    )
+    return Program((x0,), ops, (OUT_BASE + 1,))
+
+
+def test_eager_kernel_misreading_strides_is_upstream() -> None:
+    """Eager's median along a dim of stride 0 reads past the element (seed 2, program
+    840): its answer changes when the same values come contiguous, and dynajax gives
+    the answer on the contiguous copy, so the difference is classified upstream."""
+    x = torch.tensor([[1.0, 2.0, 3.0]]).expand(4, 3)
+    premise = "eager's median of a stride-0 dim is right now: plant another misreading kernel"
+    assert not torch.equal(torch.median(x, 0).values, torch.median(x.contiguous(), 0).values), (
+        premise
+    )
+    outcome = check(_median_of_expanded("torch.sin"))
+    assert outcome.status == UPSTREAM, outcome
+
+
+def test_dynajax_bug_on_a_strided_input_is_still_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same program with a wrong rule after the median (neg as x + 1) is a dynajax
+    failure: its answer is not eager's on the contiguous copy either."""
+    from dynajax.lowering import registry
+
+    op = torch.ops.aten.neg.default
+    monkeypatch.setitem(registry._TABLE, op, registry.Rule(op, lambda x: x + 1))
+    outcome = check(_median_of_expanded("torch.neg"))
+    assert outcome.status == FAIL, outcome
 
 
 def test_reproducer_runs_standalone(
