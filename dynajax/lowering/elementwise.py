@@ -403,7 +403,26 @@ def _pow(x, exponent):
         if exponent >= 0 and is_integral(dt):
             return jax.lax.integer_pow(as_dtype(x, dt), exponent)
     a, b = promote(x, exponent, dtype=dt)
-    return _int_pow(a, b) if is_integral(dt, include_bool=False) else jnp.power(a, b)
+    return _int_pow(a, b) if is_integral(dt, include_bool=False) else _float_pow(a, b)
+
+
+def _float_pow(a, b):
+    """IEEE ``pow`` for real floats, computed as a power of ``|a|`` and a sign.
+
+    XLA's algebraic simplifier rewrites ``log(pow(a, b))`` as ``b * log(|a|)``, which is
+    finite where ``a`` is negative and the power is NaN (a non-integer ``b``) or
+    negative (an odd ``b``): eager's ``log2(pow(-0.98, -3.06))`` is NaN. Here the power
+    is always of ``|a|``, for which that rewrite is exact, and a negative base gets
+    pow's sign (negative for an odd integer ``b``, -0. included) and NaN (a finite
+    negative base to a non-integer power) by selects: the values are IEEE pow's,
+    infinities and signed zeros included."""
+    if is_complex(a.dtype):
+        return jnp.power(a, b)
+    p = jnp.power(jnp.abs(a), b)
+    odd = jnp.abs(jnp.fmod(b, 2)) == 1
+    signed = jnp.where(jnp.signbit(a) & odd, -p, p)
+    undefined = (a < 0) & jnp.isfinite(a) & (b != jnp.floor(b))
+    return jnp.where(undefined, jnp.nan, signed).astype(p.dtype)
 
 
 def _int_pow(a, b):
@@ -432,7 +451,7 @@ def _powi(a, b):
 def _pow_scalar(base, exponent):
     dt = result_type(base, exponent)
     a, b = promote(base, exponent, dtype=dt)
-    return _int_pow(a, b) if is_integral(dt, include_bool=False) else jnp.power(a, b)
+    return _int_pow(a, b) if is_integral(dt, include_bool=False) else _float_pow(a, b)
 
 
 @lower(aten.atan2.default)
