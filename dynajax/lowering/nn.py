@@ -61,11 +61,28 @@ def _stat_dtype(x):
     return np.float32 if x.dtype in (np.float16, jnp.bfloat16) else x.dtype
 
 
+def _shifted_mean(x, axis):
+    """The mean over ``axis`` of ``x`` shifted by one of its own elements per row.
+
+    Summing values far from zero relative to their spread (a row of 2 +- 0.05) loses the
+    spread's low bits; eager's row-wise moments (Welford, in cascades) keep them, and a
+    layer norm multiplies that error by ``rstd`` and the weight (5e-4 in float32 at
+    weight 100 where eager was exact to 1e-6). Shifted by the row's first element the
+    summands are the spread itself, and the shift is added back exactly once.
+    """
+    if any(x.shape[d] == 0 for d in axis):
+        return jnp.mean(x, axis=axis, keepdims=True)
+    first = x[tuple(slice(0, 1) if d in axis else slice(None) for d in range(x.ndim))]
+    finite = jnp.isfinite(first)
+    shift = jnp.where(finite, first, jnp.zeros_like(first))
+    return shift + jnp.mean(x - shift, axis=axis, keepdims=True)
+
+
 @lower(aten.native_layer_norm.default)
 def _native_layer_norm(x, normalized_shape, weight, bias, eps):
     axis = tuple(range(x.ndim - len(normalized_shape), x.ndim))
     xf = x.astype(_stat_dtype(x))
-    mean = jnp.mean(xf, axis=axis, keepdims=True)
+    mean = _shifted_mean(xf, axis)
     var = jnp.mean(jnp.square(xf - mean), axis=axis, keepdims=True)
     rstd = jax.lax.rsqrt(var + eps)
     out = (xf - mean) * rstd
