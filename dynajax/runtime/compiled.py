@@ -8,6 +8,11 @@ The per-call path of a partition is, in full:
     value checks: outs[-1] read, may raise   # only where the partition has checks
     [torch.from_numpy(np.asarray(o)) ...]    # zero-copy views of XLA's output buffers
 
+and, once a call has shown which inputs come back (parameters, buffers) and which are
+new tensors every call (a token, a batch), the same through the executable's direct
+entry point (``_build_direct``): the cached arrays as they are, each new tensor put into
+an array of its own (~3.5 µs), no per-argument checks of the dispatch.
+
 Mutation and aliasing are aot_autograd's: it hands us a functional graph, writes the new
 values of mutated inputs back with ``copy_``, and regenerates outputs that alias inputs
 as views of those inputs. A value check that fails (``lowering/checks.py``: an index out
@@ -46,7 +51,7 @@ from dynajax.runtime.conversion import (
 )
 from dynajax.runtime.executables import Executables
 from dynajax.runtime.inputs import InputCache
-from dynajax.runtime.jax_internals import X64, direct_executor, dispatch_of
+from dynajax.runtime.jax_internals import X64, array_putter, direct_executor, dispatch_of
 from dynajax.runtime.programs import describe_partition
 from dynajax.sharding.placement import PartitionPlacement, Placement
 
@@ -69,9 +74,11 @@ _NUMPY_DTYPES = frozenset(
     }
 )
 
-# From this many inputs, a call whose inputs are all cached skips the executable's
+# From this many inputs, a call whose cached inputs are unchanged skips the executable's
 # argument checks (``CompiledPartition._build_direct``). Measured side by side
-# (``benchmarks/overhead.py``), the direct entry point is cheaper from one input up.
+# (``benchmarks/overhead.py``), the direct entry point is cheaper from one input up; with
+# a new input tensor every call (GPT-2, 2 layers, new token ids) it took 499 µs per call
+# against the dispatch path's 543.
 DIRECT_MIN_INPUTS = 1
 
 
@@ -189,10 +196,12 @@ class CompiledPartition(torch.nn.Module):
         # set at the first call. Benchmarks may set it to ``jitted`` to compare paths.
         self.dispatch: Callable[..., Any] | None = None
         self._compiled: jax.stages.Compiled | None = None
-        # The executable's own entry point, for calls whose inputs are all cached.
+        # The executable's own entry point, for calls whose cached inputs are unchanged.
         self._direct: _Direct | None = None
         # The direct entry point is checked on one device's outputs only.
         self._direct_failed = placement is not None and placement.multi_device
+        # A snapshot whose per-call inputs cannot take the direct entry point.
+        self._no_direct: Any = None
         self._compile_lock = threading.Lock()
         n_inputs = len(self.executables.tensor_pos)  # static sizes are not converted
         if self.executables.dynamic:
@@ -226,13 +235,16 @@ class CompiledPartition(torch.nn.Module):
         """
         direct = self._direct
         if direct is not None and self.inputs.hit_guarded(tensors) is direct.snap:
-            return self._run_direct(direct)
+            args = _fresh_args(direct, tensors) if direct.fresh else direct.args
+            if args is not None:
+                return self._run_direct(direct, args)
         return self.run(tensors)
 
-    def _run_direct(self, direct: Any) -> list[torch.Tensor]:
+    def _run_direct(self, direct: Any, args: list[Any]) -> list[torch.Tensor]:
         """One call through the executable's direct entry point (``_build_direct``),
-        for inputs the caller has found all cached in ``direct.snap``."""
-        results = direct.execute(direct.args).consume_with_handlers(direct.handlers)
+        for inputs the caller has found cached in ``direct.snap`` (and ``args``, those
+        arrays with the per-call inputs' arrays in their slots)."""
+        results = direct.execute(args).consume_with_handlers(direct.handlers)
         if direct.checked:
             # Eager's error where a value check failed, before any output is handed
             # back; the code is an output of this same execution (no extra sync).
@@ -245,7 +257,9 @@ class CompiledPartition(torch.nn.Module):
         """The per-call path: a sequence of tensors in, a list of tensors out."""
         direct = self._direct
         if direct is not None and self.inputs.hit(tensors) is direct.snap:
-            return self._run_direct(direct)
+            args = _fresh_args(direct, tensors) if direct.fresh else direct.args
+            if args is not None:
+                return self._run_direct(direct, args)
         token = X64.enable()  # int64/float64 stay 64-bit, as in torch
         try:
             outs = self._run(tensors)
@@ -253,17 +267,23 @@ class CompiledPartition(torch.nn.Module):
             X64.restore(token)
         if len(tensors) >= DIRECT_MIN_INPUTS and not self._direct_failed:
             snap = self.inputs.current
-            if snap is not None and (direct is None or direct.snap is not snap):
+            if (
+                snap is not None
+                and (direct is None or direct.snap is not snap)
+                and snap is not self._no_direct
+            ):
                 if direct is not None and all(
                     map(operator.is_, direct.args, [snap.arrays[i] for i in direct.kept])
                 ):  # versions moved on (in-place updates), arrays are the same memory
                     self._direct = direct._replace(snap=snap)
                 else:
-                    self._direct = self._build_direct(snap, outs)
+                    self._direct = self._build_direct(snap, tensors, outs)
         return outs
 
-    def _build_direct(self, snap: Any, outs: list[torch.Tensor]) -> Any:
-        """The executable's own entry point, for calls whose inputs are all cached.
+    def _build_direct(
+        self, snap: Any, tensors: Sequence[torch.Tensor], outs: list[torch.Tensor]
+    ) -> Any:
+        """The executable's own entry point, for calls whose inputs are cached.
 
         The C++ dispatch of a compiled function checks every argument's type, shape and
         placement on each call (~0.5 µs each). When every input is a cached array whose
@@ -271,6 +291,15 @@ class CompiledPartition(torch.nn.Module):
         are known to pass, and the loaded executable can run the very same arrays
         (~0.15 µs per argument), and its outputs are wrapped by the same C++ result
         handlers the dispatch path uses. Worth it from ``DIRECT_MIN_INPUTS`` inputs up.
+
+        Inputs that are new tensors on every call (a decode step's token, a batch of
+        data, activations between partitions) are ``snap.volatile``: on the CPU each is
+        put into an array of the shape and dtype the executable takes, as the dispatch
+        path would (``jax_internals.array_putter``, ~3.5 µs), in its slot among the
+        cached arrays (``_fresh_args``); a tensor of another shape or dtype takes the
+        regular path. Elsewhere, or where this JAX release lacks the internal, such
+        snapshots keep the regular path.
+
         Checked once against the regular path's outputs; on any mismatch, or where this
         JAX release lacks the entry point (``jax_internals.direct_executor``), the
         regular path stays for good.
@@ -281,8 +310,20 @@ class CompiledPartition(torch.nn.Module):
             self._direct_failed = True
             return None
         args = [snap.arrays[i] for i in found.kept]
+        fresh: list[_Fresh] = []
+        if snap.volatile:
+            slots = self._fresh_slots(compiled, found.kept, snap.volatile)
+            if slots is None:
+                self._no_direct = snap  # not tried again until the inputs change
+                return None
+            fresh = slots
+            args_now = _fresh_args(_Direct(snap, found.execute, args, [], [], None, fresh), tensors)
+            if args_now is None:
+                return None
+        else:
+            args_now = args
         try:
-            results = found.execute(args).consume_with_handlers(found.handlers)
+            results = found.execute(args_now).consume_with_handlers(found.handlers)
         except (TypeError, ValueError, RuntimeError):  # XLA refused the arguments
             self._direct_failed = True
             return None
@@ -300,7 +341,28 @@ class CompiledPartition(torch.nn.Module):
         ):
             self._direct_failed = True
             return None
-        return _Direct(snap, found.execute, args, found.kept, found.handlers, checked)
+        return _Direct(snap, found.execute, args, found.kept, found.handlers, checked, fresh)
+
+    def _fresh_slots(
+        self, compiled: Any, kept: list[int], volatile: list[int]
+    ) -> list[_Fresh] | None:
+        """How each per-call input reaches the direct entry point (``_build_direct``):
+        its slot among XLA's arguments, its input position and its putter; None where
+        it cannot (not on the CPU, or no putter in this JAX release)."""
+        if self.device_type != "cpu" or self.placement is not None:
+            return None
+        avals = list(compiled.in_avals[0])
+        slot_of = {pos: slot for slot, pos in enumerate(kept)}
+        fresh = []
+        for pos in volatile:
+            if pos not in slot_of:
+                continue  # an input XLA dropped: never read
+            aval = avals[pos]
+            put = array_putter(tuple(aval.shape), aval.dtype, cpu_device())
+            if put is None:
+                return None
+            fresh.append(_Fresh(slot_of[pos], pos, put, tuple(aval.shape), np.dtype(aval.dtype)))
+        return fresh
 
     def _run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         arrays = self.inputs.arrays(tensors)
@@ -376,15 +438,38 @@ class CompiledPartition(torch.nn.Module):
     forward = __call__
 
 
+class _Fresh(NamedTuple):
+    """A per-call input of a direct call: where it goes and how it gets there."""
+
+    slot: int  # its place among the arguments XLA takes
+    pos: int  # its input position
+    put: Callable[[Any], jax.Array]  # NumPy view -> array (jax_internals.array_putter)
+    shape: tuple[int, ...]  # what the executable takes
+    dtype: np.dtype
+
+
 class _Direct(NamedTuple):
-    """What a call whose inputs are all cached runs (``CompiledPartition._build_direct``)."""
+    """What a call whose inputs are cached runs (``CompiledPartition._build_direct``)."""
 
     snap: Any  # the InputCache snapshot these arguments were taken from
     execute: Callable[[Sequence[jax.Array]], Any]  # the executable's own entry point
-    args: list[Any]  # the cached arrays XLA takes, in its order
+    args: list[Any]  # the cached arrays XLA takes, in its order (None: a fresh slot)
     kept: list[int]  # their input positions
     handlers: list[Any]  # the results' handlers (output arrays as the dispatch makes)
     checked: CheckTable | None  # the value checks read from the last output, if any
+    fresh: list[_Fresh]  # the per-call inputs among them (snap.volatile XLA reads)
+
+
+def _fresh_args(direct: _Direct, tensors: Sequence[torch.Tensor]) -> list[Any] | None:
+    """``direct.args`` with this call's arrays of its per-call inputs in their slots, or
+    None where one is not of the shape and dtype the executable takes."""
+    args = direct.args.copy()
+    for slot, pos, put, shape, dtype in direct.fresh:
+        view = fast_to_jax(tensors[pos])
+        if not isinstance(view, np.ndarray) or view.shape != shape or view.dtype != dtype:
+            return None
+        args[slot] = put(view)
+    return args
 
 
 def _own_outputs(

@@ -139,14 +139,15 @@ class InputCache:
         return {i: a for i, a in enumerate(snap.arrays) if a is not None}
 
     def hit(self, ts: Sequence[torch.Tensor]) -> _Snapshot | None:
-        """The current snapshot if *every* input is cached and its array still right (the
+        """The current snapshot if every input it caches has its array still right (the
         same object at the same pointer, and the same version, or the same sizes and
         strides where arrays are the tensors' own memory), else None.
 
-        ``snapshot.arrays`` are then exactly the arguments ``arrays(ts)`` would return.
+        ``snapshot.arrays`` are then exactly the arguments ``arrays(ts)`` would return,
+        except at ``snapshot.volatile``, the positions converted per call.
         """
         snap = self._snap
-        if snap is not None and not snap.volatile and self._still_right(snap, ts):
+        if snap is not None and self._still_right(snap, ts):
             return snap
         return None
 
@@ -188,7 +189,6 @@ class InputCache:
         snap = self._snap
         if (
             snap is not None
-            and not snap.volatile
             and tuple(map(id, c := snap.get(ts))) == snap.ids
             and tuple(map(_data_ptr, c)) == snap.ptrs
         ):
@@ -197,9 +197,8 @@ class InputCache:
 
     @property
     def current(self) -> _Snapshot | None:
-        """The snapshot in use when every input is cached, else None."""
-        snap = self._snap
-        return snap if snap is not None and not snap.volatile else None
+        """The snapshot in use (None until an input is cached, and after one died)."""
+        return self._snap
 
     def arrays(self, ts: Sequence[torch.Tensor]) -> list[Any]:
         """The JAX arguments for the tensors ``ts``, one per input."""

@@ -165,3 +165,53 @@ def test_inputs_updated_in_place_every_call_keep_their_arrays() -> None:
     ref.resize_(2, 3)
     assert_same(compiled(cache, pos, x), step(ref, pos, x))
     assert_same(cache, ref)
+
+
+class _Tagger(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 6)
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(idx) + x).relu()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_new_tensors_every_call_take_the_direct_entry_point(
+    layout: str, dtype: torch.dtype
+) -> None:
+    """A model called with new input tensors on every call (a token, a batch): its
+    parameters are cached, the new tensors are put into arrays per call
+    (``CompiledPartition._fresh_slots``), and the executable's direct entry point runs
+    them with the cached ones; every answer is eager's (int64 indices included)."""
+    model = _Tagger().to(dtype).eval()
+    backend = dynajax.Backend(cache_dir="")
+    compiled = torch.compile(model, backend=backend)
+
+    def inputs(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor([[i % 10, (3 * i) % 10, 9]])
+        torch.manual_seed(i)
+        if layout == "transposed":
+            return idx, torch.randn(6, 3, dtype=dtype).t().unsqueeze(0)
+        return idx, torch.randn(1, 3, 6, dtype=dtype)
+
+    with torch.no_grad():
+        assert_same(compiled(*inputs(0)), model(*inputs(0)))
+        [report] = backend.graphs
+        part = report.graph_module.jax_0
+        direct_calls = 0
+        run_direct = part._run_direct
+
+        def counting(*args: Any) -> Any:
+            nonlocal direct_calls
+            direct_calls += 1
+            return run_direct(*args)
+
+        part._run_direct = counting
+        for i in range(1, 6):
+            idx, x = inputs(i)
+            assert_same(compiled(idx, x), model(idx, x))
+    assert part._direct is not None and len(part._direct.fresh) == 2
+    assert direct_calls == 4  # the second call builds the entry point and checks it
