@@ -42,6 +42,11 @@ the correction before calling the decomposition.
 which is 0 for a NaN difference; eager's kernel tests ``x <= -beta`` and ``x >= beta``
 and otherwise returns ``x / beta``, NaN for NaN. The correction follows the kernel.
 
+``gelu_backward`` with ``approximate="tanh"`` is written with ``sigmoid`` instead of
+``tanh``, as the forward rule is (``lowering/nn.py``): ``1 + tanh(z)`` cancels for
+negative inputs, and the gradient through XLA's ``tanh`` was 2.6% off at x = -4.38
+where eager's is within 1e-4 of float64.
+
 ``torch.cholesky`` raises inside its kernel when its input is not positive definite;
 it becomes ``linalg_cholesky_ex`` (a JAX rule) plus the effectful
 ``_linalg_check_errors``, which raises eager's own error on the host.
@@ -186,6 +191,26 @@ def _smooth_l1_loss_backward(
     return grad.to(dtype)
 
 
+def _gelu_backward(
+    grad_output: torch.Tensor, self: torch.Tensor, *, approximate: str = "none"
+) -> torch.Tensor:
+    """The gradient of ``gelu``; for ``approximate="tanh"`` without cancellation: with
+    ``s = sigmoid(2z)`` (``0.5 * (1 + tanh(z))``) and ``1 - s = sigmoid(-2z)``, the
+    derivative of ``x * s`` is ``s + 2x * s * (1 - s) * dz/dx``."""
+    if approximate != "tanh":
+        return core_aten_decompositions()[aten.gelu_backward.default](
+            grad_output, self, approximate=approximate
+        )
+    dtype = self.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    x, g = self.to(compute), grad_output.to(compute)
+    k, c = math.sqrt(2 / math.pi), 0.044715
+    z = k * (x + c * x * x * x)
+    s, rest = torch.sigmoid(2 * z), torch.sigmoid(-2 * z)
+    dz = k * (1 + 3 * c * x * x)
+    return (g * (s + 2 * x * s * rest * dz)).to(dtype)
+
+
 def corrections() -> dict[Any, Callable[..., Any]]:
     """Entries that replace or extend PyTorch's core ATen decompositions."""
     table: dict[Any, Callable[..., Any]] = {
@@ -194,6 +219,7 @@ def corrections() -> dict[Any, Callable[..., Any]]:
         ),
         aten.addcmul.default: _addcmul,
         aten.smooth_l1_loss_backward.default: _smooth_l1_loss_backward,
+        aten.gelu_backward.default: _gelu_backward,
     }
     if hasattr(aten, "cholesky"):  # removed in torch 2.14 (torch.cholesky is deprecated)
         table[aten.cholesky.default] = _cholesky
