@@ -334,33 +334,79 @@ def _under_compile_lock(compile_graph: GraphCompiler) -> GraphCompiler:
     return locked
 
 
-def _runtime_wrapper_is_idle(n_graph_inputs: int, example_inputs: Sequence[Any]) -> bool:
-    """Whether aot_autograd's runtime wrapper around the inference graph being compiled
-    does nothing the graph's own callable does not (read while aot_autograd compiles it).
+def _runtime_wrapper_plan(n_graph_inputs: int, example_inputs: Sequence[Any]) -> list[int] | None:
+    """What aot_autograd's runtime wrapper around the inference graph being compiled
+    does (read while aot_autograd compiles it): None where it does something that
+    dynajax leaves to it, else the positions of the inputs whose data the graph
+    mutates, in order (empty where the wrapper would do nothing at all).
 
     The wrapper writes mutated inputs back, regenerates outputs that alias inputs or
     intermediates, threads effect tokens, wraps and unwraps tensor subclasses, drops
     duplicated inputs, merges aliased ones into synthetic bases, prepends parameters
     and RNG state, turns autocast off around the call and grad mode off (which changes
-    nothing when no input requires grad). When none of that applies, its only effect
-    is its cost (about 1.5 µs per call: ``benchmarks/overhead.py``).
+    nothing when no input requires grad). When all it does is write new data into
+    inputs that do not require grad (a KV cache updated in place, a counter), the graph
+    returns their new values first and ``_writing_back`` does the same ``copy_``es
+    (``runtime_wrappers._create_runtime_wrapper``'s mutation epilogue) without the
+    wrapper's layers; when it does nothing, its only effect is its cost (about 1.5 µs
+    per call: ``benchmarks/overhead.py``).
     """
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
     if meta is None or torch._C._is_any_autocast_enabled():
-        return False
-    return (
+        return None
+    if not (
         n_graph_inputs == len(example_inputs)  # no dedupe, synthetic bases, params, RNG
         and not any(isinstance(x, list | tuple | dict) for x in example_inputs)
         and not meta.tokens
         and meta.num_intermediate_bases == 0
-        and not any(i.mutates_data or i.mutates_metadata for i in meta.input_info)
         and all(
             o.output_type == OutputType.non_alias and not o.requires_grad for o in meta.output_info
         )
         and not any(isinstance(m, SubclassCreationMeta) for m in meta.subclass_inp_meta)
         and not any(isinstance(m, SubclassCreationMeta) for m in meta.subclass_fw_graph_out_meta)
-    )
+    ):
+        return None
+    mutated = []
+    for i, info in enumerate(meta.input_info):
+        if info.mutates_metadata or info.mutates_storage_metadata:
+            return None
+        if info.mutation_inductor_storage_resize:
+            return None
+        if info.mutates_data:
+            if info.requires_grad or getattr(example_inputs[i], "requires_grad", False):
+                return None
+            mutated.append(i)
+    if mutated != list(meta.mutated_inp_runtime_indices):
+        return None  # a mutation kept in the graph, or one the wrapper skips
+    streams = getattr(meta, "mutated_inp_stream_indices", None)
+    if streams and any(s is not None for s in streams):
+        return None
+    return mutated
+
+
+def _writing_back(mutated: list[int]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wraps ``call(inputs)`` (the tuple of a stitched graph's inputs), whose first
+    outputs are the new values of the inputs at ``mutated``, as aot_autograd's runtime
+    wrapper would call it: each such input gets its new value with ``copy_`` (after the
+    whole graph ran, so a value check that raises leaves every input as it was), and the
+    rest of the outputs are returned."""
+
+    def around(call: Callable[..., Any]) -> Callable[..., Any]:
+        if not mutated:
+            return call
+        n = len(mutated)
+        pairs = list(enumerate(mutated))
+
+        def run(args: tuple[Any, ...]) -> Any:
+            outs = call(args)
+            for k, i in pairs:
+                args[i].copy_(outs[k])
+            return outs[n:]
+
+        return run
+
+    return around
 
 
 def aot_compile(
@@ -370,19 +416,20 @@ def aot_compile(
     ``compile_aten_graph(graph, inputs, kind=...)``, ``kind`` being ``inference``,
     ``forward`` or ``backward``.
 
-    For an inference graph whose runtime wrapper would do nothing
-    (``_runtime_wrapper_is_idle``), Dynamo gets the compiled graph's own unboxed
-    callable (``unboxed`` of ``stitched_callable``'s result) instead of aot_autograd's
-    wrapper chain; its first call still goes through the chain, which checks custom
-    ops' aliasing on first calls.
+    For an inference graph whose runtime wrapper would do nothing but write new data
+    into inputs (``_runtime_wrapper_plan``), Dynamo gets the compiled graph's own
+    unboxed callable (``unboxed`` of ``stitched_callable``'s result), with those writes
+    (``_writing_back``), instead of aot_autograd's wrapper chain; its first call still
+    goes through the chain, which checks custom ops' aliasing on first calls.
     """
     inference: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
 
     def compile_inference(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
         compiled = compile_aten_graph(graph, inputs, kind="inference")
         unboxed = getattr(compiled, "unboxed", None)
-        if unboxed is not None and _runtime_wrapper_is_idle(len(inputs), example_inputs):
-            inference.append(unboxed)
+        plan = _runtime_wrapper_plan(len(inputs), example_inputs)
+        if unboxed is not None and plan is not None:
+            inference.append(lambda first: unboxed(first, _writing_back(plan)))
         return compiled
 
     compiler = aot_autograd(

@@ -7,9 +7,10 @@ graph is one partition between its inputs and outputs:
 
     placeholders -> jax_0 -> getitem* -> output        (called as jax_0.run(args))
 
-Its ``unboxed(first)`` is the same graph as a plain ``fn(*inputs)``, which ``aot.py``
-hands Dynamo instead of aot_autograd's runtime wrapper where that wrapper would do
-nothing: Dynamo's compiled frame then calls the partition with no layer between.
+Its ``unboxed(first, around)`` is the same graph as a plain ``fn(*inputs)``, which
+``aot.py`` hands Dynamo instead of aot_autograd's runtime wrapper where that wrapper
+would do nothing but write inputs back (``around`` does that): Dynamo's compiled frame
+then calls the partition with no layer between.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def stitched_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     be freed as soon as they are used. When the graph is a single JAX partition between
     its inputs and outputs (the common case), the partition is called directly, without
     the GraphModule and its nn.Module machinery; otherwise the GraphModule's generated
-    ``forward`` runs (eager fallback ops between partitions). ``run.unboxed(first)``
-    makes the unboxed callable (``_first_then``), for Dynamo only: a single partition is
+    ``forward`` runs (eager fallback ops between partitions). ``run.unboxed(first,
+    around)`` makes the unboxed callable (``_first_then``), for Dynamo only: a single partition is
     called through ``run_guarded``, which relies on Dynamo's guards.
     """
     found = _single_partition(gm)
@@ -68,13 +69,21 @@ def stitched_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     return run
 
 
-def _first_then(first: Callable[..., Any], *, then: Callable[..., Any]) -> Callable[..., Any]:
+def _first_then(
+    first: Callable[..., Any],
+    around: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+    *,
+    then: Callable[..., Any],
+) -> Callable[..., Any]:
     """The unboxed callable ``fn(*inputs) -> outputs`` of a stitched graph, for a caller
     that hands Dynamo the graph's callable without aot_autograd's runtime wrapper
-    (``aot.aot_compile``, where that wrapper would do nothing): the first call goes to
-    ``first`` (aot_autograd's wrapper, which checks custom ops on first calls), the
-    rest straight to ``then``, which takes the tuple of inputs (a single partition's
-    ``run`` itself: one Python frame between Dynamo and the partition)."""
+    (``aot.aot_compile``, where that wrapper would do nothing but write inputs back):
+    the first call goes to ``first`` (aot_autograd's wrapper, which checks custom ops
+    on first calls), the rest straight to ``then``, which takes the tuple of inputs (a
+    single partition's ``run`` itself: one Python frame between Dynamo and the
+    partition), or to ``around(then)`` (the caller's own write-back of inputs)."""
+    if around is not None:
+        then = around(then)
     pending = [first]
 
     def call(*args: Any) -> Any:

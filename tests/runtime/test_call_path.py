@@ -45,30 +45,71 @@ def test_inference_graph_without_wrapper_work_is_called_directly() -> None:
     assert _skips_wrapper(fn)
 
 
-def _mutates_input(x):
-    x.add_(1)
-    return x * 2
-
-
 def _returns_input_view(x):
     return x.view(-1), x + 1
 
 
+def _mutates_a_leaf_that_requires_grad(x):
+    x.data.add_(1)
+    return x * 2
+
+
 @pytest.mark.parametrize(
     "f",
-    [_mutates_input, _returns_input_view],
-    ids=["input-mutation", "output-view-of-input"],
+    [_returns_input_view, _mutates_a_leaf_that_requires_grad],
+    ids=["output-view-of-input", "mutates-leaf-requiring-grad"],
 )
 def test_wrapper_kept_where_it_has_work(f: Callable[..., Any]) -> None:
     compiled, handed = _compile(f)
-    x = torch.randn(2, 3)
-    x_eager = x.clone()
+    x = torch.randn(2, 3, requires_grad=f is _mutates_a_leaf_that_requires_grad)
+    x_eager = x.detach().clone().requires_grad_(x.requires_grad)
     for _ in range(3):
         got, want = compiled(x), f(x_eager)
         assert_same(got, want)
         assert_same(x, x_eager)
+    assert not any(_skips_wrapper(fn) for fn in handed)
+
+
+def _writes_two_inputs(cache, pos, x, counter):
+    cache.index_copy_(0, pos, x)
+    counter.add_(1)
+    return cache.sum(0) * counter
+
+
+def test_input_mutations_are_written_back_without_the_wrapper() -> None:
+    """An inference graph that writes into inputs (a KV cache, a counter) is handed to
+    Dynamo without aot_autograd's runtime wrapper: dynajax's own write-back
+    (``aot._writing_back``) copies the new values in, on every call."""
+    compiled, handed = _compile(_writes_two_inputs)
+    cache, counter = torch.zeros(4, 3), torch.zeros(())
+    cache_eager, counter_eager = cache.clone(), counter.clone()
+    for step in range(4):
+        pos, x = torch.tensor([step]), torch.randn(1, 3)
+        got = compiled(cache, pos, x, counter)
+        assert_same(got, _writes_two_inputs(cache_eager, pos, x, counter_eager))
+        assert_same(cache, cache_eager)
+        assert_same(counter, counter_eager)
     [fn] = handed
-    assert not _skips_wrapper(fn)
+    assert _skips_wrapper(fn)
+
+
+def test_failed_value_check_writes_no_input_back() -> None:
+    """Without the wrapper too: a value check that fails raises eager's error before any
+    new value is written into an input."""
+
+    def f(x, idx):
+        x.add_(1)
+        return x[idx]
+
+    compiled, handed = _compile(f)
+    x = torch.zeros(3)
+    assert_same(compiled(x, torch.tensor([0])), torch.ones(1))
+    assert_same(compiled(x, torch.tensor([2])), torch.full((1,), 2.0))
+    with pytest.raises(IndexError):
+        compiled(x, torch.tensor([7]))
+    assert_same(x, torch.full((3,), 2.0))
+    [fn] = handed
+    assert _skips_wrapper(fn)
 
 
 def test_autocast_gives_eager_answer_on_every_call() -> None:
