@@ -129,13 +129,16 @@ def test_eager_kernel_misreading_strides_is_upstream() -> None:
 def test_dynajax_bug_on_a_strided_input_is_still_a_failure(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The same program with a wrong rule after the median (neg as x + 1) is a dynajax
-    failure: its answer is not eager's on the contiguous copy either."""
+    """A wrong rule (neg as x + 1) on a transposed input is a dynajax failure: eager's
+    answer is the same on the contiguous copy, so the strides are not to blame."""
     from dynajax.lowering import registry
 
     op = torch.ops.aten.neg.default
     monkeypatch.setitem(registry._TABLE, op, registry.Rule(op, lambda x: x + 1))
-    outcome = check(_median_of_expanded("torch.neg"))
+    x0 = TensorInput((4, 3), "float32", seed=11, layout="transposed")
+    program = Program((x0,), (OpRecord("torch.neg", (0,), (), OUT_BASE),), (OUT_BASE,))
+    assert not fuzz.check.eager_misreads_strides(program, 0, fuzz.check.dynajax_backend)
+    outcome = check(program)
     assert outcome.status == FAIL, outcome
 
 
