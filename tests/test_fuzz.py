@@ -142,6 +142,24 @@ def test_dynajax_bug_on_a_strided_input_is_still_a_failure(
     assert outcome.status == FAIL, outcome
 
 
+def test_float64_allowance_weighs_roundings_of_the_programs_weakest_dtype() -> None:
+    """A float64 value computed from float32 ones (seed 3, program 5703: a float64
+    scalar's gradient through a float32 cumprod, 0-dim tensors not promoting) carries
+    float32 roundings: the float64 allowance adds float32's atol for such a program, and
+    only float64's for a program wholly in float64."""
+    from fuzz.check import _References
+    from tests.tolerances import tolerance
+
+    def atol(*dtypes: str) -> float:
+        inputs = tuple(TensorInput((2,), d, seed=i) for i, d in enumerate(dtypes))
+        program = Program(inputs, (OpRecord("torch.sin", (0,), (), OUT_BASE),), (OUT_BASE,))
+        return _References(program, to_function(program), 0, "eager").weakest_atol()
+
+    assert atol("float32", "float64") == tolerance(torch.float32)[1]
+    assert atol("float64", "int64") == tolerance(torch.float64)[1]
+    assert atol("bfloat16", "float64") == tolerance(torch.bfloat16)[1]
+
+
 def test_reproducer_runs_standalone(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
