@@ -1906,6 +1906,20 @@ def _copy_render(a: list[str], p: Params) -> str:
     return f"{a[1]}.expand_as({a[0]}).to({a[0]}.dtype, copy=True)"
 
 
+def _copy_gen(g: GenState) -> Proposal:
+    """``copy_`` casts its source to the target's dtype: a float source into an integer
+    or boolean target is a float-to-int cast, defined only for exact finite values (as
+    ``Tensor.to``; NaN to int32 is INT_MIN on x86 and 0 in XLA, both undefined)."""
+    proposal = _inplace_binary_gen(False)(g)
+    if proposal is None:
+        return None
+    (t, src), _ = proposal
+    if g.is_float(src) and not g.is_float(t) and not (g.exact(src) and g.finite(src)):
+        return None
+    return proposal
+
+
+KINDS["Tensor.copy_"] = dataclasses.replace(KINDS["Tensor.copy_"], gen=_copy_gen)
 KINDS["Tensor.copy"] = dataclasses.replace(KINDS["Tensor.copy"], render=_copy_render)
 
 
