@@ -323,29 +323,28 @@ def test_tanh_gelu_and_its_gradient_for_negative_inputs(dtype: torch.dtype) -> N
 
 
 # Found by a 30-minute run (seed 3, program 8255): XLA's algebraic simplifier (jaxlib
-# 0.10.2) aborts the whole process ("Check failed: ... HloInstruction 'reshape.2' ...
+# 0.10.2) aborted the whole process ("Check failed: ... HloInstruction 'reshape.2' ...
 # cannot be downcasted to HloConstantInstruction", in HandleReduceWindow) compiling a
-# cumsum (a reduce-window on CPU) of values gathered from a one-element constant. Not
-# fixed yet: the process dies, so the program runs in a subprocess here.
+# cumsum (a reduce-window on CPU) of converted values gathered from a one-element
+# constant (bfloat16, float16, int32 and bool, which cumsum widens). Fixed: the widened
+# input reaches the reduce-window through an optimization barrier. The program runs in a
+# subprocess, so that a regression fails this test instead of killing the suite.
 _CUMSUM_OF_A_GATHERED_CONSTANT = """
-import torch, dynajax
+import sys, torch, dynajax
+dt = getattr(torch, sys.argv[1])
 def f(x0):
-    v1 = torch.full((1,), 2, dtype=torch.bfloat16).unsqueeze(0)
-    return torch.cumsum(v1[:, x0], dim=-2)
+    return torch.cumsum(torch.full((1, 1), 2, dtype=dt)[:, x0], 1)
 x = torch.zeros(4, 1, dtype=torch.int64)
 out = torch.compile(f, backend=dynajax.Backend(cache_dir=""))(x)
-assert torch.equal(out, f(x)), (out, f(x))
+assert out.dtype == f(x).dtype and torch.equal(out, f(x)), (out, f(x))
 print("ok")
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="XLA's algebraic simplifier aborts on a reduce-window of a gathered constant",
-)
-def test_cumsum_of_values_gathered_from_a_one_element_constant() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int32", "bool"])
+def test_cumsum_of_values_gathered_from_a_one_element_constant(dtype: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _CUMSUM_OF_A_GATHERED_CONSTANT],
+        [sys.executable, "-c", _CUMSUM_OF_A_GATHERED_CONSTANT, dtype],
         capture_output=True,
         text=True,
         timeout=300,

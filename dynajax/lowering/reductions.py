@@ -208,7 +208,14 @@ def _cumsum(x, dim, *, dtype=None):
         return x.astype(_sum_dtype(x, dtype))
     out = _sum_dtype(x, dtype)
     acc = _scan_dtype(out)
-    return jnp.cumsum(x.astype(acc), axis=dim % x.ndim, dtype=acc).astype(out)
+    v = x.astype(acc)
+    if x.dtype != acc:
+        # jaxlib 0.10.2's algebraic simplifier aborts the process (Check failed in
+        # HandleReduceWindow) on the reduce-window of a converted gathered constant
+        # (torch.cumsum(torch.full((1, 1), 2, dtype=torch.bfloat16)[:, idx], 1)); the
+        # barrier keeps the conversion out of its sight.
+        v = jax.lax.optimization_barrier(v)
+    return jnp.cumsum(v, axis=dim % x.ndim, dtype=acc).astype(out)
 
 
 def _scan_dtype(dtype):
