@@ -308,29 +308,6 @@ def measure(
     return {"size": dataclasses.asdict(size), "rounds": rounds, "results": results}
 
 
-class _TensorRecorder:
-    """Stands in for a partition's ``InputCache`` and keeps the tensors of its last call."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.seen: list[torch.Tensor] = []
-
-    def hit(self, ts: Any) -> Any:
-        self.seen = list(ts)
-        return self.inner.hit(ts)
-
-    def hit_guarded(self, ts: Any) -> Any:
-        self.seen = list(ts)
-        return self.inner.hit_guarded(ts)
-
-    def arrays(self, ts: Any) -> list[Any]:
-        self.seen = list(ts)
-        return self.inner.arrays(ts)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def profile(
     size: Size, calls: int = 200, rounds: int = 5, peer: str = "inductor"
 ) -> dict[str, float]:
@@ -350,6 +327,7 @@ def profile(
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.harness import Recorder
     from dynajax.runtime.compiled import CompiledPartition
 
     model = build_llama(size)
@@ -371,12 +349,12 @@ def profile(
     steps["dynajax, whole step, the same token tensor"] = functools.partial(dyn.step, tok, pos)
     decode_graph = dyn.backend.graphs[-1].graph_module
     (part,) = [m for _, m in decode_graph.named_children() if isinstance(m, CompiledPartition)]
-    recorder = _TensorRecorder(part.inputs)
+    recorder = Recorder(part.inputs)
     part.inputs = recorder  # type: ignore[assignment]
     with torch.no_grad():
         dyn.step(tok, pos)
     part.inputs = recorder.inner
-    tensors = list(recorder.seen)
+    tensors = recorder.tensors
     caches = [t for t in tensors if t.dim() == 4]  # the KV buffers
     token = next(i for i, t in enumerate(tensors) if t is tok)
 

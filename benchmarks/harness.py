@@ -89,11 +89,13 @@ def in_grad_mode(w: Workload, step: Step) -> Step:
     return no_grad_step
 
 
-class _Recorder:
-    """Stands in for a partition's InputCache once, to capture its JAX arguments."""
+class Recorder:
+    """Stands in for a partition's InputCache once, to capture the tensors of a call and
+    the JAX arguments made of them (it sends the call down the regular path)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.tensors: list[Any] = []
         self.seen: list[Any] | None = None
 
     def hit(self, ts: Any) -> None:
@@ -103,6 +105,7 @@ class _Recorder:
         return None  # the same from the guarded entry (CompiledPartition.run_guarded)
 
     def arrays(self, ts: Any) -> list[Any]:
+        self.tensors = list(ts)
         out = self.inner.arrays(ts)
         self.seen = list(out)
         return out
@@ -140,7 +143,7 @@ def dynajax_lowered_step(w: Workload) -> Step | None:
     if len(parts) != 1 or parts[0].needs_seed:
         return None
     part = parts[0]
-    part.inputs = recorder = _Recorder(part.inputs)
+    part.inputs = recorder = Recorder(part.inputs)
     with ctx:
         step()
     part.inputs = recorder.inner

@@ -236,7 +236,7 @@ class CompiledPartition(torch.nn.Module):
         """
         direct = self._direct
         if direct is not None and self.inputs.hit_guarded(tensors) is direct.snap:
-            args = _fresh_args(direct, tensors) if direct.fresh else direct.args
+            args = _fresh_args(direct.args, direct.fresh, tensors) if direct.fresh else direct.args
             if args is not None:
                 return self._run_direct(direct, args)
         return self.run(tensors)
@@ -258,7 +258,7 @@ class CompiledPartition(torch.nn.Module):
         """The per-call path: a sequence of tensors in, a list of tensors out."""
         direct = self._direct
         if direct is not None and self.inputs.hit(tensors) is direct.snap:
-            args = _fresh_args(direct, tensors) if direct.fresh else direct.args
+            args = _fresh_args(direct.args, direct.fresh, tensors) if direct.fresh else direct.args
             if args is not None:
                 return self._run_direct(direct, args)
         token = X64.enable()  # int64/float64 stay 64-bit, as in torch
@@ -318,7 +318,7 @@ class CompiledPartition(torch.nn.Module):
                 self._no_direct = snap  # not tried again until the inputs change
                 return None
             fresh = slots
-            args_now = _fresh_args(_Direct(snap, found.execute, args, [], [], None, fresh), tensors)
+            args_now = _fresh_args(args, fresh, tensors)
             if args_now is None:
                 return None
         else:
@@ -461,11 +461,13 @@ class _Direct(NamedTuple):
     fresh: list[_Fresh]  # the per-call inputs among them (snap.volatile XLA reads)
 
 
-def _fresh_args(direct: _Direct, tensors: Sequence[torch.Tensor]) -> list[Any] | None:
-    """``direct.args`` with this call's arrays of its per-call inputs in their slots, or
-    None where one is not of the shape and dtype the executable takes."""
-    args = direct.args.copy()
-    for slot, pos, put, shape, dtype in direct.fresh:
+def _fresh_args(
+    cached: list[Any], fresh: list[_Fresh], tensors: Sequence[torch.Tensor]
+) -> list[Any] | None:
+    """The cached arrays with this call's arrays of the per-call inputs ``fresh`` in
+    their slots, or None where one is not of the shape and dtype the executable takes."""
+    args = cached.copy()
+    for slot, pos, put, shape, dtype in fresh:
         view = fast_to_jax(tensors[pos])
         if not isinstance(view, np.ndarray) or view.shape != shape or view.dtype != dtype:
             return None
