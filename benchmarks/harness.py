@@ -1,9 +1,10 @@
 """Measurement: peers, interleaved steady-state timing, cold first calls, memory.
 
 Steady state: every peer's step is built and warmed up, then timed in rounds that
-interleave the peers (rotating their order), so load from other processes falls on all
-of them alike; each peer's time is the median over its samples. A peer's turn starts
-with one untimed call, which absorbs the previous peer's threads still spinning (see
+interleave the peers (in a new seeded order each round, so that no peer always follows
+the same one), so load from other processes falls on all of them alike; each peer's
+time is the median over its samples. A peer's turn starts with untimed calls for at
+least ``SETTLE_S``, which outlast the previous peer's threads still spinning (see
 time_steady): the numbers are each peer's own steady state. Ratios taken within one
 run are the numbers to trust on a shared machine.
 
@@ -19,6 +20,7 @@ import gc
 import itertools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -34,6 +36,19 @@ import torch
 from benchmarks.workloads import WORKLOADS, Step, Workload
 
 PEERS = ("eager", "inductor", "dynajax", "jax")
+
+# Untimed calls at the start of each peer's turn, for at least this long: PyTorch's
+# OpenMP workers spin for about 4 ms after each parallel op (measured: a 2-core process
+# burns 4 ms of CPU in any sleep after an addmm), taking a core from the next peer.
+SETTLE_S = 0.01
+
+
+def settle(step: Callable[[], Any], seconds: float = SETTLE_S) -> None:
+    """Untimed calls of ``step`` for at least ``seconds`` (at least one call)."""
+    until = time.perf_counter() + seconds
+    step()
+    while time.perf_counter() < until:
+        step()
 
 
 # -- peers -----------------------------------------------------------------------------
@@ -185,16 +200,20 @@ def time_steady(
         except Exception as e:  # a peer failing is a result, not a crash of the run
             results[peer] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
     order = list(steps)
+    shuffle = random.Random(0).shuffle
     start = time.perf_counter()
     gc.collect()
     for r in range(repeats):
-        for peer in order[r % len(order) :] + order[: r % len(order)] if order else []:
+        # A new order each round: rotating a fixed order keeps every peer behind the
+        # same neighbour (dynajax was always timed right after inductor).
+        shuffle(order)
+        for peer in order:
             step, samples = steps[peer], results[peer]["samples"]
-            # One untimed call first: PyTorch's OpenMP workers keep spinning for
-            # milliseconds after an eager or inductor call, and would take the cores
-            # from XLA's threads in the next peer's first call (a JAX peer right after
-            # eager measured 16.5 ms against 13.2 ms alone on the encoder layer).
-            step()
+            # Untimed calls first, for SETTLE_S: PyTorch's OpenMP workers keep spinning
+            # after an eager or inductor call and take a core from XLA's threads in the
+            # next peer's first calls (the MLP row's JAX floor measured 1.38 ms right
+            # after PyTorch's peers against 1.20 ms alone, one untimed call apart).
+            settle(step)
             for _ in range(w.inner):  # each call timed alone: preemptions stay outliers
                 t0 = time.perf_counter()
                 step()

@@ -15,9 +15,10 @@ of a row-major array, as aot_autograd's ``t``/``permute`` leaves it).
 Columns: ``runtime`` is the library XLA hands the dot to in dynajax's executable
 (``ynn``: a YNNPACK fusion; ``eigen``: XLA's Eigen dot; XLA takes YNNPACK only where
 the left operand is contracted on its last dimension); times are the median and the
-minimum over interleaved rounds, each call timed alone after one untimed call (so the
-previous peer's spinning threads are absorbed). The minimum is the better estimate of
-a kernel's own speed on a loaded machine; compare ratios within one run.
+minimum over interleaved rounds (a new seeded order each round), each call timed alone
+after untimed calls for 10 ms (so the previous peer's spinning threads are absorbed).
+The minimum is the better estimate of a kernel's own speed on a loaded machine; compare
+ratios within one run.
 
 ``--cpu-time`` reports the process's CPU time (user + system) per call instead, over
 batches of calls: the work a kernel does, which other processes' load does not
@@ -32,12 +33,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+from benchmarks.harness import settle
 
 # (name, stored shape of a, stored shape of b, a transposed, b transposed):
 # the product op(a) @ op(b).
@@ -94,9 +98,11 @@ def _time(steps: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[fl
         f()
         f()
     keys = list(steps)
-    for r in range(rounds):
-        for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            steps[k]()  # settle: the previous peer's threads
+    shuffle = random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(keys)
+        for k in keys:
+            settle(steps[k])  # the previous peer's threads still spin
             for _ in range(3):
                 t0 = time.perf_counter()
                 steps[k]()
@@ -114,8 +120,10 @@ def _cpu_time(steps: dict[str, Callable[[], Any]], rounds: int) -> dict[str, lis
         f()
         f()
     keys = list(steps)
-    for r in range(rounds):
-        for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
+    shuffle = random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(keys)
+        for k in keys:
             steps[k]()
             c0 = cpu()
             for _ in range(10):

@@ -17,10 +17,15 @@ from dynajax.interop import JaxFunction, jax_function
 from dynajax.interop.call_jax import call_jax
 from dynajax.lowering.registry import supported_ops
 from dynajax.passes.user import Rewrite, RewriteRecord
+from dynajax.runtime import cpu_client
 from dynajax.sharding import ShardingRules
 from dynajax.stablehlo import ExportedModel, export
 
 __version__ = "0.1.0"
+
+# Unless JAX is already in use: its CPU client runs executions on the calling thread
+# (dynajax waits for every result; a hand-off to a worker thread is pure cost).
+cpu_client.prefer_inline()
 
 __all__ = [
     "Backend",

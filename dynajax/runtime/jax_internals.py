@@ -21,6 +21,10 @@ take a measurable part of it off (``benchmarks/overhead.py`` measures the layers
   take the direct entry point with a new tensor among them. Public fallback: None (such
   a call stays on the dispatch path).
 
+* ``backends_started()``: whether JAX has created its clients yet (a setting of the
+  CPU client, ``runtime/cpu_client.py``, only takes effect before). Public fallback:
+  None (unknown; the caller leaves the setting alone).
+
 ``status()`` says which internals this JAX release has; the test suite asserts that all
 are present, so a JAX release that moves one fails loudly in CI instead of silently
 slowing every call, and it runs the fallbacks too. Nothing else in dynajax imports
@@ -153,6 +157,16 @@ def array_putter(
     return put
 
 
+def backends_started() -> bool | None:
+    """Whether JAX has created its backends (clients) in this process; None if unknown."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return None
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if callable(started) else None
+
+
 def status() -> dict[str, bool]:
     """Which private internals this JAX release has (all True on a supported one)."""
     probe = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((1,), "float32")).compile()
@@ -162,4 +176,5 @@ def status() -> dict[str, bool]:
         "dispatch": dispatch_of(probe) is not probe,
         "direct_executor": direct_executor(probe) is not None,
         "array_putter": array_putter((1,), "float32", jax.devices("cpu")[0]) is not None,
+        "backends_started": backends_started() is not None,
     }
