@@ -401,3 +401,14 @@ def test_raises_where_eager_kernel_lacks_the_dtype(
     fn: Callable[..., torch.Tensor], x: torch.Tensor
 ) -> None:
     _assert_raises_like_eager(fn, x)
+
+
+def test_a_bool_scalar_is_not_an_int_to_the_probe_cache() -> None:
+    # Found by a 30-minute run (seed 4, program 520): sub(x, True) raises in eager, and
+    # was compiled to a value after sub(x, 1) had been probed in the same process:
+    # True == 1 made the two calls one cache entry.
+    x = torch.tensor([0.5, -2.0])
+    torch._dynamo.reset()
+    ok = torch.compile(lambda t: torch.sub(t, 1), backend=dynajax.Backend(cache_dir=""))
+    assert torch.equal(ok(x), x - 1)
+    _assert_raises_like_eager(lambda t: torch.sub(t, True), x)

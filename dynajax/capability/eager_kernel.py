@@ -158,11 +158,20 @@ class _TensorSpec(NamedTuple):
     dtype: torch.dtype
 
 
+_SCALARS = (bool, int, float, complex)
+_SCALAR_NAMES = frozenset(t.__name__ for t in _SCALARS)
+
+
 def _hashable(value: Any) -> Any:
+    """A cache key for an argument. Python scalars are keyed with their type: ``True``,
+    ``1`` and ``1.0`` are equal keys to a dict, but not to eager's kernels
+    (``sub(x, True)`` raises where ``sub(x, 1)`` does not)."""
     if isinstance(value, list):
         return ("list", *(_hashable(v) for v in value))
     if isinstance(value, float) and value != value:
         return ("nan",)
+    if type(value) in _SCALARS:
+        return (type(value).__name__, value)
     return value
 
 
@@ -175,10 +184,9 @@ def _probe(op: torch._ops.OpOverload, signature: tuple[Any, ...], spec: Any) -> 
             if isinstance(s, _TensorSpec):
                 dtype = s.dtype if bools or s.dtype != torch.bool else torch.uint8
                 leaves.append(torch.zeros(s.shape, dtype=dtype))
-            elif isinstance(s, bool) and not bools:
-                leaves.append(int(s))
-            else:
-                leaves.append(_unhashable(s))
+                continue
+            value = _unhashable(s)
+            leaves.append(int(value) if isinstance(value, bool) and not bools else value)
         args, kwargs = tree_unflatten(leaves, spec)
         op(*args, **kwargs)
 
@@ -191,7 +199,8 @@ def _probe(op: torch._ops.OpOverload, signature: tuple[Any, ...], spec: Any) -> 
         except _EAGER_ERRORS as e:
             error: Exception = e
         if not any(
-            isinstance(s, bool) or (isinstance(s, _TensorSpec) and s.dtype == torch.bool)
+            isinstance(_unhashable(s), bool)
+            or (isinstance(s, _TensorSpec) and s.dtype == torch.bool)
             for s in signature
         ):
             return None  # not a dtype's error: the sizes, or a value
@@ -207,6 +216,8 @@ def _unhashable(s: Any) -> Any:
         return [_unhashable(v) for v in s[1:]]
     if s == ("nan",):
         return float("nan")
+    if isinstance(s, tuple) and len(s) == 2 and s[0] in _SCALAR_NAMES:
+        return s[1]
     return s
 
 
