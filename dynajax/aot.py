@@ -42,6 +42,12 @@ the correction before calling the decomposition.
 which is 0 for a NaN difference; eager's kernel tests ``x <= -beta`` and ``x >= beta``
 and otherwise returns ``x / beta``, NaN for NaN. The correction follows the kernel.
 
+``huber_loss``'s decomposition promotes its input and target and returns the promoted
+dtype; eager's kernel computes in the promoted dtype (bfloat16 too, with ``delta``
+rounded to it; float16 in float32) but stores each element's loss in the input's dtype before
+reducing (a bfloat16 input with a float32 target: bfloat16). The correction does what
+the kernel does.
+
 ``gelu_backward`` with ``approximate="tanh"`` is written with ``sigmoid`` instead of
 ``tanh``, as the forward rule is (``lowering/nn.py``): ``1 + tanh(z)`` cancels for
 negative inputs, and the gradient through XLA's ``tanh`` was 2.6% off at x = -4.38
@@ -191,6 +197,29 @@ def _smooth_l1_loss_backward(
     return grad.to(dtype)
 
 
+def _huber_loss(
+    self: torch.Tensor, target: torch.Tensor, reduction: int = 1, delta: float = 1.0
+) -> torch.Tensor:
+    """``huber_loss`` as eager's CPU kernel computes it: each element's loss in the
+    promoted dtype, every step rounded to it and ``delta`` too (bfloat16 computes in
+    bfloat16, float16 in float32: measured against the kernel), stored in ``self``'s
+    dtype, then reduced. PyTorch's decomposition returns the promoted dtype (a bfloat16
+    input with a float32 target gave float32, eager bfloat16), computes half types in
+    float32 and reduces before rounding."""
+    torch._check(delta > 0, lambda: "huber_loss does not support non-positive values for delta.")
+    compute = torch.promote_types(self.dtype, target.dtype)
+    if compute == torch.float16:  # the kernel's float16 path computes in float32
+        compute = torch.float32
+    d = torch.scalar_tensor(delta, dtype=compute)
+    z = (self.to(compute) - target.to(compute)).abs()
+    loss = torch.where(z < d, 0.5 * z * z, d * (z - 0.5 * d)).to(self.dtype)
+    if reduction == 1:  # Reduction.MEAN
+        return loss.mean()
+    if reduction == 2:  # Reduction.SUM
+        return loss.sum()
+    return loss
+
+
 def _gelu_backward(
     grad_output: torch.Tensor, self: torch.Tensor, *, approximate: str = "none"
 ) -> torch.Tensor:
@@ -219,6 +248,7 @@ def corrections() -> dict[Any, Callable[..., Any]]:
         ),
         aten.addcmul.default: _addcmul,
         aten.smooth_l1_loss_backward.default: _smooth_l1_loss_backward,
+        aten.huber_loss.default: _huber_loss,
         aten.gelu_backward.default: _gelu_backward,
     }
     if hasattr(aten, "cholesky"):  # removed in torch 2.14 (torch.cholesky is deprecated)
