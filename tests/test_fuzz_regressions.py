@@ -450,3 +450,27 @@ def test_huber_loss_in_the_input_dtype(
     else:
         rtol, atol = tolerance(expected.dtype)
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+# Found by the same run (program 4051): eager's huber_loss_backward refuses a float16
+# target beside a float32 input ("Found dtype Half but expected Float"); its
+# decomposition computed a gradient. The probe now also retries a failing call with its
+# floating tensors in one dtype: a success there means the kernel refused the dtypes.
+# (The op is not pointwise, so over 4,096 elements it is not probed: see
+# capability/eager_kernel.py.)
+@pytest.mark.parametrize("shape", [(3,), (64, 64)], ids=["3", "64x64"])
+def test_huber_loss_backward_refuses_mixed_dtypes_like_eager(shape: tuple[int, ...]) -> None:
+    def loss_and_grad(fn: Callable[..., torch.Tensor]) -> Exception:
+        x = torch.randn(shape, requires_grad=True)
+        y = torch.randn(shape).half()
+        with pytest.raises(RuntimeError) as error:
+            torch.autograd.grad(fn(x, y), x)
+        return error.value
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.huber_loss(a, b, reduction="sum")
+
+    eager = loss_and_grad(fn)
+    torch._dynamo.reset()
+    compiled = loss_and_grad(torch.compile(fn, backend=dynajax.Backend(cache_dir="")))
+    assert str(compiled) == str(eager)

@@ -26,8 +26,11 @@ has no node outputs yet, sizes them with the meta kernel.
                  -> raises anything else, and
                     the same call with its bool
                     tensors as uint8 and bool
-                    scalars as ints succeeds       refused (a hand-written check of
-                                                   bool: relu, sub, rsub(x, True), argmin)
+                    scalars as ints succeeds,      refused (a hand-written check of
+                    or with its floating tensors   bool: relu, sub, rsub(x, True),
+                    in one dtype                   argmin; of matching dtypes:
+                                                   huber_loss_backward of float32 and
+                                                   float16)
                  -> otherwise                      accepted (the error is about sizes or
                                                    values, not dtypes)
 
@@ -177,38 +180,50 @@ def _hashable(value: Any) -> Any:
 
 @functools.lru_cache(maxsize=4096)
 def _probe(op: torch._ops.OpOverload, signature: tuple[Any, ...], spec: Any) -> str | None:
-    def call(bools: bool) -> None:
-        # bools=False: bool tensors as uint8 and Python bools as ints.
+    floats = {
+        s.dtype for s in signature if isinstance(s, _TensorSpec) and s.dtype.is_floating_point
+    }
+    common = functools.reduce(torch.promote_types, floats) if len(floats) > 1 else None
+
+    def call(plain: bool = False, one_float: bool = False) -> None:
+        # plain: bool tensors as uint8 and Python bools as ints; one_float: every
+        # floating tensor in the floating tensors' promoted dtype.
         leaves: list[Any] = []
         for s in signature:
             if isinstance(s, _TensorSpec):
-                dtype = s.dtype if bools or s.dtype != torch.bool else torch.uint8
+                dtype = torch.uint8 if plain and s.dtype == torch.bool else s.dtype
+                if one_float and s.dtype.is_floating_point and common is not None:
+                    dtype = common
                 leaves.append(torch.zeros(s.shape, dtype=dtype))
                 continue
             value = _unhashable(s)
-            leaves.append(int(value) if isinstance(value, bool) and not bools else value)
+            leaves.append(int(value) if isinstance(value, bool) and plain else value)
         args, kwargs = tree_unflatten(leaves, spec)
         op(*args, **kwargs)
 
     with _disable_current_modes(), torch.no_grad(), _keep_rng(op):
         try:
-            call(bools=True)
+            call()
             return None
         except NotImplementedError as e:
             return _describe(e)
         except _EAGER_ERRORS as e:
             error: Exception = e
-        if not any(
+        bools = any(
             isinstance(_unhashable(s), bool)
             or (isinstance(s, _TensorSpec) and s.dtype == torch.bool)
             for s in signature
-        ):
-            return None  # not a dtype's error: the sizes, or a value
-        try:
-            call(bools=False)
-        except (*_EAGER_ERRORS, NotImplementedError):
-            return None  # raised whatever the dtype
-        return _describe(error)
+        )
+        retries = [{"plain": True}] if bools else []
+        if common is not None:
+            retries.append({"one_float": True})
+        for retry in retries:
+            try:
+                call(**retry)
+            except (*_EAGER_ERRORS, NotImplementedError):
+                continue  # raised with these dtypes too
+            return _describe(error)  # a hand-written check of the dtypes
+        return None  # not a dtype's error: the sizes, or a value
 
 
 def _unhashable(s: Any) -> Any:
