@@ -474,3 +474,36 @@ def test_huber_loss_backward_refuses_mixed_dtypes_like_eager(shape: tuple[int, .
     torch._dynamo.reset()
     compiled = loss_and_grad(torch.compile(fn, backend=dynajax.Backend(cache_dir="")))
     assert str(compiled) == str(eager)
+
+
+# Found by the same run (program 4369): relu(-0.0) was +0.0 (XLA's max), eager's -0.0,
+# so 1 / relu(x) was +inf where eager's is -inf. Eager's CPU max and min keep their
+# first operand where the two compare equal, and propagate NaN from either.
+_SIGNED = [
+    ("relu", lambda t, u: torch.relu(t)),
+    ("relu6", lambda t, u: F.relu6(t)),
+    ("hardtanh", lambda t, u: F.hardtanh(t, 0.0, 1.0)),
+    ("maximum", torch.maximum),
+    ("maximum-reversed", lambda t, u: torch.maximum(u, t)),
+    ("minimum", torch.minimum),
+    ("clamp_min", lambda t, u: torch.clamp_min(t, 0.0)),
+    ("clamp_max", lambda t, u: torch.clamp_max(-t, 0.0)),
+    ("clamp-tensor", lambda t, u: torch.clamp(t, u, u)),
+    ("clamp-min-above-max", lambda t, u: torch.clamp(t, 1.0, -1.0)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("fn", [f for _, f in _SIGNED], ids=[n for n, _ in _SIGNED])
+def test_max_min_keep_eagers_signed_zeros_and_nans(
+    fn: Callable[..., torch.Tensor], dtype: torch.dtype
+) -> None:
+    x = torch.tensor([-0.0, 0.0, NAN, -1.0, 2.0, 7.0], dtype=dtype)
+    y = torch.tensor([0.0, -0.0, 1.0, NAN, 2.0, -3.0], dtype=dtype)
+    expected = fn(x, y).double()
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(x, y).double()
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(actual), nan)
+    assert torch.equal(actual[~nan], expected[~nan])
+    assert torch.equal(torch.signbit(actual[~nan]), torch.signbit(expected[~nan]))

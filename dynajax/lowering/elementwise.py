@@ -203,7 +203,7 @@ def _isfinite(x):
 
 @lower(aten.relu.default)
 def _relu(x):
-    return jnp.maximum(x, jnp.zeros((), x.dtype)) if x.dtype != np.bool_ else x
+    return eager_maximum(x, jnp.zeros((), x.dtype)) if x.dtype != np.bool_ else x
 
 
 @lower(aten.clone.default)
@@ -479,8 +479,27 @@ def _copysign(x, other):
     return jnp.copysign(a, b)
 
 
-lower(aten.maximum.default)(_promoted(jnp.maximum))  # propagates NaN, like PyTorch
-lower(aten.minimum.default)(_promoted(jnp.minimum))
+def eager_maximum(a, b):
+    """PyTorch's CPU ``max(a, b)``: NaN if either is NaN; ``a`` where they compare equal,
+    so a signed zero keeps ``a``'s sign (``maximum(-0.0, 0.0)`` is -0.0, and
+    ``relu(-0.0)`` too). XLA's ``max`` returns +0.0 there, and ``1 / relu(x)`` became
+    +inf where eager's is -inf (fuzz seed 4, program 4369)."""
+    take_b = b > a
+    if is_floating(a.dtype):
+        take_b = take_b | jnp.isnan(b)
+    return jnp.where(take_b, b, a)
+
+
+def eager_minimum(a, b):
+    """PyTorch's CPU ``min(a, b)``: as ``eager_maximum``, with ``b`` taken where smaller."""
+    take_b = b < a
+    if is_floating(a.dtype):
+        take_b = take_b | jnp.isnan(b)
+    return jnp.where(take_b, b, a)
+
+
+lower(aten.maximum.default)(_promoted(eager_maximum))
+lower(aten.minimum.default)(_promoted(eager_minimum))
 lower(aten.fmax.default)(_promoted(jnp.fmax))
 lower(aten.fmin.default)(_promoted(jnp.fmin))
 
@@ -547,13 +566,12 @@ def _where_scalar_other(condition, x, other):
 def _clamp(x, min=None, max=None):
     dt = result_type(x, *(v for v in (min, max) if v is not None))
     out = as_dtype(x, dt)
-    # PyTorch applies min then max (max wins when min > max) and propagates NaN.
+    # PyTorch applies min then max (max wins when min > max), propagates NaN, and keeps
+    # x where it equals a bound (clamp_min(-0.0, 0.0) is -0.0).
     if min is not None:
-        lo = as_dtype(min, dt)
-        out = jnp.where(jnp.isnan(lo) if is_floating(dt) else False, lo, jnp.maximum(out, lo))
+        out = eager_maximum(out, as_dtype(min, dt))
     if max is not None:
-        hi = as_dtype(max, dt)
-        out = jnp.where(jnp.isnan(hi) if is_floating(dt) else False, hi, jnp.minimum(out, hi))
+        out = eager_minimum(out, as_dtype(max, dt))
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 
 from dynajax.lowering import checks
 from dynajax.lowering.dtypes import as_dtype, opmath
+from dynajax.lowering.elementwise import eager_maximum, eager_minimum
 from dynajax.lowering.linalg.products import pnorm
 from dynajax.lowering.registry import lower
 
@@ -53,7 +54,9 @@ def _leaky_relu(x, negative_slope=0.01):
 
 @lower(aten.hardtanh.default)
 def _hardtanh(x, min_val=-1.0, max_val=1.0):
-    return jnp.clip(x, as_dtype(min_val, x.dtype), as_dtype(max_val, x.dtype))
+    # Eager's clamp: x kept where it equals a bound (hardtanh(-0.0, 0.0, 6.0) is -0.0).
+    lo = eager_maximum(x, as_dtype(min_val, x.dtype))
+    return eager_minimum(lo, as_dtype(max_val, x.dtype))
 
 
 @lower(aten.softplus.default)
