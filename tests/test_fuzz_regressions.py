@@ -507,3 +507,58 @@ def test_max_min_keep_eagers_signed_zeros_and_nans(
     assert torch.equal(torch.isnan(actual), nan)
     assert torch.equal(actual[~nan], expected[~nan])
     assert torch.equal(torch.signbit(actual[~nan]), torch.signbit(expected[~nan]))
+
+
+# Found by the same run (program 3313): 1 / linear(0, w) was +inf where eager's is -inf.
+# A product over one element (K = 1) and a sum of one element are +0.0 + x in eager's
+# kernels (+0.0 for -0.0); XLA gave the element itself. MKL's float32/float64
+# matrix-matrix product of at least 2x2 outputs keeps the multiply's -0.0.
+_ZERO_SUMS = [
+    ("mm", lambda a, b, c: torch.mm(a, b)),
+    ("addmm-beta0", lambda a, b, c: torch.addmm(c, a, b, beta=0)),
+    ("addmm", lambda a, b, c: torch.addmm(c, a, b)),
+    ("bmm", lambda a, b, c: torch.bmm(a[None].expand(3, -1, -1), b[None].expand(3, -1, -1))),
+    ("mv", lambda a, b, c: torch.mv(b.t(), a[0])),
+    ("dot", lambda a, b, c: torch.dot(a[0], b[:, 0])),
+    ("linear-1d", lambda a, b, c: F.linear(a[0], b.t())),
+    ("sum", lambda a, b, c: (a * b[:, :1]).sum(-1)),
+    ("mean", lambda a, b, c: (a * b[:, :1]).mean(-1)),
+    ("mean-all", lambda a, b, c: (a[:1] * b[:, :1]).mean()),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("rows, cols", [(1, 1), (1, 3), (3, 1), (2, 3)])
+@pytest.mark.parametrize("fn", [f for _, f in _ZERO_SUMS], ids=[n for n, _ in _ZERO_SUMS])
+def test_zero_sums_carry_eagers_sign(
+    fn: Callable[..., torch.Tensor], rows: int, cols: int, dtype: torch.dtype
+) -> None:
+    a = torch.zeros(rows, 1, dtype=dtype)
+    b = -torch.ones(1, cols, dtype=dtype)
+    c = torch.zeros(rows, cols, dtype=dtype)
+    expected = fn(a, b, c)
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(a, b, c)
+    assert actual.dtype == expected.dtype
+    assert torch.equal(torch.signbit(actual.double()), torch.signbit(expected.double()))
+
+
+# Found by the same run (program 1537): min(x, dim).values of [+0.0, -0.0] was -0.0
+# (XLA's min), eager's +0.0: the value at the index eager returns, the first extreme.
+@pytest.mark.parametrize("largest", [False, True], ids=["min", "max"])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_min_max_dim_value_is_the_element_at_its_index(largest: bool, keepdim: bool) -> None:
+    x = torch.tensor([[0.0, -0.0, 1.0], [-0.0, 0.0, -1.0], [NAN, 0.0, NAN]]).t()
+    op = torch.max if largest else torch.min
+
+    def fn(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = op(t, 0, keepdim=keepdim)
+        return values, indices
+
+    expected = fn(x)
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(x)
+    assert torch.equal(actual[1], expected[1])
+    nan = torch.isnan(expected[0])
+    assert torch.equal(torch.isnan(actual[0]), nan)
+    assert torch.equal(torch.signbit(actual[0][~nan]), torch.signbit(expected[0][~nan]))

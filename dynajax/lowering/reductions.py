@@ -37,7 +37,19 @@ def _summed(x, dtype, **kw):
     # with an explicit bfloat16 dtype would round after every addition.
     out = _sum_dtype(x, dtype)
     half = np.dtype(out) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
-    return jnp.sum(x, dtype=np.float32 if half else out, **kw).astype(out)
+    total = jnp.sum(x, dtype=np.float32 if half else out, **kw).astype(out)
+    axis = kw.get("axis")
+    count = x.size if axis is None else int(np.prod([x.shape[a] for a in axis]))
+    return zero_sum_positive(total) if count == 1 else total
+
+
+def zero_sum_positive(total):
+    """A sum of one element as eager's accumulator gives it: +0.0 + x, so -0.0 sums to
+    +0.0. XLA reads the element through (``sum([-0.0])`` was -0.0; the decompositions
+    of ``mv`` and ``dot`` sum products this way; fuzz seed 4, program 3313)."""
+    if not jnp.issubdtype(total.dtype, jnp.floating):
+        return total
+    return jnp.where(total == 0, jnp.zeros((), total.dtype), total)
 
 
 @lower(aten.sum.default)
@@ -69,13 +81,15 @@ def _mean_check(x, *args, dtype=None, **_):
 @lower(aten.mean.default, check=_mean_check)
 def _mean(x, *, dtype=None):
     x = as_dtype(x, dtype) if dtype is not None else x
-    return jnp.mean(x)
+    return zero_sum_positive(jnp.mean(x)) if x.size == 1 else jnp.mean(x)
 
 
 @lower(aten.mean.dim, check=_mean_check)
 def _mean_dim(x, dim, keepdim=False, *, dtype=None):
     x = as_dtype(x, dtype) if dtype is not None else x
-    return jnp.mean(x, axis=axes(x, dim), keepdims=keepdim)
+    ax = axes(x, dim)
+    out = jnp.mean(x, axis=ax, keepdims=keepdim)
+    return zero_sum_positive(out) if int(np.prod([x.shape[a] for a in ax])) == 1 else out
 
 
 @lower(aten.amax.default)
@@ -102,12 +116,23 @@ def _arg_extreme(x, dim, keepdim, largest):
     """Index of the first max/min along dim; NaN counts as the extreme, as in PyTorch."""
     if x.ndim == 0:
         return jnp.zeros((), np.int64)
-    fn = jnp.argmax if largest else jnp.argmin
-    if is_floating(x.dtype):
-        # jnp.argmax already returns the first NaN.
-        pass
+    fn = jnp.argmax if largest else jnp.argmin  # both return the first NaN
     out = fn(x, axis=dim, keepdims=keepdim)
     return out.astype(np.int64)
+
+
+def _extreme_dim(x, dim, keepdim, largest):
+    """``max.dim``/``min.dim``: the index, and the value read at it. A reduction's own
+    max/min may take another of equal elements: of +0.0 and -0.0 eager's value is the
+    first one's, XLA's min was -0.0 (fuzz seed 4, program 1537)."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    d = dim % x.ndim
+    index = _arg_extreme(x, d, True, largest)
+    value = jnp.take_along_axis(x, index, axis=d)
+    if not keepdim:
+        value, index = jnp.squeeze(value, d), jnp.squeeze(index, d)
+    return value, index
 
 
 @lower(aten.argmax.default)
@@ -128,18 +153,12 @@ def _argmin(x, dim=None, keepdim=False):
 
 @lower(aten.max.dim)
 def _max_dim(x, dim, keepdim=False):
-    if x.ndim == 0:
-        return x, jnp.zeros((), np.int64)
-    d = dim % x.ndim
-    return jnp.max(x, axis=d, keepdims=keepdim), _arg_extreme(x, d, keepdim, True)
+    return _extreme_dim(x, dim, keepdim, True)
 
 
 @lower(aten.min.dim)
 def _min_dim(x, dim, keepdim=False):
-    if x.ndim == 0:
-        return x, jnp.zeros((), np.int64)
-    d = dim % x.ndim
-    return jnp.min(x, axis=d, keepdims=keepdim), _arg_extreme(x, d, keepdim, False)
+    return _extreme_dim(x, dim, keepdim, False)
 
 
 def _correction(correction, unbiased=True):

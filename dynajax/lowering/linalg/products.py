@@ -17,16 +17,32 @@ import numpy as np
 import torch
 
 from dynajax.lowering.dtypes import as_dtype, is_integral, result_type
+from dynajax.lowering.reductions import zero_sum_positive
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
 
 
-def _matmul(a, b):
+def _zero_sums_positive(r, a, b):
+    """A product's zero sums with eager's sign. XLA turns a product over one element
+    (K = 1) into a multiply, whose ``0 * -1`` is -0.0; eager's CPU kernels give +0.0
+    there (a sum that starts at +0.0: ``1 / linear(0, w)`` was +inf where eager's is
+    -inf; fuzz seed 4, program 3313), except MKL's float32/float64 matrix-matrix product
+    of at least 2 rows and 2 columns, whose sign is the multiply's (measured:
+    ``mm`` of (2, 1) and (1, 2) zeros by -1 is -0.0; of (1, 1) and (1, 2), +0.0)."""
+    if a.shape[-1] != 1:
+        return r
+    gemm = a.ndim == b.ndim == 2 and a.shape[0] >= 2 and b.shape[1] >= 2
+    if gemm and a.dtype in (np.float32, np.float64):
+        return r
+    return zero_sum_positive(r)
+
+
+def _matmul(a, b, **kwargs):
     # Integer matmuls accumulate in their own dtype, like PyTorch.
     if is_integral(a.dtype):
         return jnp.matmul(a, b, preferred_element_type=a.dtype)
-    return jnp.matmul(a, b)
+    return _zero_sums_positive(jnp.matmul(a, b, **kwargs), a, b)
 
 
 @lower(aten.mm.default, aten.bmm.default, aten.matmul.default)
@@ -36,7 +52,7 @@ def _mm(a, b):
 
 @lower(aten.dot.default)
 def _dot(a, b):
-    return jnp.dot(a, b)
+    return _zero_sums_positive(jnp.dot(a, b), a, b)
 
 
 @lower(aten.vdot.default)
@@ -59,7 +75,7 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
     if np.dtype(dtype) in (np.float16, jnp.bfloat16):
         # PyTorch's CPU kernels (oneDNN) accumulate half-precision products in float32
         # and add the scaled bias before the one rounding to the half dtype.
-        acc = _scale(jnp.matmul(a, b, preferred_element_type=np.float32), alpha)
+        acc = _scale(_matmul(a, b, preferred_element_type=np.float32), alpha)
         if beta != 0:
             acc = acc + _scale(bias.astype(np.float32), beta)
         return acc.astype(dtype)
@@ -79,7 +95,7 @@ def _addbmm(bias, b1, b2, *, beta=1, alpha=1):
     if np.dtype(dtype) in (np.float16, jnp.bfloat16):
         acc = jnp.zeros(out.shape, np.float32) if beta == 0 else out.astype(np.float32) * beta
         for i in range(b1.shape[0]):
-            prod = jnp.matmul(b1[i], b2[i], preferred_element_type=np.float32)
+            prod = _matmul(b1[i], b2[i], preferred_element_type=np.float32)
             acc = (acc + prod * alpha).astype(dtype).astype(np.float32)
         return acc.astype(dtype)
     out = jnp.zeros_like(out) if beta == 0 else _scale(out, beta)
