@@ -38,9 +38,15 @@ def _summed(x, dtype, **kw):
     out = _sum_dtype(x, dtype)
     half = np.dtype(out) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
     total = jnp.sum(x, dtype=np.float32 if half else out, **kw).astype(out)
-    axis = kw.get("axis")
-    count = x.size if axis is None else int(np.prod([x.shape[a] for a in axis]))
-    return zero_sum_positive(total) if count == 1 else total
+    return zero_sum_positive(total) if one_element(x, kw.get("axis")) else total
+
+
+def one_element(x, axis=None):
+    """Whether ``axis`` (all of ``x`` if None) spans exactly one element; False where a
+    size is symbolic (``jax.export``'s shape polymorphism), where no rule may branch on
+    it."""
+    dims = x.shape if axis is None else [x.shape[a] for a in axis]
+    return all(isinstance(d, int | np.integer) and d == 1 for d in dims)
 
 
 def zero_sum_positive(total):
@@ -81,7 +87,7 @@ def _mean_check(x, *args, dtype=None, **_):
 @lower(aten.mean.default, check=_mean_check)
 def _mean(x, *, dtype=None):
     x = as_dtype(x, dtype) if dtype is not None else x
-    return zero_sum_positive(jnp.mean(x)) if x.size == 1 else jnp.mean(x)
+    return zero_sum_positive(jnp.mean(x)) if one_element(x) else jnp.mean(x)
 
 
 @lower(aten.mean.dim, check=_mean_check)
@@ -89,7 +95,7 @@ def _mean_dim(x, dim, keepdim=False, *, dtype=None):
     x = as_dtype(x, dtype) if dtype is not None else x
     ax = axes(x, dim)
     out = jnp.mean(x, axis=ax, keepdims=keepdim)
-    return zero_sum_positive(out) if int(np.prod([x.shape[a] for a in ax])) == 1 else out
+    return zero_sum_positive(out) if one_element(x, ax) else out
 
 
 @lower(aten.amax.default)
