@@ -484,18 +484,19 @@ def eager_maximum(a, b):
     so a signed zero keeps ``a``'s sign (``maximum(-0.0, 0.0)`` is -0.0, and
     ``relu(-0.0)`` too). XLA's ``max`` returns +0.0 there, and ``1 / relu(x)`` became
     +inf where eager's is -inf (fuzz seed 4, program 4369)."""
-    take_b = b > a
-    if is_floating(a.dtype):
-        take_b = take_b | jnp.isnan(b)
-    return jnp.where(take_b, b, a)
+    return _first_unless(a, b, b > a)
 
 
 def eager_minimum(a, b):
     """PyTorch's CPU ``min(a, b)``: as ``eager_maximum``, with ``b`` taken where smaller."""
-    take_b = b < a
+    return _first_unless(a, b, b < a)
+
+
+def _first_unless(a, b, b_wins):
+    """``b`` where ``b_wins`` or ``b`` is NaN, else ``a`` (NaN ``a`` included)."""
     if is_floating(a.dtype):
-        take_b = take_b | jnp.isnan(b)
-    return jnp.where(take_b, b, a)
+        b_wins = b_wins | jnp.isnan(b)
+    return jnp.where(b_wins, b, a)
 
 
 lower(aten.maximum.default)(_promoted(eager_maximum))

@@ -38,22 +38,24 @@ def _summed(x, dtype, **kw):
     out = _sum_dtype(x, dtype)
     half = np.dtype(out) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
     total = jnp.sum(x, dtype=np.float32 if half else out, **kw).astype(out)
-    return zero_sum_positive(total) if one_element(x, kw.get("axis")) else total
+    return as_eager_sum(total, x, kw.get("axis"))
 
 
-def one_element(x, axis=None):
-    """Whether ``axis`` (all of ``x`` if None) spans exactly one element; False where a
-    size is symbolic (``jax.export``'s shape polymorphism), where no rule may branch on
-    it."""
+def static_size(d) -> bool:
+    """Whether a size is a number (not a ``jax.export`` symbolic dimension, on which no
+    rule may branch)."""
+    return isinstance(d, int | np.integer)
+
+
+def as_eager_sum(total, x, axis=None):
+    """``total``, a sum of ``x`` over ``axis`` (all of it if None), as eager's
+    accumulator gives it where that is one element: +0.0 + x, so -0.0 sums to +0.0.
+    XLA reads the element through (``sum([-0.0])`` was -0.0; the decompositions of
+    ``mv`` and ``dot`` sum products this way; fuzz seed 4, program 3313)."""
     dims = x.shape if axis is None else [x.shape[a] for a in axis]
-    return all(isinstance(d, int | np.integer) and d == 1 for d in dims)
-
-
-def zero_sum_positive(total):
-    """A sum of one element as eager's accumulator gives it: +0.0 + x, so -0.0 sums to
-    +0.0. XLA reads the element through (``sum([-0.0])`` was -0.0; the decompositions
-    of ``mv`` and ``dot`` sum products this way; fuzz seed 4, program 3313)."""
     if not jnp.issubdtype(total.dtype, jnp.floating):
+        return total
+    if not all(static_size(d) and d == 1 for d in dims):
         return total
     return jnp.where(total == 0, jnp.zeros((), total.dtype), total)
 
@@ -87,15 +89,14 @@ def _mean_check(x, *args, dtype=None, **_):
 @lower(aten.mean.default, check=_mean_check)
 def _mean(x, *, dtype=None):
     x = as_dtype(x, dtype) if dtype is not None else x
-    return zero_sum_positive(jnp.mean(x)) if one_element(x) else jnp.mean(x)
+    return as_eager_sum(jnp.mean(x), x)
 
 
 @lower(aten.mean.dim, check=_mean_check)
 def _mean_dim(x, dim, keepdim=False, *, dtype=None):
     x = as_dtype(x, dtype) if dtype is not None else x
     ax = axes(x, dim)
-    out = jnp.mean(x, axis=ax, keepdims=keepdim)
-    return zero_sum_positive(out) if one_element(x, ax) else out
+    return as_eager_sum(jnp.mean(x, axis=ax, keepdims=keepdim), x, ax)
 
 
 @lower(aten.amax.default)

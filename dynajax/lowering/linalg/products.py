@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dynajax.lowering.dtypes import as_dtype, is_integral, result_type
-from dynajax.lowering.reductions import one_element, zero_sum_positive
+from dynajax.lowering.reductions import as_eager_sum, static_size
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -30,15 +30,11 @@ def _zero_sums_positive(r, a, b):
     -inf; fuzz seed 4, program 3313), except MKL's float32/float64 matrix-matrix product
     of at least 2 rows and 2 columns, whose sign is the multiply's (measured:
     ``mm`` of (2, 1) and (1, 2) zeros by -1 is -0.0; of (1, 1) and (1, 2), +0.0)."""
-    if not one_element(a, [a.ndim - 1]):
-        return r
     if a.ndim == b.ndim == 2 and a.dtype in (np.float32, np.float64):
         rows, cols = a.shape[0], b.shape[1]
-        if not (isinstance(rows, int | np.integer) and isinstance(cols, int | np.integer)):
-            return r  # symbolic: left as XLA gives it
-        if rows >= 2 and cols >= 2:
-            return r
-    return zero_sum_positive(r)
+        if not (static_size(rows) and static_size(cols)) or (rows >= 2 and cols >= 2):
+            return r  # MKL's sign, or symbolic sizes: left as XLA gives it
+    return as_eager_sum(r, a, [a.ndim - 1])
 
 
 def _matmul(a, b, **kwargs):
