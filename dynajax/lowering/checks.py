@@ -95,6 +95,10 @@ class Origin:
             (``index_add`` of a 0- or 1-dim self takes another path of its kernel).
         unchecked_if_empty: whether eager checks nothing when the indexed tensor has
             no elements (``index_add`` of a self of 2 dims or more returns early).
+        empty_dim: eager's error, whatever the index values, when the indexed dim has
+            size 0, the index is not empty and the other dims are not (``index_fill``'s
+            kernel views self with the index's size along that dim, and the view's
+            storage check fails); other tensors with no elements are then unchecked.
     """
 
     error: type[Exception]
@@ -102,9 +106,22 @@ class Origin:
     negative: bool
     vector: Origin | None = None
     unchecked_if_empty: bool = False
+    empty_dim: Origin | None = None
 
 
 _TARGET_OUT_OF_BOUNDS = Origin(IndexError, "Target {value} is out of bounds.", False)
+_INDEX_FILL = Origin(
+    IndexError,
+    "index {value} is out of bounds for dimension {axis} with size {size}",
+    True,
+    empty_dim=Origin(
+        RuntimeError,
+        "setStorage: sizes {sizes}, strides {strides}, storage offset 0, and itemsize "
+        "{itemsize} requiring a storage size of {required} are out of bounds for storage "
+        "of size 0",
+        False,
+    ),
+)
 
 # original_aten of a node -> eager's error for an index out of bounds in that node
 # (None: eager's kernel checks nothing there, and the decomposition keeps indices in
@@ -128,12 +145,8 @@ _ORIGINS: dict[Any, Origin | None] = {
         "index_copy_(): index {value} is out of bounds for dimension {axis} with size {size}",
         False,
     ),
-    aten.index_fill.int_Scalar: Origin(
-        IndexError, "index {value} is out of bounds for dimension {axis} with size {size}", True
-    ),
-    aten.index_fill.int_Tensor: Origin(
-        IndexError, "index {value} is out of bounds for dimension {axis} with size {size}", True
-    ),
+    aten.index_fill.int_Scalar: _INDEX_FILL,
+    aten.index_fill.int_Tensor: _INDEX_FILL,
     aten.nll_loss_forward.default: _TARGET_OUT_OF_BOUNDS,
     aten.nll_loss2d_forward.default: _TARGET_OUT_OF_BOUNDS,
     aten.nll_loss_backward.default: _TARGET_OUT_OF_BOUNDS,
@@ -293,6 +306,7 @@ def fail_if_out_of_bounds(
     *,
     negative: bool,
     shape: tuple[int, ...] | None = None,
+    itemsize: int | None = None,
     **payload: Any,
 ) -> None:
     """``fail_if`` for indices outside their range, reported as eager reports them.
@@ -307,7 +321,8 @@ def fail_if_out_of_bounds(
             (the failing index), ``size`` and the names of ``payload``.
         negative: whether the op accepts indices in ``[-size, 0)`` (Python wraps).
         shape: the indexed tensor's shape, for origins whose check depends on it
-            (``Origin.vector``, ``Origin.unchecked_if_empty``).
+            (``Origin.vector``, ``Origin.unchecked_if_empty``, ``Origin.empty_dim``).
+        itemsize: the indexed tensor's element size in bytes (``Origin.empty_dim``).
         **payload: more message fields (``dim``, ``axis``).
     """
     collector = _ACTIVE.get()
@@ -319,6 +334,14 @@ def fail_if_out_of_bounds(
             return
         if shape is not None and origin.vector is not None and len(shape) <= 1:
             origin = origin.vector
+        elif shape is not None and origin.empty_dim is not None and math.prod(shape) == 0:
+            axis = int(np.asarray(payload["axis"]).reshape(-1)[0])
+            rest = math.prod(n for d, n in enumerate(shape) if d != axis)
+            if shape[axis] == 0 and jnp.size(index) > 0 and rest > 0 and itemsize:
+                empty = origin.empty_dim
+                message = _restrided(empty.message, shape, axis, jnp.size(index), itemsize)
+                fail_if(True, empty.error, message)
+            return
         elif shape is not None and origin.unchecked_if_empty and math.prod(shape) == 0:
             return
         error, message, negative = origin.error, origin.message, origin.negative
@@ -330,6 +353,17 @@ def fail_if_out_of_bounds(
         size=size,
         **payload,
     )
+
+
+def _restrided(template: str, shape: tuple[int, ...], axis: int, k: int, itemsize: int) -> str:
+    """``Origin.empty_dim``'s message: eager's storage check of a contiguous ``shape``
+    viewed with size ``k`` and stride 0 along ``axis`` (a size-0 dim strides as size 1)."""
+    strides = [math.prod(max(n, 1) for n in shape[d + 1 :]) for d in range(len(shape))]
+    sizes = [k if d == axis else n for d, n in enumerate(shape)]
+    strides[axis] = 0
+    required = itemsize * (1 + sum((n - 1) * st for n, st in zip(sizes, strides, strict=True)))
+    text = template.format(sizes=sizes, strides=strides, itemsize=itemsize, required=required)
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 class CheckTable:

@@ -51,6 +51,7 @@ def _check_indices(x, indices):
         _INDEX_MESSAGE,
         negative=True,
         shape=x.shape,
+        itemsize=x.dtype.itemsize,
         dim=np.arange(len(found), dtype=np.int64),
         axis=np.array([axis for axis, _ in found], np.int64),
     )

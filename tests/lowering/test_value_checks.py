@@ -244,6 +244,12 @@ CASES: list[ValueCase] = [
         lambda: (_x(), _ints(0, -1)),
     ),
     ValueCase(
+        "index_fill-empty-dim",
+        lambda x, i: x.index_fill(1, i, 2.0),
+        lambda: (torch.zeros(3, 0), _ints(7, 0)),
+        lambda: (torch.zeros(3, 0), torch.zeros(0, dtype=torch.long)),
+    ),
+    ValueCase(
         "index_reduce",
         lambda x, i, s: x.index_reduce(1, i, s, "amax"),
         lambda: (_x(), _ints(0, 12), randn(3, 2)),
@@ -543,6 +549,12 @@ CASES: list[ValueCase] = [
         lambda s, v: torch.searchsorted(s, v),
         lambda: (L([1.0, 3.0, 2.0]), L([2.0])),
         lambda: (L([1.0, 2.0, 3.0]), L([2.0])),
+    ),
+    ValueCase(
+        "index_fill-empty-self",
+        lambda x, i: x.index_fill(1, i, 2.0),
+        lambda: (torch.zeros(0, 3), _ints(5)),
+        lambda: (torch.zeros(0, 3), _ints(1)),
     ),
 ]
 
