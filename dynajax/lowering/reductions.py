@@ -270,7 +270,25 @@ def _softmax(x, dim, half_to_float):
         # Eager's one-element softmax: exp(x - max) / 1, NaN for NaN and +-inf.
         x = x.astype(out_dtype)
         return jnp.exp(x - x)
-    return jax.nn.softmax(x.astype(out_dtype), axis=dim % x.ndim)
+    axis = dim % x.ndim
+    if out_dtype in (jnp.bfloat16, np.float16):
+        return _half_softmax(x, axis)
+    return jax.nn.softmax(x.astype(out_dtype), axis=axis)
+
+
+def _half_softmax(x, axis):
+    """Eager's CPU softmax of bfloat16 or float16, bit for bit (measured on every
+    element of random inputs): in float32, rounded once along the last dim; along
+    another dim, ``exp(x - max)`` is stored rounded to the dtype and divided (in
+    float32) by the float32 sum of the unrounded exponentials. ``jax.nn.softmax`` in
+    the dtype itself rounds every step: a bfloat16 softmax of two elements was an ulp
+    off, and the gradient that reads it 6% off."""
+    wide = x.astype(np.float32)
+    e = jnp.exp(wide - jnp.max(wide, axis=axis, keepdims=True))
+    total = jnp.sum(e, axis=axis, keepdims=True)
+    if axis != x.ndim - 1:
+        e = e.astype(x.dtype).astype(np.float32)
+    return (e / total).astype(x.dtype)
 
 
 @lower(aten._log_softmax.default)
