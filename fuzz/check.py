@@ -23,13 +23,17 @@ differences the README documents and their consequences:
     floating dtypes the program computes in (a float64 gradient of a float32
     computation carries float32 roundings).
 ``amplified``
-    (Outputs and inputs, not gradients.) Every op of the program, compiled alone on
-    eager's values of its arguments, agrees with eager within the table or one of the
-    two allowances above, and at least one op alone differs at all: the program's
-    difference is those accepted per-op differences grown by the ops after them (an
-    ulp of a bfloat16 ``exp`` is several ulps after another ``exp``). A wrong op shows
-    alone; an error that only arises between ops (excess precision, where
-    every op alone is bit-equal to eager) is not accepted.
+    Every op of the program, compiled alone on eager's values of its arguments, agrees
+    with eager within the table or one of the two allowances above, and at least one op
+    alone differs at all: the program's difference is those accepted per-op
+    differences grown by the ops after them (an ulp of a bfloat16 ``exp`` is several
+    ulps after another ``exp``). A wrong op shows alone; an error that only arises
+    between ops (excess precision, where every op alone is bit-equal to eager) is not
+    accepted. For a gradient, every op's gradient alone must agree as well: its
+    vector-Jacobian product, compiled alone on eager's values of its arguments and
+    eager's gradient at its output (an ulp of ``softmax`` near 1 is a large change of
+    ``atanh``'s gradient there; ``atanh``'s own gradient is right). Programs that write
+    in place are not judged so.
 
 Every other difference is a failure. A failure is classified ``upstream``, not dynajax's,
 when its program differs from eager the same way under ``backend="aot_eager"`` (no
@@ -291,7 +295,7 @@ class _References:
         self.program, self.fn, self.call, self.backend = program, fn, call, backend
         self._flushed: Run | None = None
         self._float64: Run | None = None
-        self._amplified: bool | None = None
+        self._amplified: dict[bool, bool] = {}
 
     def flushed(self) -> Run:
         if self._flushed is None:
@@ -316,10 +320,10 @@ class _References:
         floats = [getattr(torch, n) for n in names if n in FLOAT_DTYPES]
         return max((tolerance(d)[1] for d in floats), default=0.0)
 
-    def amplified(self) -> bool:
-        if self._amplified is None:
-            self._amplified = amplified(self.program, self.call, self.backend)
-        return self._amplified
+    def amplified(self, grads: bool = False) -> bool:
+        if grads not in self._amplified:
+            self._amplified[grads] = amplified(self.program, self.call, self.backend, grads)
+        return self._amplified[grads]
 
 
 def _op_function(rec: OpRecord, params: list[int], upcast: bool) -> Callable[..., Any]:
@@ -358,20 +362,34 @@ def _op_alone(
         actual = torch.compile(fn, backend=_backend_instance(backend))(*args())
     except Exception:
         return None
+
+    def flushed() -> Any:
+        with _flushing(True):
+            return fn(*args())
+
+    def reference() -> Any:
+        with _default_float64(True):
+            return _op_function(rec, params, upcast=True)(*args(upcast=True))
+
+    return _alone_verdict(actual, expected, flushed, reference)
+
+
+def _alone_verdict(
+    actual: Any, expected: Any, flushed: Callable[[], Any], reference: Callable[[], Any]
+) -> bool | None:
+    """None if ``actual`` differs from ``expected`` (eager's) beyond the table and the
+    subnormal (``flushed()``: eager's values with subnormals flushed) and float64
+    (``reference()``: the float64 values) allowances, else whether it differs at all."""
     if _close(actual, expected) is None:
         try:
             torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
         except AssertionError:
             return True
         return False
-    with _flushing(True):
-        flushed = fn(*args())
-    if _close(actual, flushed) is None:
+    if _close(actual, flushed()) is None:
         return True
-    with _default_float64(True):
-        reference = _op_function(rec, params, upcast=True)(*args(upcast=True))
-    for a, e, r in zip(actual, expected, reference, strict=True):
-        if not e.is_floating_point() or r.shape != e.shape:
+    for a, e, r in zip(actual, expected, reference(), strict=True):
+        if not isinstance(e, torch.Tensor) or not e.is_floating_point() or r.shape != e.shape:
             if _close(a, e) is not None:
                 return None
             continue
@@ -381,11 +399,61 @@ def _op_alone(
     return True
 
 
-def amplified(program: Program, call: int, backend: Backend | str) -> bool:
+def _vjp_alone(
+    rec: OpRecord,
+    values: dict[int, torch.Tensor],
+    cotangent: torch.Tensor,
+    backend: Backend | str,
+) -> bool | None:
+    """The gradient of op ``rec`` (its vector-Jacobian product with ``cotangent``, eager's
+    gradient of the program's loss at the op's output) with respect to its arguments
+    that require grad, compiled alone on eager's values of its arguments: as
+    ``_op_alone``."""
+    params = list(dict.fromkeys(rec.args))
+    fn = _op_function(rec, params, upcast=False)
+
+    def vjp(function: Callable[..., Any], upcast: bool = False) -> list[torch.Tensor | None]:
+        args = [
+            values[a].detach().to(torch.float64 if upcast else values[a].dtype)
+            .requires_grad_(values[a].requires_grad)
+            if values[a].is_floating_point()
+            else values[a].detach().clone()
+            for a in params
+        ]  # fmt: skip
+        leaves = [a for a in args if a.requires_grad]
+        (out,) = function(*args)
+        cot = cotangent.to(torch.float64) if upcast else cotangent
+        grads = torch.autograd.grad(out, leaves, cot, allow_unused=True)
+        pairs = zip(grads, leaves, strict=True)
+        return [g if g is not None else torch.zeros_like(a) for g, a in pairs]
+
+    expected = vjp(fn)
+    torch._dynamo.reset()
+    try:
+        actual = vjp(torch.compile(fn, backend=_backend_instance(backend)))
+    except Exception:
+        return None
+
+    def flushed() -> Any:
+        with _flushing(True):
+            return vjp(fn)
+
+    def reference() -> Any:
+        with _default_float64(True):
+            return vjp(_op_function(rec, params, upcast=True), upcast=True)
+
+    return _alone_verdict(actual, expected, flushed, reference)
+
+
+def amplified(program: Program, call: int, backend: Backend | str, grads: bool = False) -> bool:
     """Whether every op of ``program``, compiled alone on eager's values of its
     arguments (on call ``call``'s inputs), agrees with eager within the table or an
     allowance, and at least one differs at all: then a larger difference of the whole
-    program is those accepted differences amplified by the ops after them."""
+    program is those accepted differences amplified by the ops after them.
+
+    With ``grads``, the gradients too: every op's gradient alone (``_vjp_alone``, on
+    eager's values and eager's gradient at its output) agrees as well. Programs with
+    in-place ops are not judged so (False)."""
     inputs = [t.detach() for t in make_inputs(program, call)]
     namespace: dict[str, Any] = {"torch": torch, "F": F}
     namespace.update({name(i): t for i, t in enumerate(inputs)})
@@ -399,6 +467,52 @@ def amplified(program: Program, call: int, backend: Backend | str) -> bool:
             return False
         if alone is None:
             return False
+        differs |= alone
+    if grads:
+        alone_grads = _vjps_alone(program, call, backend)
+        if alone_grads is None:
+            return False
+        differs |= alone_grads
+    return differs
+
+
+def _vjps_alone(program: Program, call: int, backend: Backend | str) -> bool | None:
+    """``_vjp_alone`` of every op of ``program`` whose output the loss's gradient
+    reaches: None if one differs beyond the allowances (or the program writes in
+    place), else whether any differs at all."""
+    if any(rec.out is None for rec in program.ops):
+        return None
+    inputs = make_inputs(program, call)
+    namespace: dict[str, Any] = {"torch": torch, "F": F}
+    namespace.update({name(i): t for i, t in enumerate(inputs)})
+    arguments = []
+    try:
+        for rec in program.ops:
+            arguments.append({a: namespace[name(a)] for a in rec.args})
+            exec(render(rec), namespace)
+        outs = [namespace[name(rec.out)] for rec in program.ops]  # type: ignore[arg-type]
+        reached = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        cotangents = loss_grads([namespace[name(o)] for o in program.outputs], reached)
+    except Exception:
+        return None
+    if cotangents is None:
+        return False
+    by_output = {id(o): c for o, c in zip(reached, cotangents, strict=True)}
+    differs = False
+    for rec, args, out in zip(program.ops, arguments, outs, strict=True):
+        cot = by_output.get(id(out))
+        if cot is None or not any(a.requires_grad for a in args.values()):
+            continue
+        values = {
+            a: v.detach().clone().requires_grad_(v.requires_grad and v.is_floating_point())
+            for a, v in args.items()
+        }
+        try:
+            alone = _vjp_alone(rec, values, cot.detach(), backend)
+        except Exception:
+            return None
+        if alone is None:
+            return None
         differs |= alone
     return differs
 
@@ -430,7 +544,7 @@ def _accept(
                 atol = max(tolerance(expected.dtype)[1], refs.weakest_atol())
                 if distance(actual, r) <= distance(expected, r) + atol:
                     return FLOAT64
-    if group != "grad" and refs.amplified():
+    if refs.amplified(grads=group == "grad"):
         return AMPLIFIED
     return None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pathlib
 import runpy
 
+import jax.numpy as jnp
 import pytest
 import torch
 
@@ -176,3 +177,37 @@ def test_reproducer_runs_standalone(
 def test_known_bugs_have_reasons() -> None:
     for signature, reason in KNOWN_BUGS.items():
         assert signature.count(":") >= 2 and len(reason) > 20, signature
+
+
+def test_gradient_amplified_by_later_ops_is_accepted() -> None:
+    """Seed 4, program 6025: log2 of lgamma in float32, whose gradient is 1 / (lgamma(x)
+    ln 2) * digamma(x), near lgamma's zero. Each op alone and each op's gradient alone
+    agrees with eager within the table; the program's gradient, which divides by a
+    value near 0, is then amplified, and accepted as such."""
+    x0 = TensorInput((1, 1), "float32", seed=2073166533, requires_grad=True)
+    ops = (
+        OpRecord("torch.lgamma", (0,), (), OUT_BASE),
+        OpRecord("torch.log2", (OUT_BASE,), (), OUT_BASE + 1),
+    )
+    outcome = check(Program((x0,), ops, (OUT_BASE + 1,), grad=True), classify=False)
+    assert outcome.status == OK, outcome
+    assert "amplified" in outcome.accepted, outcome
+
+
+def test_a_wrong_gradient_is_not_amplification(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong backward (sin's gradient reads cos, planted 3% off) shows in that op's
+    gradient alone, so the amplification allowance does not accept it."""
+    from dynajax.lowering import registry
+
+    op = torch.ops.aten.cos.default
+    monkeypatch.setitem(registry._TABLE, op, registry.Rule(op, lambda x: 1.03 * jnp.cos(x)))
+    x0 = TensorInput((4,), "float32", seed=5, requires_grad=True)
+    ops = (
+        OpRecord("torch.exp", (0,), (), OUT_BASE),
+        OpRecord("torch.sin", (OUT_BASE,), (), OUT_BASE + 1),
+    )
+    program = Program((x0,), ops, (OUT_BASE + 1,), grad=True)
+    assert not fuzz.check.amplified(program, 0, fuzz.check.dynajax_backend, grads=True)
+    outcome = check(program, classify=False)
+    assert outcome.status == FAIL and outcome.mismatch is not None, outcome
+    assert outcome.mismatch.kind == "grad", outcome
