@@ -298,6 +298,12 @@ def _log_softmax(x, dim, half_to_float):
         # Eager's one-element log_softmax: x - max - log(1), NaN for NaN and +-inf.
         x = x.astype(out_dtype)
         return x - x
+    if out_dtype in (jnp.bfloat16, np.float16):
+        # As eager's kernel: in float32, rounded once (bit-equal along a dim other than
+        # the last; along the last, eager's kernel rounds otherwise, an ulp apart on
+        # some elements).
+        wide = jax.nn.log_softmax(x.astype(np.float32), axis=dim % x.ndim)
+        return wide.astype(out_dtype)
     return jax.nn.log_softmax(x.astype(out_dtype), axis=dim % x.ndim)
 
 
