@@ -736,11 +736,34 @@ def _polygamma(n, x):
     if n == 0:  # (float16/bfloat16: PyTorch computes in float32 and rounds once)
         wide = np.float32 if x.dtype in (np.float16, jnp.bfloat16) else x.dtype
         return jax.scipy.special.digamma(x.astype(wide)).astype(x.dtype)
+    if n == 1:
+        wide = np.float32 if x.dtype in (np.float16, jnp.bfloat16) else x.dtype
+        return _trigamma(x.astype(wide)).astype(x.dtype)
     # PyTorch: (-1)^(n+1) n! zeta(n + 1, x). Near the poles (negative integers) the
     # series cancels badly, so single and half precision are summed in double.
     scale = (1.0 if n % 2 else -1.0) * float(np.prod(np.arange(1, n + 1, dtype=np.float64)))
     acc = x if x.dtype == np.float64 else x.astype(np.float64)
     return (scale * _hurwitz_zeta(jnp.asarray(n + 1, acc.dtype), acc)).astype(x.dtype)
+
+
+def _trigamma(x):
+    """Eager's trigamma (``calc_trigamma``), in ``x``'s dtype: below 0.5 the reflection
+    ``-pi^2 / sin(pi x)^2`` with ``x -> 1 - x``, then six steps of the recurrence and the
+    asymptotic series. At a negative integer ``sin(pi x)`` is not 0 in floating point,
+    so eager's answer is large and finite (1.3e15 in float32 at x = -1), where the
+    Hurwitz zeta series gives inf; the digamma gradient reads it."""
+    pi = np.asarray(np.pi, x.dtype)
+    reflected = x < 0.5
+    sin_pi_x = jnp.sin(pi * x)
+    result = jnp.where(reflected, -(pi * pi) / (sin_pi_x * sin_pi_x), jnp.zeros_like(x))
+    x = jnp.where(reflected, 1 - x, x)
+    for _ in range(6):
+        result = result + 1 / (x * x)
+        x = x + 1
+    ixx = 1 / (x * x)
+    c = [np.asarray(v, x.dtype) for v in (1 / 6, 1 / 30, 1 / 42)]
+    result = result + (1 + 1 / (2 * x) + ixx * (c[0] - ixx * (c[1] - ixx * c[2]))) / x
+    return jnp.where(reflected, -result, result)
 
 
 @lower(aten.signbit.default)
