@@ -319,6 +319,8 @@ def _partition_without_reading_mutated_inputs(
         fw, bw = min_cut_rematerialization_partition(
             joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
         )
+    if _recomputes_a_compared_value(bw):
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     output = next(iter(joint.graph.find_nodes(op="output")))
     mutated = [
         d.mutated_input
@@ -333,6 +335,52 @@ def _partition_without_reading_mutated_inputs(
     if not any(n.name in names for n in bw.graph.find_nodes(op="placeholder")):
         return fw, bw
     return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+
+_EQUALITY = (aten.eq.Tensor, aten.ne.Tensor)
+
+
+def _recomputes_a_compared_value(bw: torch.fx.GraphModule) -> bool:
+    """Whether the backward tests a floating value it recomputes for equality with
+    another (``amax``'s gradient: ``eq(amax, x)``, with ``amax`` saved by the forward
+    and ``x`` recomputed from the inputs).
+
+    Recomputed, ``x`` need not have the forward's bits: the backward is another XLA
+    program, fused otherwise, and XLA's CPU compiler contracts a product and a sum into
+    one multiply-add where fusion allows (README, Numerics). Then no element equals the
+    maximum, and the gradient is 0 / 0 = NaN (fuzz seed 5, program 3518: ``amax`` of
+    ``asinh(rms_norm(x))``). Such a graph is split by the default partitioner, which
+    saves what the forward computed."""
+    for node in bw.graph.nodes:
+        if node.op != "call_function" or node.target not in _EQUALITY:
+            continue
+        operands = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+        vals = [a.meta.get("val") for a in operands]
+        if not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals):
+            continue
+        if any(_computed_in_backward(a) for a in operands):
+            return True
+    return False
+
+
+def _computed_in_backward(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is computed by the backward from saved values alone (not read
+    from a saved value through views, nor derived from the incoming gradients)."""
+    computed = False
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if n.name.startswith("tangents"):
+                return False
+            continue
+        if n.op == "call_function" and not getattr(n.target, "is_view", False):
+            computed = True
+        stack.extend(n.all_input_nodes)
+    return computed
 
 
 # compile_aten_graph(gm, example_inputs, kind=...) -> the compiled callable
