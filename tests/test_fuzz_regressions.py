@@ -682,3 +682,34 @@ def test_std_gradient_of_a_constant_slice() -> None:
     y = torch.full((3, 4), 1.7)
     compiled = torch.compile(lambda t: torch.var(t, dim=0), backend=dynajax.Backend(cache_dir=""))
     assert bool((compiled(y) == 0).all())
+
+
+# Was: jaxlib 0.10's CPU compiler aborted the process ("Invalid binary instruction opcode
+# map") on the gradient of narrow (a slice_scatter over a whole dim, a scatter with no
+# indices) feeding cumsum's gradient (fuzz seed 5, program 6662). Fixed: a contiguous
+# slice_scatter is a dynamic_update_slice. In a subprocess, as above.
+_NARROW_INSIDE_CUMSUM_GRADIENT = """
+import torch, dynajax
+from tests.helpers import input_grads
+from tests.tolerances import assert_same
+def f(x0):
+    v1 = torch.cumsum(torch.clamp(x0, min=1), dim=-1)
+    return torch.narrow(torch.cumsum(v1, dim=0), -2, 0, 5), torch.flip(torch.neg(v1), (2, 0, 1))
+x = torch.randn(6, 5, 5, generator=torch.Generator().manual_seed(0))[..., 1::2]
+mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+actual = torch.compile(f, backend=dynajax.Backend(cache_dir=""))(mine)
+expected = f(theirs)
+assert_same(actual, expected)
+assert_same(input_grads(actual, [mine]), input_grads(expected, [theirs]))
+print("ok")
+"""
+
+
+def test_narrow_gradient_inside_cumsum_gradient() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _NARROW_INSIDE_CUMSUM_GRADIENT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

@@ -160,6 +160,14 @@ def _select_scatter(x, src, dim, index):
 def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     d = dim % x.ndim
     s, e, st = norm_slice(x.shape[d], start, end, step)
+    if st == 1:
+        # A contiguous slice is an update of a block, not a scatter. (A scatter over
+        # whole dims has no indices, and jaxlib 0.10's CPU compiler aborted the process
+        # on one that fed a reversed cumsum: "Invalid binary instruction opcode map",
+        # narrow's gradient inside cumsum's; fuzz seed 5, program 6662.)
+        starts = [0] * x.ndim
+        starts[d] = s
+        return jax.lax.dynamic_update_slice(x, src.astype(x.dtype), starts)
     idx = [slice(None)] * x.ndim
     idx[d] = slice(s, e, st)
     return x.at[tuple(idx)].set(src.astype(x.dtype))
