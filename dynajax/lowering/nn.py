@@ -112,18 +112,24 @@ def _channel_shape(x):
 
 
 def _bn_apply(x, mean, invstd, weight, bias):
+    """As eager's CPU kernel: ``x * alpha + beta`` per channel, with ``alpha = invstd *
+    weight`` and ``beta = bias - mean * alpha``. ``(x - mean) * invstd * weight + bias``
+    rounds otherwise (half the elements an ulp apart), and differs on infinities: with a
+    weight of -inf, eager's ``x * alpha + beta`` is NaN where ``x * alpha`` is +inf."""
     shape = _channel_shape(x)
-    out = (x - mean.reshape(shape)) * invstd.reshape(shape)
-    if weight is not None:
-        out = out * weight.reshape(shape)
+    wide = opmath(jnp.result_type(x, mean, invstd))  # (float32 for half types, as eager)
+    alpha = invstd.astype(wide) if weight is None else invstd.astype(wide) * weight.astype(wide)
+    beta = -mean.astype(wide) * alpha
     if bias is not None:
-        out = out + bias.reshape(shape)
+        beta = bias.astype(wide) + beta
+    out = x.astype(wide) * alpha.reshape(shape) + beta.reshape(shape)
     return out.astype(x.dtype)
 
 
 @lower(aten._native_batch_norm_legit_no_training.default)
 def _batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
-    invstd = jax.lax.rsqrt(running_var + eps)
+    # Eager's: 1 / sqrt(var + eps) in the opmath type (rsqrt is an ulp off on some).
+    invstd = 1 / jnp.sqrt(running_var.astype(opmath(running_var.dtype)) + eps)
     empty = jnp.zeros((0,), x.dtype)
     return _bn_apply(x, running_mean, invstd, weight, bias), empty, empty
 
