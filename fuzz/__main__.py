@@ -3,6 +3,8 @@
     python -m fuzz --seed 0 --minutes 30        # until 30 minutes have passed
     python -m fuzz --seed 0 --programs 200      # exactly programs 0..199 of seed 0
     python -m fuzz --replay fuzz_failures/seed0-program17.json   # check one again
+    python -m fuzz --seed 0 --minutes 30 --start 6663   # go on past a program that
+                                                        # killed the process
 
 Prints the programs tried, the failures (distinct signatures, known bugs apart) and
 where the reproducers are; exits 1 when a failure is new (not in ``fuzz.known_bugs``).
@@ -35,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, help="stop after this many minutes")
     parser.add_argument("--programs", type=int, help="stop after this many programs")
     parser.add_argument(
+        "--start", type=int, default=0, help="the first program's index (default 0)"
+    )
+    parser.add_argument(
         "--out", default="fuzz_failures", help="reproducer directory (default fuzz_failures)"
     )
     parser.add_argument(
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir=args.out,
         shrink_seconds=args.shrink_seconds,
         max_ops=args.max_ops,
+        start=args.start,
     )
     print("\n".join(summary.lines()))
     return 1 if summary.new_failures else 0

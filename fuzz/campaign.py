@@ -165,12 +165,19 @@ def run(
     max_ops: int = 8,
     backend: Backend = dynajax_backend,
     log: Log = print,
+    start: int = 0,
 ) -> Summary:
-    """Checks programs ``0, 1, ...`` of ``seed`` until ``programs`` are done or
-    ``minutes`` have passed (whichever comes first; at least one is needed).
+    """Checks programs ``start, start + 1, ...`` of ``seed`` until ``programs`` are done
+    or ``minutes`` have passed (whichever comes first; at least one is needed).
+
+    The program being checked is written to ``<out_dir>/checking-seed<seed>.json``
+    first and removed after: a process that dies inside a check (XLA's compiler aborts
+    on some programs) leaves it behind, to replay (``python -m fuzz --replay``), and the
+    run goes on with ``start`` past it.
 
     Args:
         seed: the run's seed.
+        start: the first program's index.
         programs: how many programs to check.
         minutes: how long to run.
         out_dir: where reproducers go (None: none written, nothing shrunk).
@@ -180,24 +187,32 @@ def run(
         log: prints progress lines.
     """
     assert programs is not None or minutes is not None, "give programs or minutes"
-    start = time.monotonic()
-    deadline = start + 60 * minutes if minutes is not None else float("inf")
+    began = time.monotonic()
+    deadline = began + 60 * minutes if minutes is not None else float("inf")
     summary = Summary(seed, out_dir=str(out_dir) if out_dir is not None else "")
     directory = pathlib.Path(out_dir) if out_dir is not None else None
-    index = 0
-    while (programs is None or index < programs) and time.monotonic() < deadline:
+    checking = directory / f"checking-seed{seed}.json" if directory is not None else None
+    index = start
+    if start:
+        log(f"  from program {start}")
+    while (programs is None or index - start < programs) and time.monotonic() < deadline:
         program = generate(program_seed(seed, index), max_ops=max_ops)
+        if checking is not None:
+            checking.parent.mkdir(parents=True, exist_ok=True)
+            checking.write_text(program.to_json() + "\n")
         outcome = check(program, backend)
         _record(summary, index, program, outcome, directory, shrink_seconds, backend, log)
         index += 1
-        summary.programs = index
+        summary.programs = index - start
         if index % 100 == 0:
             # JAX's tracing caches keep every program's functions alive: 2.5 MB per
             # program without this, 0.6 MB with it (no slower: they are rarely reused).
             jax.clear_caches()
         if index % 50 == 0:
-            log(f"  {index} programs, {time.monotonic() - start:.0f} s")
-    summary.seconds = time.monotonic() - start
+            log(f"  {index} programs, {time.monotonic() - began:.0f} s")
+    summary.seconds = time.monotonic() - began
+    if checking is not None:
+        checking.unlink(missing_ok=True)
     if directory is not None and summary.failures:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"summary-seed{seed}.json").write_text(summary.to_json() + "\n")

@@ -211,3 +211,29 @@ def test_a_wrong_gradient_is_not_amplification(monkeypatch: pytest.MonkeyPatch) 
     outcome = check(program, classify=False)
     assert outcome.status == FAIL and outcome.mismatch is not None, outcome
     assert outcome.mismatch.kind == "grad", outcome
+
+
+def test_a_run_leaves_the_program_that_killed_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The program being checked is on disk while it is checked: a process that dies
+    inside a check (an XLA abort) leaves it behind, and ``start`` goes on past it."""
+    import fuzz.campaign
+
+    checked: list[str] = []
+
+    def dies_on_the_second(program: Program, *args: object, **kwargs: object) -> Outcome:
+        checked.append(program.to_json())
+        if len(checked) == 2:
+            raise KeyboardInterrupt  # as good as the process dying, for the file
+        return Outcome(OK)
+
+    monkeypatch.setattr(fuzz.campaign, "check", dies_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        run(CI_SEED, programs=3, start=5, out_dir=tmp_path, log=lambda _: None)
+    left = tmp_path / f"checking-seed{CI_SEED}.json"
+    assert left.read_text().strip() == checked[1]
+    assert checked[0] == generate(program_seed(CI_SEED, 5)).to_json()
+    summary = run(CI_SEED, programs=2, start=7, out_dir=tmp_path, log=lambda _: None)
+    assert summary.programs == 2 and not left.exists()
+    assert checked[-1] == generate(program_seed(CI_SEED, 8)).to_json()
