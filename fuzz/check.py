@@ -454,9 +454,7 @@ def amplified(program: Program, call: int, backend: Backend | str, grads: bool =
     With ``grads``, the gradients too: every op's gradient alone (``_vjp_alone``, on
     eager's values and eager's gradient at its output) agrees as well. Programs with
     in-place ops are not judged so (False)."""
-    inputs = [t.detach() for t in make_inputs(program, call)]
-    namespace: dict[str, Any] = {"torch": torch, "F": F}
-    namespace.update({name(i): t for i, t in enumerate(inputs)})
+    namespace = _namespace([t.detach() for t in make_inputs(program, call)])
     differs = False
     for rec in program.ops:
         values = {a: namespace[name(a)].detach().clone() for a in rec.args}
@@ -476,15 +474,20 @@ def amplified(program: Program, call: int, backend: Backend | str, grads: bool =
     return differs
 
 
+def _namespace(inputs: list[torch.Tensor]) -> dict[str, Any]:
+    """The names a program's rendered ops run in: ``torch``, ``F`` and its inputs."""
+    namespace: dict[str, Any] = {"torch": torch, "F": F}
+    namespace.update({name(i): t for i, t in enumerate(inputs)})
+    return namespace
+
+
 def _vjps_alone(program: Program, call: int, backend: Backend | str) -> bool | None:
     """``_vjp_alone`` of every op of ``program`` whose output the loss's gradient
     reaches: None if one differs beyond the allowances (or the program writes in
     place), else whether any differs at all."""
     if any(rec.out is None for rec in program.ops):
         return None
-    inputs = make_inputs(program, call)
-    namespace: dict[str, Any] = {"torch": torch, "F": F}
-    namespace.update({name(i): t for i, t in enumerate(inputs)})
+    namespace = _namespace(make_inputs(program, call))
     arguments = []
     try:
         for rec in program.ops:

@@ -733,11 +733,10 @@ lower(aten.igammac.default)(_float_binary(jax.scipy.special.gammaincc))
 @lower(aten.polygamma.default)
 def _polygamma(n, x):
     x = as_dtype(x, float_result_type(x))
-    if n == 0:  # (float16/bfloat16: PyTorch computes in float32 and rounds once)
-        wide = np.float32 if x.dtype in (np.float16, jnp.bfloat16) else x.dtype
+    wide = opmath(x.dtype)  # (float16/bfloat16: PyTorch computes in float32, rounds once)
+    if n == 0:
         return jax.scipy.special.digamma(x.astype(wide)).astype(x.dtype)
     if n == 1:
-        wide = np.float32 if x.dtype in (np.float16, jnp.bfloat16) else x.dtype
         return _trigamma(x.astype(wide)).astype(x.dtype)
     # PyTorch: (-1)^(n+1) n! zeta(n + 1, x). Near the poles (negative integers) the
     # series cancels badly, so single and half precision are summed in double.

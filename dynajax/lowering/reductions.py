@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from dynajax.lowering import checks
-from dynajax.lowering.dtypes import as_dtype, divide, is_floating, is_integral, promote
+from dynajax.lowering.dtypes import as_dtype, divide, is_floating, is_integral, opmath, promote
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -275,7 +275,7 @@ def _softmax(x, dim, half_to_float):
         x = x.astype(out_dtype)
         return jnp.exp(x - x)
     axis = dim % x.ndim
-    if out_dtype in (jnp.bfloat16, np.float16):
+    if opmath(out_dtype) != out_dtype:
         return _half_softmax(x, axis)
     return jax.nn.softmax(x.astype(out_dtype), axis=axis)
 
@@ -302,7 +302,7 @@ def _log_softmax(x, dim, half_to_float):
         # Eager's one-element log_softmax: x - max - log(1), NaN for NaN and +-inf.
         x = x.astype(out_dtype)
         return x - x
-    if out_dtype in (jnp.bfloat16, np.float16):
+    if opmath(out_dtype) != out_dtype:
         # As eager's kernel: in float32, rounded once (bit-equal along a dim other than
         # the last; along the last, eager's kernel rounds otherwise, an ulp apart on
         # some elements).
