@@ -240,6 +240,26 @@ def _gelu_backward(
     return (g * (s + 2 * x * s * rest * dz)).to(dtype)
 
 
+def _nll_loss_forward(
+    self: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    reduction: int,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's decomposition of ``nll_loss_forward``, with eager's sign of a zero loss
+    for a 1-D input (one sample, no batch dim) and ``reduction="none"``: eager's kernel
+    accumulates that loss from zero (``0 - x[t] * w``), so a zero loss is +0 where the
+    decomposition's ``-(x[t] * w)`` gives -0 (``y / cross_entropy(x, t,
+    reduction="none")`` of a single class was +inf in eager, -inf here)."""
+    output, total_weight = core_aten_decompositions()[aten.nll_loss_forward.default](
+        self, target, weight, reduction, ignore_index
+    )
+    if self.dim() == 1 and reduction == 0:  # 0: Reduction.NONE
+        output = torch.where(output == 0, 0.0, output)
+    return output, total_weight
+
+
 def corrections() -> dict[Any, Callable[..., Any]]:
     """Entries that replace or extend PyTorch's core ATen decompositions."""
     table: dict[Any, Callable[..., Any]] = {
@@ -250,6 +270,7 @@ def corrections() -> dict[Any, Callable[..., Any]]:
         aten.smooth_l1_loss_backward.default: _smooth_l1_loss_backward,
         aten.huber_loss.default: _huber_loss,
         aten.gelu_backward.default: _gelu_backward,
+        aten.nll_loss_forward.default: _nll_loss_forward,
     }
     if hasattr(aten, "cholesky"):  # removed in torch 2.14 (torch.cholesky is deprecated)
         table[aten.cholesky.default] = _cholesky

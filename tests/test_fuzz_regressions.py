@@ -737,3 +737,25 @@ def test_batch_norm_in_eval_mode_is_eagers() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(f, backend=dynajax.Backend(cache_dir=""))
     torch.testing.assert_close(compiled(x, *stats), f(x, *stats), rtol=0, atol=0)
+
+
+# Found by seed 7 (program 1156): y / cross_entropy(x, t, reduction="none") of one sample
+# with one class was -inf where eager's is +inf. Eager's kernel accumulates a 1-D
+# input's loss from zero (0 - x[t] * w, +0.0); the decomposition negated (-0.0).
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("shape", [(1,), (3, 1)], ids=["1-d", "2-d"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "weighted"])
+def test_nll_loss_of_a_zero_carries_eagers_sign(
+    reduction: str, shape: tuple[int, ...], weighted: bool
+) -> None:
+    weight = torch.tensor([2.0]) if weighted else None
+
+    def fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.nll_loss(x, t, weight=weight, reduction=reduction)
+
+    x, t = torch.zeros(shape), torch.zeros(shape[:-1], dtype=torch.long)
+    expected = fn(x, t)
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(x, t)
+    assert torch.equal(actual, expected)
+    assert torch.equal(torch.signbit(actual), torch.signbit(expected))
