@@ -76,20 +76,25 @@ def _index_put(x, indices, values, accumulate=False):
     return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
 
 
-@lower(aten.index_select.default)
+def _index_select_check(x, dim, index):
+    if x.ndim > 1 and x.size == 0 and x.shape[dim % x.ndim] == 0 and index.size > 0:
+        return "index_select along an empty dim of an empty tensor (PyTorch raises)"
+    return None
+
+
+@lower(aten.index_select.default, check=_index_select_check)
 def _index_select(x, dim, index):
-    if x.ndim == 0:
-        checks.fail_if_out_of_bounds(index, 1, IndexError, _IN_SELF_MESSAGE, negative=False)
-        return x
-    d = dim % x.ndim
-    checks.fail_if_out_of_bounds(
-        index,
-        x.shape[d],
-        RuntimeError,
-        "INDICES element is out of DATA bounds, id={value} axis_dim={size}",
-        negative=False,
-    )
-    return jnp.take(x, index, axis=d)
+    """Eager's kernel checks the indices in one of two ways: with its dim-1 fast path
+    (and for an empty self of more than one dim), a RuntimeError naming the index;
+    otherwise (self of at most one dim, or dim other than 1), IndexError."""
+    d = dim % x.ndim if x.ndim else 0
+    if x.ndim > 1 and (d == 1 or x.size == 0):
+        message = "INDICES element is out of DATA bounds, id={value} axis_dim={size}"
+        checks.fail_if_out_of_bounds(index, x.shape[d], RuntimeError, message, negative=False)
+    else:
+        size = x.shape[d] if x.ndim else 1
+        checks.fail_if_out_of_bounds(index, size, IndexError, _IN_SELF_MESSAGE, negative=False)
+    return x if x.ndim == 0 else jnp.take(x, index, axis=d)
 
 
 def _check_along(x, dim, index):

@@ -196,6 +196,24 @@ CASES: list[ValueCase] = [
         lambda: (_x(), _ints(0, 9, 1)),
     ),
     ValueCase(
+        "index_select-dim0",
+        lambda x, i: x.index_select(0, i),
+        lambda: (_x(), _ints(0, 5)),
+        lambda: (_x(), _ints(0, 2)),
+    ),
+    ValueCase(
+        "index_select-vector",
+        lambda x, i: x.index_select(0, i),
+        lambda: (randn(4), _ints(1, -1)),
+        lambda: (randn(4), _ints(1, 3)),
+    ),
+    ValueCase(
+        "index_select-empty-self",
+        lambda x, i: x.index_select(0, i),
+        lambda: (randn(3, 0), _ints(0, 3)),
+        lambda: (randn(3, 0), _ints(0, 2)),
+    ),
+    ValueCase(
         "take",
         lambda x, i: torch.take(x, i),
         lambda: (_x(), L([[0, 40], [-50, 0]])),
