@@ -162,27 +162,25 @@ class Collector:
 
     def __init__(self) -> None:
         self.checks: list[Check] = []
-        self._failed: list[jax.Array] = []
-        self._payloads: list[list[jax.Array]] = []
+        self.failed: list[jax.Array] = []  # per check, whether it failed
+        self.payloads: list[list[jax.Array]] = []  # per check, its message's values
         self.origin = ""  # the current node's original_aten, by name (set by the interpreter)
         self.op: str = ""  # the current node's target
 
     def add(self, check: Check, failed: jax.Array, payload: list[jax.Array]) -> None:
         self.checks.append(check)
-        self._failed.append(failed)
-        self._payloads.append(payload)
+        self.failed.append(failed)
+        self.payloads.append(payload)
 
     def result(self) -> jax.Array:
         """The int64 vector ``[code, *payload]`` of the first failing check (code 0:
         none failed; the payload of a passing program is zeros)."""
-        width = max((len(p) for p in self._payloads), default=0)
+        width = max((len(p) for p in self.payloads), default=0)
         code = jnp.zeros((), np.int64)
         values = jnp.zeros((width,), np.int64)
         for k in reversed(range(len(self.checks))):
-            failed = self._failed[k]
-            payload = self._payloads[k] + [jnp.zeros((), np.int64)] * (
-                width - len(self._payloads[k])
-            )
+            failed = self.failed[k]
+            payload = self.payloads[k] + [jnp.zeros((), np.int64)] * (width - len(self.payloads[k]))
             code = jnp.where(failed, np.int64(k + 1), code)
             if width:
                 values = jnp.where(failed, jnp.stack(payload), values)
@@ -202,10 +200,18 @@ def checking() -> bool:
     return _ACTIVE.get() is not None
 
 
+def active() -> Collector | None:
+    """The collector that records checks now, if any."""
+    return _ACTIVE.get()
+
+
 @contextlib.contextmanager
-def collecting() -> Iterator[Collector]:
-    """Records the checks of the rules traced inside the block."""
+def collecting(like: Collector | None = None) -> Iterator[Collector]:
+    """Records the checks of the rules traced inside the block (naming the node that
+    ``like`` is at, for a rule traced apart from its partition)."""
     collector = Collector()
+    if like is not None:
+        collector.op, collector.origin = like.op, like.origin
     token = _ACTIVE.set(collector)
     try:
         yield collector

@@ -16,7 +16,7 @@ import jax
 import torch
 import torch.fx
 
-from dynajax.lowering import checks
+from dynajax.lowering import checks, nan_constants
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.registry import LAYOUT_KEY, get_rule
 
@@ -35,7 +35,9 @@ def jax_literal(value: Any) -> Any:
 class JaxInterpreter(torch.fx.Interpreter):
     """Runs an ATen graph on JAX values through the lowering table.
 
-    Random rules receive a fresh subkey of ``key`` (split once per random node).
+    Random rules receive a fresh subkey of ``key`` (split once per random node). Nodes
+    that can carry a NaN known at compile time run their rules guarded
+    (``nan_constants``).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, key: jax.Array | None = None) -> None:
@@ -43,6 +45,7 @@ class JaxInterpreter(torch.fx.Interpreter):
         self._key = key
         self._random_index = 0
         self._node: torch.fx.Node | None = None
+        self._nan_carrying = nan_constants.carrying_nan_constants(gm.graph)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is operator.getitem:
@@ -59,6 +62,8 @@ class JaxInterpreter(torch.fx.Interpreter):
         if rule.needs_layout:  # decided by the capability pass (capability/layout.py)
             assert self._node is not None  # set by run_node
             kwargs["layout"] = self._node.meta[LAYOUT_KEY]
+        if self._node in self._nan_carrying:
+            return nan_constants.guarded(rule.fn, args, kwargs)
         return rule.fn(*args, **kwargs)
 
     @contextlib.contextmanager
