@@ -3,11 +3,12 @@
     python -m fuzz --seed 0 --minutes 30        # until 30 minutes have passed
     python -m fuzz --seed 0 --programs 200      # exactly programs 0..199 of seed 0
     python -m fuzz --replay fuzz_failures/seed0-program17.json   # check one again
-    python -m fuzz --seed 0 --minutes 30 --start 6663   # go on past a program that
-                                                        # killed the process
+    python -m fuzz --seed 0 --minutes 30 --start 6663   # from program 6663 on
 
 Prints the programs tried, the failures (distinct signatures, known bugs apart) and
 where the reproducers are; exits 1 when a failure is new (not in ``fuzz.known_bugs``).
+The programs are checked in a child process: a program that kills it (XLA's compiler
+aborts the process on some) is a ``crash`` failure, and a new child goes on after it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+from typing import Any
 
-from fuzz.campaign import run
+from fuzz.campaign import run, supervise
 from fuzz.check import check
 from fuzz.program import Program, source
 
@@ -47,20 +49,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-ops", type=int, default=8, help="most ops per program")
     parser.add_argument("--replay", help="check the program of a reproducer's .json file")
+    parser.add_argument(
+        "--in-process", action="store_true", help="check in this process (no child process)"
+    )
+    parser.add_argument("--state", help=argparse.SUPPRESS)  # a child's summary so far
     args = parser.parse_args(argv)
     if args.replay:
         return _replay(args.replay)
     if args.minutes is None and args.programs is None:
         parser.error("give --minutes or --programs")
-    summary = run(
-        args.seed,
-        programs=args.programs,
-        minutes=args.minutes,
-        out_dir=args.out,
-        shrink_seconds=args.shrink_seconds,
-        max_ops=args.max_ops,
-        start=args.start,
-    )
+    options: dict[str, Any] = {
+        "programs": args.programs,
+        "minutes": args.minutes,
+        "out_dir": args.out,
+        "shrink_seconds": args.shrink_seconds,
+        "max_ops": args.max_ops,
+        "start": args.start,
+    }
+    if args.state:  # a child of supervise: the parent prints the summary
+        run(args.seed, state=pathlib.Path(args.state), **options)
+        return 0
+    summary = (run if args.in_process else supervise)(args.seed, **options)
     print("\n".join(summary.lines()))
     return 1 if summary.new_failures else 0
 

@@ -17,6 +17,8 @@ import collections
 import dataclasses
 import json
 import pathlib
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -28,6 +30,7 @@ from fuzz.check import (
     RAISED,
     UPSTREAM,
     Backend,
+    Mismatch,
     Outcome,
     check,
     dynajax_backend,
@@ -137,6 +140,27 @@ class Summary:
         }
         return json.dumps(data, indent=1, sort_keys=True)
 
+    @staticmethod
+    def from_json(text: str, out_dir: str = "") -> Summary:
+        """The summary ``to_json`` wrote."""
+        data = json.loads(text)
+        failures = {}
+        for f in data["failures"]:
+            failure = Failure(**{**f, "ops": tuple(f["ops"])})
+            failures[failure.signature] = failure
+        return Summary(
+            data["seed"],
+            programs=data["programs"],
+            seconds=data["seconds"],
+            statuses=collections.Counter(data["statuses"]),
+            allowances=collections.Counter(data["allowances"]),
+            aten_ops=data["aten_ops"],
+            jax_ops=data["jax_ops"],
+            failures=failures,
+            warnings=data["warnings"],
+            out_dir=out_dir,
+        )
+
 
 def _shrunk(
     program: Program, outcome: Outcome, seconds: float, backend: Backend, log: Log
@@ -166,14 +190,16 @@ def run(
     backend: Backend = dynajax_backend,
     log: Log = print,
     start: int = 0,
+    state: pathlib.Path | None = None,
 ) -> Summary:
     """Checks programs ``start, start + 1, ...`` of ``seed`` until ``programs`` are done
     or ``minutes`` have passed (whichever comes first; at least one is needed).
 
     The program being checked is written to ``<out_dir>/checking-seed<seed>.json``
-    first and removed after: a process that dies inside a check (XLA's compiler aborts
-    on some programs) leaves it behind, to replay (``python -m fuzz --replay``), and the
-    run goes on with ``start`` past it.
+    (with its ``index``) first and removed after: a process that dies inside a check
+    (XLA's compiler aborts on some programs) leaves it behind, to replay (``python -m
+    fuzz --replay``), and the run goes on with ``start`` past it (``supervise`` does
+    that by itself).
 
     Args:
         seed: the run's seed.
@@ -185,11 +211,16 @@ def run(
         max_ops: the most ops a program gets.
         backend: makes the backend under test (a fresh one per program).
         log: prints progress lines.
+        state: the summary so far, read if it exists and written after each program
+            (for ``supervise``, which writes the final summary itself).
     """
     assert programs is not None or minutes is not None, "give programs or minutes"
     began = time.monotonic()
     deadline = began + 60 * minutes if minutes is not None else float("inf")
     summary = Summary(seed, out_dir=str(out_dir) if out_dir is not None else "")
+    if state is not None and state.exists():
+        summary = Summary.from_json(state.read_text(), summary.out_dir)
+    done_before, seconds_before = summary.programs, summary.seconds
     directory = pathlib.Path(out_dir) if out_dir is not None else None
     checking = directory / f"checking-seed{seed}.json" if directory is not None else None
     index = start
@@ -199,24 +230,128 @@ def run(
         program = generate(program_seed(seed, index), max_ops=max_ops)
         if checking is not None:
             checking.parent.mkdir(parents=True, exist_ok=True)
-            checking.write_text(program.to_json() + "\n")
+            checking.write_text(json.dumps({"index": index, **json.loads(program.to_json())}))
         outcome = check(program, backend)
         _record(summary, index, program, outcome, directory, shrink_seconds, backend, log)
         index += 1
-        summary.programs = index - start
+        summary.programs = done_before + index - start
+        summary.seconds = seconds_before + time.monotonic() - began
+        if state is not None:
+            state.write_text(summary.to_json() + "\n")
         if index % 100 == 0:
             # JAX's tracing caches keep every program's functions alive: 2.5 MB per
             # program without this, 0.6 MB with it (no slower: they are rarely reused).
             jax.clear_caches()
         if index % 50 == 0:
             log(f"  {index} programs, {time.monotonic() - began:.0f} s")
-    summary.seconds = time.monotonic() - began
+    summary.seconds = seconds_before + time.monotonic() - began
     if checking is not None:
         checking.unlink(missing_ok=True)
+    if state is None:
+        _write_summary(summary, directory)
+    return summary
+
+
+def _write_summary(summary: Summary, directory: pathlib.Path | None) -> None:
     if directory is not None and summary.failures:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"summary-seed{seed}.json").write_text(summary.to_json() + "\n")
+        (directory / f"summary-seed{summary.seed}.json").write_text(summary.to_json() + "\n")
+
+
+def supervise(
+    seed: int,
+    *,
+    programs: int | None = None,
+    minutes: float | None = None,
+    out_dir: str | pathlib.Path = "fuzz_failures",
+    shrink_seconds: float = 90.0,
+    max_ops: int = 8,
+    start: int = 0,
+    log: Log = print,
+    child: Callable[[list[str]], int] | None = None,
+) -> Summary:
+    """``run``, in child processes: when one dies (XLA's compiler aborts the whole
+    process on some programs, SIGABRT), the program it was checking is recorded as a
+    ``crash`` failure with a reproducer, and a new child goes on after it.
+
+    ``child`` runs ``python -m fuzz`` with the given arguments and returns its exit
+    status (negative: killed by that signal); by default in a new interpreter.
+    """
+    assert programs is not None or minutes is not None, "give programs or minutes"
+    directory = pathlib.Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = directory / f"run-seed{seed}.json"
+    checking = directory / f"checking-seed{seed}.json"
+    state.unlink(missing_ok=True)
+    checking.unlink(missing_ok=True)
+    began = time.monotonic()
+    summary = Summary(seed, out_dir=str(out_dir))
+    index = start
+    while True:
+        args = ["--seed", str(seed), "--start", str(index), "--out", str(out_dir)]
+        args += ["--shrink-seconds", str(shrink_seconds), "--max-ops", str(max_ops)]
+        args += ["--state", str(state)]
+        if programs is not None:
+            if programs - summary.programs <= 0:
+                break
+            args += ["--programs", str(programs - summary.programs)]
+        if minutes is not None:
+            left = minutes - (time.monotonic() - began) / 60
+            if left <= 0:
+                break
+            args += ["--minutes", f"{left:.4f}"]
+        status = (child or _child_process)(args)
+        if state.exists():
+            summary = Summary.from_json(state.read_text(), str(out_dir))
+        if status >= 0 or not checking.exists():  # it finished (or died out of a check)
+            break
+        killed = json.loads(checking.read_text())
+        checking.unlink()
+        index = killed.pop("index")
+        _record_death(
+            summary, index, Program.from_json(json.dumps(killed)), -status, directory, log
+        )
+        summary.programs += 1
+        state.write_text(summary.to_json() + "\n")
+        index += 1
+        log(f"  program {index - 1} killed the process (signal {-status}); going on from {index}")
+    summary.seconds = time.monotonic() - began
+    state.unlink(missing_ok=True)
+    _write_summary(summary, directory)
     return summary
+
+
+def _child_process(args: list[str]) -> int:
+    return subprocess.run([sys.executable, "-m", "fuzz", "--in-process", *args]).returncode
+
+
+def _record_death(
+    summary: Summary, index: int, program: Program, signal: int, directory: pathlib.Path, log: Log
+) -> None:
+    """Records a program whose check killed the process: a ``crash`` failure (every
+    such death shares one signature per signal: which op did it is not known without
+    running its prefixes, each of which may kill the process too)."""
+    summary.statuses[FAIL] += 1
+    sig = f"crash:?:process killed by signal {signal}"
+    if sig in summary.failures:
+        summary.failures[sig].count += 1
+        return
+    detail = f"the process checking it was killed by signal {signal} (an XLA abort: SIGABRT 6)"
+    failure = Failure(sig, FAIL, index, known=KNOWN_BUGS.get(sig), detail=detail)
+    failure.ops = (len(program.ops), len(program.ops))
+    summary.failures[sig] = failure
+    log(f"  program {index}: [NEW] {sig}")
+    mismatch = Mismatch("crash", "the process", "-", detail)
+    outcome = Outcome(FAIL, mismatch, signature=sig)
+    origin = (
+        f"Found by `python -m fuzz --seed {summary.seed}` (program {index}): checking it "
+        f"killed the process (signal {signal}); not shrunk."
+    )
+    path = write_reproducer(
+        directory, f"seed{summary.seed}-program{index}", program, outcome, origin
+    )
+    failure.reproducer = str(path)
+    log(f"    reproducer: {path}")
 
 
 def _record(

@@ -4,8 +4,11 @@ with eager, and the machinery (generation, shrinking, reproducers) does what it 
 
 from __future__ import annotations
 
+import json
 import pathlib
 import runpy
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -13,6 +16,7 @@ import torch
 
 import fuzz.check
 from fuzz import generate, program_seed, run, source
+from fuzz.campaign import supervise
 from fuzz.check import FAIL, OK, UPSTREAM, Mismatch, Outcome, Verdict, check, execute, fails_like
 from fuzz.known_bugs import KNOWN_BUGS
 from fuzz.program import OUT_BASE, OpRecord, Program, TensorInput, to_function
@@ -232,8 +236,79 @@ def test_a_run_leaves_the_program_that_killed_it(
     with pytest.raises(KeyboardInterrupt):
         run(CI_SEED, programs=3, start=5, out_dir=tmp_path, log=lambda _: None)
     left = tmp_path / f"checking-seed{CI_SEED}.json"
-    assert left.read_text().strip() == checked[1]
+    assert Program.from_json(left.read_text()).to_json() == checked[1]
+    assert json.loads(left.read_text())["index"] == 6
     assert checked[0] == generate(program_seed(CI_SEED, 5)).to_json()
     summary = run(CI_SEED, programs=2, start=7, out_dir=tmp_path, log=lambda _: None)
     assert summary.programs == 2 and not left.exists()
     assert checked[-1] == generate(program_seed(CI_SEED, 8)).to_json()
+
+
+def test_a_supervised_run_goes_on_after_a_program_that_killed_its_child(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``supervise`` records the program that killed a child as a ``crash`` failure
+    with a reproducer and starts a new child after it; the counts of every child add up."""
+    import fuzz.__main__
+    import fuzz.campaign
+
+    kills = {generate(program_seed(CI_SEED, i)).to_json() for i in (3, 6)}
+    checked: list[str] = []
+
+    def check(program: Program, *args: object, **kwargs: object) -> Outcome:
+        checked.append(program.to_json())
+        if program.to_json() in kills:
+            raise KeyboardInterrupt  # where XLA would abort the child
+        return Outcome(OK)
+
+    def child(args: list[str]) -> int:
+        try:
+            return fuzz.__main__.main(["--in-process", *args])
+        except KeyboardInterrupt:
+            return -6  # SIGABRT
+
+    monkeypatch.setattr(fuzz.campaign, "check", check)
+    lines: list[str] = []
+    summary = supervise(
+        CI_SEED, programs=8, start=1, out_dir=tmp_path, log=lines.append, child=child
+    )
+    assert checked == [generate(program_seed(CI_SEED, i)).to_json() for i in range(1, 9)]
+    assert summary.programs == 8
+    assert summary.statuses[OK] == 6 and summary.statuses[FAIL] == 2
+    (failure,) = summary.failures.values()
+    assert failure.signature == "crash:?:process killed by signal 6"
+    assert failure.index == 3 and failure.count == 2
+    assert failure.reproducer is not None
+    replayed = Program.from_json((tmp_path / f"seed{CI_SEED}-program3.json").read_text())
+    assert replayed.to_json() == generate(program_seed(CI_SEED, 3)).to_json()
+    assert summary.new_failures == [failure]
+    written = json.loads((tmp_path / f"summary-seed{CI_SEED}.json").read_text())
+    assert written["programs"] == 8
+    assert not (tmp_path / f"checking-seed{CI_SEED}.json").exists()
+    assert not (tmp_path / f"run-seed{CI_SEED}.json").exists()
+    assert any("going on from 7" in line for line in lines)
+
+
+def test_python_m_fuzz_checks_in_a_child_process(tmp_path: pathlib.Path) -> None:
+    """``python -m fuzz`` end to end: its child process checks the programs and the
+    parent prints the summary."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fuzz",
+            "--seed",
+            str(CI_SEED),
+            "--programs",
+            "3",
+            "--shrink-seconds",
+            "0",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"dynajax fuzz: seed {CI_SEED}, 3 programs" in result.stdout
