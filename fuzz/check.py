@@ -40,7 +40,9 @@ when its program differs from eager the same way under ``backend="aot_eager"`` (
 dynajax: Dynamo and aot_autograd only), so it belongs to ``torch.compile``; or when
 eager's own answer changes if the same input values come contiguous and dynajax's
 answer is eager's on those contiguous copies: then a PyTorch kernel misreads its
-input's strides (``median`` along a dim of stride 0 reads past the element).
+input's strides (``median`` along a dim of stride 0 reads past the element); or when
+eager's own answer changes once PyTorch fills the memory it allocates before use: then
+a PyTorch kernel reads memory it never wrote, and its answer is undefined.
 """
 
 from __future__ import annotations
@@ -223,17 +225,19 @@ def execute(
     upcast: bool = False,
     flush: bool = False,
     contiguous: bool = False,
+    fill_uninitialized: bool = False,
 ) -> Run:
     """Calls ``fn`` on fresh inputs of ``program`` (call ``call``; with ``contiguous``,
     contiguous copies of them), then the gradients of the loss (``loss_grads``) when
-    the program compares them."""
+    the program compares them. With ``fill_uninitialized``, PyTorch fills the memory
+    it allocates (NaN, or the largest integer) before its kernels write it."""
     inputs = make_inputs(program, call, upcast)
     if contiguous:
         inputs = [t.detach().contiguous().requires_grad_(t.requires_grad) for t in inputs]
     leaves = [t for t in inputs if t.requires_grad]
     stage = "forward"
     try:
-        with _flushing(flush), _default_float64(upcast):
+        with _flushing(flush), _default_float64(upcast), _filling(fill_uninitialized):
             outputs = fn(*inputs)
             stage = "backward"
             grads = loss_grads(outputs, leaves) if program.grad else None
@@ -251,6 +255,26 @@ def _flushing(on: bool) -> Iterator[None]:
     finally:
         if previous:
             torch.set_flush_denormal(False)
+
+
+@contextlib.contextmanager
+def _filling(on: bool) -> Iterator[None]:
+    """New tensors' memory filled before use inside (if ``on``): PyTorch does that
+    under ``use_deterministic_algorithms`` (``warn_only``: nothing else changes)."""
+    if not on:
+        yield
+        return
+    mode, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        (torch.is_deterministic_algorithms_warn_only_enabled()),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 @contextlib.contextmanager
@@ -724,6 +748,21 @@ def eager_misreads_strides(program: Program, call: int, backend: Backend | str) 
         torch._dynamo.reset()
 
 
+def eager_reads_uninitialized_memory(program: Program, call: int) -> bool:
+    """Whether eager's answer to ``program`` (call ``call``) changes when PyTorch fills
+    the memory it allocates before its kernels write it: a kernel that reads memory it
+    never wrote (``F.pad(x, (-1, 1), "circular")`` of a width-1 ``x`` crops it to
+    nothing and then copies from the empty crop), whose answer is undefined."""
+    fn = to_function(program)
+    try:
+        with quiet():
+            plain = execute(fn, program, call)
+            filled = execute(fn, program, call, fill_uninitialized=True)
+        return plain.error is None and filled.error is None and not _agree(plain, filled)
+    finally:
+        forget_function(fn)
+
+
 def prefix(program: Program, n: int) -> Program:
     """The first ``n`` ops of ``program``, returning every value they define (and
     comparing gradients of all of them), so that any difference in them shows."""
@@ -793,8 +832,9 @@ def check(
         control = None
     if control is not None and (control.kind, control.dtype) == (mismatch.kind, mismatch.dtype):
         status = UPSTREAM  # the same kind, dtype or exception types; messages may differ
-    elif mismatch.kind in ("value", "inputs", "grad") and eager_misreads_strides(
-        program, mismatch.call, backend
+    elif mismatch.kind in ("value", "inputs", "grad") and (
+        eager_misreads_strides(program, mismatch.call, backend)
+        or eager_reads_uninitialized_memory(program, mismatch.call)
     ):
         status = UPSTREAM
     sig = signature(program, mismatch, backend)

@@ -13,6 +13,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fuzz.check
 from fuzz import generate, program_seed, run, source
@@ -129,6 +130,25 @@ def test_eager_kernel_misreading_strides_is_upstream() -> None:
     )
     outcome = check(_median_of_expanded("torch.sin"))
     assert outcome.status == UPSTREAM, outcome
+
+
+def test_eager_kernel_reading_uninitialized_memory_is_upstream() -> None:
+    """Eager's circular pad that crops a dim to nothing and pads it again copies from
+    memory it never wrote (seed 8, program 3697): its answer changes when PyTorch fills
+    new memory first, so a difference from it is classified upstream."""
+    x = torch.zeros(1, 1, dtype=torch.int64)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        filled = F.pad(x, (-1, 1), "circular")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    premise = "eager's circular pad reads its input only now: plant another such kernel"
+    assert int(filled) == torch.iinfo(torch.int64).max, premise
+    x0 = TensorInput((1, 1), "int64", seed=3)
+    ops = (OpRecord("F.pad", (0,), (("mode", "circular"), ("pad", (-1, 1))), OUT_BASE),)
+    program = Program((x0,), ops, (OUT_BASE,))
+    assert fuzz.check.eager_reads_uninitialized_memory(program, 0)
+    assert not fuzz.check.eager_reads_uninitialized_memory(_median_of_expanded("torch.sin"), 0)
 
 
 def test_dynajax_bug_on_a_strided_input_is_still_a_failure(
