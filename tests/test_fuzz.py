@@ -151,6 +151,27 @@ def test_eager_kernel_reading_uninitialized_memory_is_upstream() -> None:
     assert not fuzz.check.eager_reads_uninitialized_memory(_median_of_expanded("torch.sin"), 0)
 
 
+def test_a_gradient_where_aot_eagers_backward_raises_is_upstream() -> None:
+    """An input mutated in place by a value that requires grad (seed 8, program 5018):
+    ``aot_eager`` raises in the backward ("modified by an inplace operation"), and
+    dynajax, compiling the same backward graph, multiplies the mutated input's zero
+    gradient by its -inf: a NaN gradient where eager's is 0. That is classified
+    upstream; a gradient dynajax alone gets wrong is not
+    (``test_a_wrong_gradient_is_not_amplification``)."""
+    x0 = TensorInput((1, 1, 5, 3), "float32", seed=582930704, specials=True, scale=100.0)
+    x1 = TensorInput((1, 1, 1, 1), "float32", seed=829131004, requires_grad=True, scale=100.0)
+    ops = (
+        OpRecord("Tensor.mul_", (0, 1), (), None),
+        OpRecord("torch.std", (1,), (("correction", 0), ("dim", (0, 1, 2, 3))), OUT_BASE),
+    )
+    program = Program((x0, x1), ops, (OUT_BASE,), grad=True)
+    control = fuzz.check.run_check(program, "aot_eager").mismatch
+    premise = "aot_eager runs this backward now: find another program it raises on"
+    assert control is not None and control.kind == "crash", premise
+    outcome = check(program)
+    assert outcome.status == UPSTREAM, outcome
+
+
 def test_dynajax_bug_on_a_strided_input_is_still_a_failure(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
