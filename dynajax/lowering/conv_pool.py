@@ -45,6 +45,9 @@ def _transposed_rounds_before_bias(dtype, stride, output_padding) -> bool:
 def _conv_check(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     if is_integral(x.dtype):
         return "integer convolution (PyTorch has no CPU kernel for it)"
+    if x.shape[0 if x.ndim == weight.ndim - 1 else 1] == 0:
+        # conv1d of (3, 0, 2) by a (2, 0, 1) weight is (3, 0, 2) in eager, not (3, 2, 2).
+        return "convolution over zero input channels (PyTorch's result has no channels)"
     return None
 
 

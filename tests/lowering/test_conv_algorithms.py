@@ -230,3 +230,30 @@ def test_input_gradient_by_col2im_matches_pytorch(
     assert dynajax.Report(backend.graphs).fallbacks == []
     assert used, "the input gradient did not take col2im"
     torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_a_convolution_over_zero_input_channels_runs_in_pytorch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Eager's convolution of an input with no channels has no channels either (conv1d
+    of (3, 0, 2) by a (2, 0, 1) weight is (3, 0, 2)): the forward and its gradient run
+    in PyTorch, refused by the check rather than by a rule that raises (fuzz seed 8)."""
+
+    def conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.conv1d(x, w, b, stride=2, padding=1)
+
+    w, b = torch.randn(2, 0, 1), torch.randn(2)
+    for shape in [(0, 2), (3, 0, 2)]:
+        torch._dynamo.reset()
+        x = torch.randn(shape, requires_grad=True)
+        mine = x.detach().clone().requires_grad_()
+        backend = dynajax.Backend(cache_dir="")
+        out = torch.compile(conv, backend=backend)(mine, w, b)
+        expected = conv(x, w, b)
+        assert out.shape == expected.shape
+        out.sum().backward()
+        expected.sum().backward()
+        assert mine.grad is not None and mine.grad.shape == x.shape
+        reasons = [f.detail for g in backend.graphs for f in g.fallbacks]
+        assert any("zero input channels" in r for r in reasons), reasons
+    assert not [r for r in caplog.records if "probably wrong" in r.getMessage()]
