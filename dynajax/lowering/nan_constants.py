@@ -1,7 +1,8 @@
 """NaNs that XLA knows at compile time, and the guard XLA's CPU ``exp`` needs for them.
 
 XLA's CPU compiler emits ``exp`` (and what it builds on it: ``exp2``, ``sinh``,
-``cosh``, ``expm1`` and ``logistic`` in bfloat16, the bessel functions) as a polynomial
+``cosh``; in bfloat16 also ``expm1``, ``logistic``, ``erfc`` and the bessel functions,
+measured through ``gelu``, ``sigmoid``, ``i0``) as a polynomial
 whose range reduction converts its argument to an integer. When that argument is a NaN
 the compiler knows while it compiles (a NaN literal, ``x + nan``, the mean of an empty
 tensor, fused with what reads it), LLVM folds the conversion to poison and the kernel
@@ -192,7 +193,7 @@ def guarded(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any])
     is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
     arrays = [leaf for leaf, a in zip(leaves, is_array, strict=True) if a]
     outer = checks.active()
-    found: list[tuple[checks.Check, int]] = []
+    found: list[checks.Check] = []
 
     def flat(*values: Any) -> Any:
         it = iter(values)
@@ -202,14 +203,14 @@ def guarded(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any])
             return fn(*call_args, **call_kwargs), []
         with checks.collecting(like=outer) as inner:  # the rule's value checks, as outputs
             out = fn(*call_args, **call_kwargs)
-        found.extend((c, len(p)) for c, p in zip(inner.checks, inner.payloads, strict=True))
+        found.extend(inner.checks)
         return out, [[f, *p] for f, p in zip(inner.failed, inner.payloads, strict=True)]
 
     closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*arrays)
     flat_out = _evaluate(closed.jaxpr, closed.consts, arrays)
     out, check_values = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), flat_out)
     if outer is not None:
-        for (check, _), (failed, *payload) in zip(found, check_values, strict=True):
+        for check, (failed, *payload) in zip(found, check_values, strict=True):
             outer.add(check, failed, list(payload))
     return out
 
