@@ -227,9 +227,11 @@ def run(
     if start:
         log(f"  from program {start}")
     while (programs is None or index - start < programs) and time.monotonic() < deadline:
+        if checking is not None:  # generating runs the program's ops eagerly
+            checking.parent.mkdir(parents=True, exist_ok=True)
+            checking.write_text(json.dumps({"index": index}))
         program = generate(program_seed(seed, index), max_ops=max_ops)
         if checking is not None:
-            checking.parent.mkdir(parents=True, exist_ok=True)
             checking.write_text(json.dumps({"index": index, **json.loads(program.to_json())}))
         outcome = check(program, backend)
         _record(summary, index, program, outcome, directory, shrink_seconds, backend, log)
@@ -308,9 +310,8 @@ def supervise(
         killed = json.loads(checking.read_text())
         checking.unlink()
         index = killed.pop("index")
-        _record_death(
-            summary, index, Program.from_json(json.dumps(killed)), -status, directory, log
-        )
+        program = Program.from_json(json.dumps(killed)) if "ops" in killed else None
+        _record_death(summary, index, program, -status, directory, log)
         summary.programs += 1
         state.write_text(summary.to_json() + "\n")
         index += 1
@@ -326,21 +327,41 @@ def _child_process(args: list[str]) -> int:
 
 
 def _record_death(
-    summary: Summary, index: int, program: Program, signal: int, directory: pathlib.Path, log: Log
+    summary: Summary,
+    index: int,
+    program: Program | None,
+    signal: int,
+    directory: pathlib.Path,
+    log: Log,
 ) -> None:
-    """Records a program whose check killed the process: a ``crash`` failure (every
-    such death shares one signature per signal: which op did it is not known without
-    running its prefixes, each of which may kill the process too)."""
-    summary.statuses[FAIL] += 1
-    sig = f"crash:?:process killed by signal {signal}"
+    """Records a program that killed the process.
+
+    Killed while checking it: a ``crash`` failure with a reproducer (every such death
+    shares one signature per signal: which op did it is not known without running its
+    prefixes, each of which may kill the process too). Killed while generating it
+    (``program`` None): eager PyTorch's own crash, ``upstream`` (the generator runs
+    each op eagerly; seed 9's program 1400 is a float16 grouped ``conv1d`` that makes
+    eager's kernel segfault).
+    """
+    if program is None:
+        status, sig = UPSTREAM, f"crash:generate:eager killed the process (signal {signal})"
+        detail = (
+            f"eager PyTorch killed the process (signal {signal}) while the program was "
+            f"generated: fuzz.generate(fuzz.program_seed({summary.seed}, {index}))"
+        )
+    else:
+        status, sig = FAIL, f"crash:?:process killed by signal {signal}"
+        detail = f"the process checking it was killed by signal {signal} (an XLA abort: SIGABRT 6)"
+    summary.statuses[status] += 1
     if sig in summary.failures:
         summary.failures[sig].count += 1
         return
-    detail = f"the process checking it was killed by signal {signal} (an XLA abort: SIGABRT 6)"
-    failure = Failure(sig, FAIL, index, known=KNOWN_BUGS.get(sig), detail=detail)
-    failure.ops = (len(program.ops), len(program.ops))
+    failure = Failure(sig, status, index, known=KNOWN_BUGS.get(sig), detail=detail)
     summary.failures[sig] = failure
-    log(f"  program {index}: [NEW] {sig}")
+    log(f"  program {index}: [{'NEW' if status == FAIL else 'upstream'}] {sig}")
+    if program is None:
+        return
+    failure.ops = (len(program.ops), len(program.ops))
     mismatch = Mismatch("crash", "the process", "-", detail)
     outcome = Outcome(FAIL, mismatch, signature=sig)
     origin = (

@@ -9,6 +9,7 @@ import pathlib
 import runpy
 import subprocess
 import sys
+from typing import Any
 
 import jax.numpy as jnp
 import pytest
@@ -288,12 +289,15 @@ def test_a_run_leaves_the_program_that_killed_it(
 def test_a_supervised_run_goes_on_after_a_program_that_killed_its_child(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``supervise`` records the program that killed a child as a ``crash`` failure
-    with a reproducer and starts a new child after it; the counts of every child add up."""
+    """``supervise`` records a program whose check killed a child as a ``crash``
+    failure with a reproducer, and one whose generation (eager ops) killed it as
+    eager's own crash, and starts a new child after each; the counts of every child
+    add up."""
     import fuzz.__main__
     import fuzz.campaign
 
     kills = {generate(program_seed(CI_SEED, i)).to_json() for i in (3, 6)}
+    eager_kills = program_seed(CI_SEED, 5)
     checked: list[str] = []
 
     def check(program: Program, *args: object, **kwargs: object) -> Outcome:
@@ -302,6 +306,11 @@ def test_a_supervised_run_goes_on_after_a_program_that_killed_its_child(
             raise KeyboardInterrupt  # where XLA would abort the child
         return Outcome(OK)
 
+    def generating(seed: int, **kwargs: Any) -> Program:
+        if seed == eager_kills:
+            raise KeyboardInterrupt  # where an eager kernel would segfault
+        return generate(seed, **kwargs)
+
     def child(args: list[str]) -> int:
         try:
             return fuzz.__main__.main(["--in-process", *args])
@@ -309,24 +318,29 @@ def test_a_supervised_run_goes_on_after_a_program_that_killed_its_child(
             return -6  # SIGABRT
 
     monkeypatch.setattr(fuzz.campaign, "check", check)
+    monkeypatch.setattr(fuzz.campaign, "generate", generating)
     lines: list[str] = []
     summary = supervise(
         CI_SEED, programs=8, start=1, out_dir=tmp_path, log=lines.append, child=child
     )
-    assert checked == [generate(program_seed(CI_SEED, i)).to_json() for i in range(1, 9)]
+    expected = [generate(program_seed(CI_SEED, i)).to_json() for i in (1, 2, 3, 4, 6, 7, 8)]
+    assert checked == expected
     assert summary.programs == 8
-    assert summary.statuses[OK] == 6 and summary.statuses[FAIL] == 2
-    (failure,) = summary.failures.values()
-    assert failure.signature == "crash:?:process killed by signal 6"
+    assert summary.statuses[OK] == 5
+    assert summary.statuses[FAIL] == 2 and summary.statuses[UPSTREAM] == 1
+    failure = summary.failures["crash:?:process killed by signal 6"]
     assert failure.index == 3 and failure.count == 2
     assert failure.reproducer is not None
     replayed = Program.from_json((tmp_path / f"seed{CI_SEED}-program3.json").read_text())
     assert replayed.to_json() == generate(program_seed(CI_SEED, 3)).to_json()
+    eagers = summary.failures["crash:generate:eager killed the process (signal 6)"]
+    assert eagers.status == UPSTREAM and eagers.index == 5 and eagers.reproducer is None
     assert summary.new_failures == [failure]
     written = json.loads((tmp_path / f"summary-seed{CI_SEED}.json").read_text())
     assert written["programs"] == 8
     assert not (tmp_path / f"checking-seed{CI_SEED}.json").exists()
     assert not (tmp_path / f"run-seed{CI_SEED}.json").exists()
+    assert any("going on from 6" in line for line in lines)
     assert any("going on from 7" in line for line in lines)
 
 
