@@ -759,3 +759,22 @@ def test_nll_loss_of_a_zero_carries_eagers_sign(
     actual = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(x, t)
     assert torch.equal(actual, expected)
     assert torch.equal(torch.signbit(actual), torch.signbit(expected))
+
+
+# Found by seed 9 (program 2526): group_norm with a weight of -inf was +inf where eager's
+# is NaN. Eager's kernel computes x * alpha + beta (alpha = rstd * weight, beta = bias -
+# alpha * mean), whose -inf + inf is NaN; the rule scaled x - mean.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_group_norm_with_an_infinite_weight_is_eagers(dtype: torch.dtype) -> None:
+    x = torch.tensor([0.9520, 1.8590, -0.25, 3.0], dtype=dtype).view(1, 4, 1, 1)
+    w = torch.tensor([-INF, 0.0, INF, 2.0], dtype=dtype)
+    b = torch.tensor([-0.8076, -2.1968, 0.5, 1.0], dtype=dtype)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, 2, w, b)
+
+    expected = fn(x)
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(x)
+    assert torch.equal(actual.isnan(), expected.isnan()), (actual, expected)
+    assert_same(actual, expected)
