@@ -7,16 +7,21 @@ choice of runtime for the rule's dot), and XLA's Eigen dot, per shape.
     python -m benchmarks.matmul --cpu-time      # CPU seconds per call: work, not waiting
 
 The shapes are the products of the benchmark's MLP (512-2048-512, batch 64) and
-encoder layer (256 wide, 1024 tokens) rows, forward and backward: ``x @ W^T`` for a
+encoder layer (256 wide, 1024 tokens) rows, forward and backward, and of a decode step
+(one token through a LLaMA layer of width 256): ``x @ W^T`` for a
 linear layer, ``g @ W`` for its input gradient, ``g^T @ x`` for its weight gradient.
 Each operand is laid out as in those graphs (a transposed operand is a transposed view
 of a row-major array, as aot_autograd's ``t``/``permute`` leaves it).
 
 Columns: ``runtime`` is the library XLA hands the dot to in dynajax's executable
 (``ynn``: a YNNPACK fusion; ``eigen``: XLA's Eigen dot; XLA takes YNNPACK only where
-the left operand is contracted on its last dimension); times are the median and the
-minimum over interleaved rounds (a new seeded order each round), each call timed alone
-after untimed calls for 10 ms (so the previous peer's spinning threads are absorbed).
+the left operand is contracted on its last dimension); ``dynajax`` is the product as
+a partition traces it, a transposed operand folded into the dot's contracting
+dimension (``dynajax/lowering/transposes.py``), ``unfolded`` the same rule on the
+materialized transpose (a ``transpose`` then a ``dot``, as before the folding); times
+are the median and the minimum over interleaved rounds (a new seeded order each round),
+each call timed alone after untimed calls for 10 ms (so the previous peer's spinning
+threads are absorbed).
 The minimum is the better estimate of a kernel's own speed on a loaded machine; compare
 ratios within one run.
 
@@ -57,6 +62,10 @@ SHAPES: list[tuple[str, tuple[int, int], tuple[int, int], bool, bool]] = [
     ("enc dX ff2 g@W 1024x256x1024", (1024, 256), (256, 1024), False, False),
     ("enc dW ff2 g^T@h 256x1024x1024", (1024, 256), (1024, 1024), True, False),
     ("enc dW qkv g^T@x 768x1024x256", (1024, 768), (1024, 256), True, False),
+    # A decode step's linear layers (benchmarks/decode.py: one token, M = 1).
+    ("decode q x@W^T 1x256x256", (1, 256), (256, 256), False, True),
+    ("decode up x@W^T 1x256x1024", (1, 256), (1024, 256), False, True),
+    ("decode down x@W^T 1x1024x256", (1, 1024), (256, 1024), False, True),
 ]
 
 _EIGEN = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -67,6 +76,7 @@ def _steps(sa, sb, ta, tb) -> tuple[dict[str, Callable[[], Any]], str]:
     import jax.numpy as jnp
     import torch
 
+    from dynajax.lowering import transposes
     from dynajax.lowering.registry import get_rule
     from dynajax.runtime.cache import COMPILER_OPTIONS
 
@@ -75,18 +85,29 @@ def _steps(sa, sb, ta, tb) -> tuple[dict[str, Callable[[], Any]], str]:
     a_op, b_op = (a.t() if ta else a), (b.t() if tb else b)
     rule = get_rule(torch.ops.aten.mm.default)
     assert rule is not None
+    t = torch.ops.aten.t.default
+
+    def unfolded(x: Any, y: Any) -> Any:
+        return rule.fn(x.T if ta else x, y.T if tb else y)
 
     def product(x: Any, y: Any) -> Any:
-        return rule.fn(x.T if ta else x, y.T if tb else y)
+        # As the interpreter runs ``mm(t(x), y)``: the transpose noted, then folded.
+        with transposes.tracing():
+            xt, yt = (x.T if ta else x), (y.T if tb else y)
+            transposes.note(t, (x,), xt)
+            transposes.note(t, (y,), yt)
+            return rule.fn(xt, yt)
 
     xa, ya = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())
     lowered = jax.jit(product).lower(xa, ya)
     chosen = lowered.compile(compiler_options=dict(COMPILER_OPTIONS))
+    plain = jax.jit(unfolded).lower(xa, ya).compile(compiler_options=dict(COMPILER_OPTIONS))
     eigen = lowered.compile(compiler_options={**COMPILER_OPTIONS, **_EIGEN})
     runtime = "ynn" if "__ynn_fusion" in chosen.as_text() else "eigen"
     steps = {
         "eager": lambda: torch.mm(a_op, b_op),
         "dynajax": lambda: chosen(xa, ya).block_until_ready(),
+        "unfolded": lambda: plain(xa, ya).block_until_ready(),
         "xla eigen": lambda: eigen(xa, ya).block_until_ready(),
     }
     return steps, runtime
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     head = (
         f"{'product (M x K x N)':32} {'runtime':>7} {'eager':>13} {'dynajax':>13} "
-        f"{'xla eigen':>13} {'dj/eager':>8} {'min':>5}"
+        f"{'unfolded':>13} {'xla eigen':>13} {'dj/eager':>8} {'min':>5}"
     )
     print(head)
     print("-" * len(head))

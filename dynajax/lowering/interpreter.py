@@ -16,7 +16,7 @@ import jax
 import torch
 import torch.fx
 
-from dynajax.lowering import checks, nan_constants
+from dynajax.lowering import checks, nan_constants, transposes
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.registry import LAYOUT_KEY, get_rule
 
@@ -37,7 +37,8 @@ class JaxInterpreter(torch.fx.Interpreter):
 
     Random rules receive a fresh subkey of ``key`` (split once per random node). Nodes
     that can carry a NaN known at compile time run their rules guarded
-    (``nan_constants``).
+    (``nan_constants``). Transposes are noted as they run, so that products read them
+    in place (``transposes``).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, key: jax.Array | None = None) -> None:
@@ -46,6 +47,10 @@ class JaxInterpreter(torch.fx.Interpreter):
         self._random_index = 0
         self._node: torch.fx.Node | None = None
         self._nan_carrying = nan_constants.carrying_nan_constants(gm.graph)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        with transposes.tracing():  # one trace's transposed values, for the products
+            return super().run(*args, **kwargs)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is operator.getitem:
@@ -64,7 +69,9 @@ class JaxInterpreter(torch.fx.Interpreter):
             kwargs["layout"] = self._node.meta[LAYOUT_KEY]
         if self._node in self._nan_carrying:
             return nan_constants.guarded(rule.fn, args, kwargs)
-        return rule.fn(*args, **kwargs)
+        out = rule.fn(*args, **kwargs)
+        transposes.note(target, args, out)  # products read transposed operands in place
+        return out
 
     @contextlib.contextmanager
     def _set_current_node(self, node: torch.fx.Node) -> Iterator[None]:

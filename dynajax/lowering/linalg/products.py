@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from dynajax.lowering import transposes
 from dynajax.lowering.dtypes import as_dtype, is_integral, result_type
 from dynajax.lowering.reductions import as_eager_sum, static_size
 from dynajax.lowering.registry import lower
@@ -37,11 +38,28 @@ def _zero_sums_positive(r, a, b):
     return as_eager_sum(r, a, [a.ndim - 1])
 
 
+def product(a, b, **kwargs):
+    """``jnp.matmul(a, b, **kwargs)``, reading an operand that is a transpose of another
+    value (``transposes.source``) in place: the transpose is folded into the product's
+    contracting dimension instead of being copied (2.3x faster for a matrix-vector
+    product with a transposed weight on XLA's CPU; ``lowering/transposes.py``)."""
+    src_a, trans_a = transposes.source(a)
+    src_b, trans_b = transposes.source(b)
+    n = a.ndim
+    if not (trans_a or trans_b) or n != b.ndim or a.shape[:-2] != b.shape[:-2]:
+        return jnp.matmul(a, b, **kwargs)
+    if a.dtype != b.dtype:
+        return jnp.matmul(a, b, **kwargs)
+    batch = tuple(range(n - 2))
+    contract = ((n - 2 if trans_a else n - 1,), (n - 1 if trans_b else n - 2,))
+    return jax.lax.dot_general(src_a, src_b, (contract, (batch, batch)), **kwargs)
+
+
 def _matmul(a, b, **kwargs):
     # Integer matmuls accumulate in their own dtype, like PyTorch.
     if is_integral(a.dtype):
-        return jnp.matmul(a, b, preferred_element_type=a.dtype)
-    return _zero_sums_positive(jnp.matmul(a, b, **kwargs), a, b)
+        return product(a, b, preferred_element_type=a.dtype)
+    return _zero_sums_positive(product(a, b, **kwargs), a, b)
 
 
 @lower(aten.mm.default, aten.bmm.default, aten.matmul.default)
