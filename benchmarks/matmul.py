@@ -94,8 +94,10 @@ def _steps(sa, sb, ta, tb) -> tuple[dict[str, Callable[[], Any]], str]:
         # As the interpreter runs ``mm(t(x), y)``: the transpose noted, then folded.
         with transposes.tracing():
             xt, yt = (x.T if ta else x), (y.T if tb else y)
-            transposes.note(t, (x,), xt)
-            transposes.note(t, (y,), yt)
+            if ta:
+                transposes.note(t, (x,), xt)
+            if tb:
+                transposes.note(t, (y,), yt)
             return rule.fn(xt, yt)
 
     xa, ya = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())

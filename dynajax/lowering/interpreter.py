@@ -70,7 +70,7 @@ class JaxInterpreter(torch.fx.Interpreter):
         if self._node in self._nan_carrying:
             return nan_constants.guarded(rule.fn, args, kwargs)
         out = rule.fn(*args, **kwargs)
-        transposes.note(target, args, out)  # products read transposed operands in place
+        transposes.note(target, args, out, rule.fn)  # products read transposes in place
         return out
 
     @contextlib.contextmanager

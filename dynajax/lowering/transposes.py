@@ -12,7 +12,9 @@ with the transpose folded into the dot's dimensions takes 17 µs (256 x 1024 wei
 
 So while a partition traces, the interpreter notes every ``aten.t``, ``aten.transpose``
 and ``aten.permute`` node whose result swaps its input's last two dimensions
-(``note``), and the product rules ask ``source`` for an operand's untransposed value,
+(``note``), follows such a transpose through the ops that commute with the swap
+(attention's ``k.transpose(-2, -1)`` reaches its ``bmm`` through a scale, an expand
+and a view), and the product rules ask ``source`` for an operand's untransposed value,
 contracting it along the other dimension (``linalg.products.product``). Values are
 known by identity: a note keeps the value alive for the trace, so its ``id`` stays its
 own. Outside a trace (a rule called alone, abstract evaluation), nothing is noted and
@@ -26,9 +28,20 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+import jax.numpy as jnp
 import torch
 
 aten = torch.ops.aten
+
+# Ops after which a noted transpose is still one, of a value derived from its source.
+_COPIES = frozenset({aten.clone.default, aten.alias.default})
+_LEADING_RESHAPES = frozenset(
+    {aten.expand.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+)
+# With a Python scalar as the other operand (the ``Tensor`` overloads take one too).
+_SCALAR_ELEMENTWISE = frozenset(
+    {aten.mul.Scalar, aten.div.Scalar, aten.mul.Tensor, aten.div.Tensor}
+)
 
 # id(value) -> (value, its source): the values of one trace known to be transposes.
 _NOTED: contextvars.ContextVar[dict[int, tuple[Any, Any]] | None] = contextvars.ContextVar(
@@ -46,13 +59,17 @@ def tracing() -> Iterator[None]:
         _NOTED.reset(token)
 
 
-def note(target: Any, args: tuple[Any, ...], result: Any) -> None:
-    """Records ``result`` as ``args[0]`` with its last two dimensions swapped when the
-    node ``target(*args)`` is such a swap."""
+def note(target: Any, args: tuple[Any, ...], result: Any, rule: Any = None) -> None:
+    """Records ``result`` as a transpose (its last two dimensions swapped) of some value,
+    when the node ``target(*args)`` makes it one: a swap (``aten.t``, ``aten.transpose``
+    or ``aten.permute``) of its input, or one of the ops that commute with a swap applied
+    to a noted transpose: a copy (``clone``), an expand or view that changes only the
+    leading dimensions, an elementwise op with a Python scalar (``rule``, the node's
+    rule, applied to the source instead)."""
     noted = _NOTED.get()
     if noted is None or not args or not hasattr(args[0], "ndim") or args[0].ndim < 2:
         return
-    n = args[0].ndim
+    x, n = args[0], args[0].ndim
     if target is aten.t.default:
         swap = n == 2
     elif target is aten.transpose.int:
@@ -60,9 +77,27 @@ def note(target: Any, args: tuple[Any, ...], result: Any) -> None:
     elif target is aten.permute.default:
         swap = [d % n for d in args[1]] == [*range(n - 2), n - 1, n - 2]
     else:
-        return
+        swap = False
     if swap:
-        noted[id(result)] = (result, args[0])
+        if result is not x:  # a rule may hand back its input for a no-op
+            noted[id(result)] = (result, x)
+        return
+    entry = noted.get(id(x))
+    if entry is None or entry[0] is not x or not hasattr(result, "shape"):
+        return
+    src = entry[1]
+    if target in _COPIES:
+        noted[id(result)] = (result, src)
+    elif target in _LEADING_RESHAPES:
+        if result.ndim >= 2 and tuple(result.shape[-2:]) == tuple(x.shape[-2:]):
+            lead = tuple(result.shape[:-2]) + tuple(src.shape[-2:])
+            if target is aten.expand.default:
+                noted[id(result)] = (result, jnp.broadcast_to(src, lead))
+            else:
+                noted[id(result)] = (result, jnp.reshape(src, lead))
+    elif target in _SCALAR_ELEMENTWISE and rule is not None:
+        if all(not hasattr(a, "shape") for a in args[1:]):
+            noted[id(result)] = (result, rule(src, *args[1:]))
 
 
 def source(x: Any) -> tuple[Any, bool]:

@@ -1,0 +1,120 @@
+"""Products read transposed operands in place (``dynajax/lowering/transposes.py``).
+
+Each case traces a function to an ATen graph, lowers it with ``to_jax_function`` and
+checks two things: the answer is eager's (within the tolerance table), and the traced
+JAX program does or does not feed a ``transpose`` into its ``dot_general``, as the
+folding should. A swap that is not of the last two dimensions, or a view that moves
+them, must not be folded.
+
+    pytest -q tests/lowering/test_transposes.py
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dynajax.lowering import transposes
+from dynajax.lowering.interpreter import to_jax_function
+from tests.tolerances import assert_same
+
+
+def _linear(x, w):
+    return torch.nn.functional.linear(x, w)  # mm(x, t(w))
+
+
+def _weight_grad(g, x):
+    return g.t() @ x  # mm(t(g), x)
+
+
+def _attention_scores(q, k):
+    # As SDPA's math decomposition reaches bmm: a permute, a scale, an expand, a view.
+    kt = k.permute(0, 1, 3, 2) * 0.5
+    return (q.expand(1, 4, 3, 8).reshape(4, 3, 8) @ kt.expand(1, 4, 8, 5).reshape(4, 8, 5)).view(
+        1, 4, 3, 5
+    )
+
+
+def _batched_transpose(a, b):
+    return torch.bmm(a, b.transpose(1, 2))
+
+
+def _not_a_swap(a, b):
+    # permute(0, 2, 1) of a 3-D tensor swaps the last two dims; (1, 0, 2) does not.
+    return torch.bmm(a.permute(1, 0, 2), b)
+
+
+def _moved_by_a_view(a, b):
+    # The transpose's last two dims are reshaped: no longer a swap of a's.
+    return a.t().reshape(8, 3) @ b
+
+
+CASES = {
+    "linear": (_linear, [(1, 16), (32, 16)], True),
+    "linear-batch": (_linear, [(6, 16), (32, 16)], True),
+    "weight-grad": (_weight_grad, [(6, 16), (6, 12)], True),
+    "attention-scores": (_attention_scores, [(1, 4, 3, 8), (1, 4, 5, 8)], True),
+    "bmm-transposed": (_batched_transpose, [(3, 4, 8), (3, 5, 8)], True),
+    "permute-not-a-swap": (_not_a_swap, [(4, 3, 8), (3, 8, 5)], False),
+    "view-moves-dims": (_moved_by_a_view, [(6, 4), (3, 5)], False),
+}
+
+
+def _folded_dots(jaxpr) -> int:
+    """How many dot_general equations contract other than a plain matmul's dims (the
+    lhs's last with the rhs's second-to-last): the folded ones."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            n = len(eqn.invars[0].aval.shape)
+            count += (tuple(lc), tuple(rc)) != ((n - 1,), (n - 2,))
+    return count
+
+
+def _transposes_into_dots(jaxpr) -> int:
+    """How many dot_general equations read the output of a transpose equation."""
+    made_by = {}
+    count = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            made_by[v] = eqn.primitive.name
+        if eqn.primitive.name == "dot_general":
+            count += sum(made_by.get(v) == "transpose" for v in eqn.invars)
+    return count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_products_fold_transposes(name: str, dtype: torch.dtype) -> None:
+    fn, shapes, folded = CASES[name]
+    torch.manual_seed(0)
+    args = [torch.randn(s, dtype=dtype) for s in shapes]
+    gm = make_fx(lambda *a: (fn(*a),))(*args)  # graphs return tuples, as aot's do
+    lowered = to_jax_function(gm)
+    arrays = [a.numpy() for a in args]
+    with jax.enable_x64(True):
+        out = jax.jit(lowered)(*arrays)
+        jaxpr = jax.make_jaxpr(lowered)(*arrays).jaxpr
+    assert_same(torch.from_numpy(np.asarray(out[0])), fn(*args))
+    if folded:
+        assert _transposes_into_dots(jaxpr) == 0 and _folded_dots(jaxpr) > 0, jaxpr
+    else:
+        assert _folded_dots(jaxpr) == 0, jaxpr
+
+
+def test_nothing_is_noted_outside_a_trace() -> None:
+    x = jax.numpy.ones((2, 3))
+    xt = x.T
+    transposes.note(torch.ops.aten.t.default, (x,), xt)
+    assert transposes.source(xt) == (xt, False)
+
+
+def test_a_rule_handing_back_its_input_is_not_a_transpose() -> None:
+    x = jax.numpy.ones((3, 3))
+    with transposes.tracing():
+        transposes.note(torch.ops.aten.t.default, (x,), x)
+        assert transposes.source(x) == (x, False)
