@@ -96,7 +96,10 @@ def note(target: Any, args: tuple[Any, ...], result: Any, rule: Any = None) -> N
             else:
                 noted[id(result)] = (result, jnp.reshape(src, lead))
     elif target in _SCALAR_ELEMENTWISE and rule is not None:
-        if all(not hasattr(a, "shape") for a in args[1:]):
+        # Floating only: an integer division's rule states a value check, which the
+        # source's copy of the op would state twice.
+        floating = jnp.issubdtype(result.dtype, jnp.floating)
+        if floating and all(not hasattr(a, "shape") for a in args[1:]):
             noted[id(result)] = (result, rule(src, *args[1:]))
 
 

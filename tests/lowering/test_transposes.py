@@ -118,3 +118,25 @@ def test_a_rule_handing_back_its_input_is_not_a_transpose() -> None:
     with transposes.tracing():
         transposes.note(torch.ops.aten.t.default, (x,), x)
         assert transposes.source(x) == (x, False)
+
+
+@pytest.mark.parametrize(
+    "name, fn, folded",
+    [
+        ("int64-weight-grad", lambda g, x: g.t() @ x, True),
+        # An integer op on a transpose is not moved onto its source: an integer
+        # division's rule states a value check, which would then be stated twice.
+        ("int64-scaled", lambda g, x: (g.t() * 3) @ x, False),
+    ],
+    ids=["int64-weight-grad", "int64-scaled"],
+)
+def test_integer_products(name, fn, folded) -> None:
+    g = torch.randint(-5, 5, (6, 4))
+    x = torch.randint(-5, 5, (6, 3))
+    gm = make_fx(lambda *a: (fn(*a),))(g, x)
+    lowered = to_jax_function(gm)
+    with jax.enable_x64(True):
+        out = jax.jit(lowered)(g.numpy(), x.numpy())
+        jaxpr = jax.make_jaxpr(lowered)(g.numpy(), x.numpy()).jaxpr
+    assert_same(torch.from_numpy(np.asarray(out[0])), fn(g, x))  # integers: exact
+    assert (_folded_dots(jaxpr) > 0) == folded, jaxpr
