@@ -5,10 +5,10 @@
 XLA's CPU compiler does not fold the one into the other: it copies the transposed
 operand into a new layout and, where the product is small, fuses that copy and the dot
 into one loop nest, which it runs as scalar code. A matrix-vector product (a decode
-step's linear layers: one token, so M = 1) then took 40-55 µs where the same product
+step's linear layers: one token, so M = 1) then took 48-50 µs where the same product
 with the transpose folded into the dot's dimensions takes 17 µs (256 x 1024 weights;
-``python -m benchmarks.matmul``, its decode rows), and weight gradients of a batch of
-64 took 8-14% longer.
+``python -m benchmarks.matmul``, its decode rows); matrix-matrix products change
+within noise.
 
 So while a partition traces, the interpreter notes every ``aten.t``, ``aten.transpose``
 and ``aten.permute`` node whose result swaps its input's last two dimensions
