@@ -2,9 +2,10 @@
 
 Each case traces a function to an ATen graph, lowers it with ``to_jax_function`` and
 checks two things: the answer is eager's (within the tolerance table), and the traced
-JAX program does or does not feed a ``transpose`` into its ``dot_general``, as the
-folding should. A swap that is not of the last two dimensions, or a view that moves
-them, must not be folded.
+JAX program's ``dot_general`` contracts the untransposed operand (no ``transpose``
+feeding it) where the folding should apply, and is a plain matmul where it should not:
+a swap that is not of the last two dimensions, a view that moves them, an integer op
+on the transpose.
 
     pytest -q tests/lowering/test_transposes.py
 """

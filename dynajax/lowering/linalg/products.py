@@ -46,9 +46,8 @@ def product(a, b, **kwargs):
     src_a, trans_a = transposes.source(a)
     src_b, trans_b = transposes.source(b)
     n = a.ndim
-    if not (trans_a or trans_b) or n != b.ndim or a.shape[:-2] != b.shape[:-2]:
-        return jnp.matmul(a, b, **kwargs)
-    if a.dtype != b.dtype:
+    same_batch = n == b.ndim and a.shape[:-2] == b.shape[:-2] and a.dtype == b.dtype
+    if not (trans_a or trans_b) or not same_batch:
         return jnp.matmul(a, b, **kwargs)
     batch = tuple(range(n - 2))
     contract = ((n - 2 if trans_a else n - 1,), (n - 1 if trans_b else n - 2,))
