@@ -78,6 +78,8 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from dynajax.capability.eager_kernel import eager_refusal
+from dynajax.runtime import aot_cache
+from dynajax.runtime.cache import ExecutableCache
 
 aten = torch.ops.aten
 
@@ -227,7 +229,7 @@ def _gelu_backward(
     ``s = sigmoid(2z)`` (``0.5 * (1 + tanh(z))``) and ``1 - s = sigmoid(-2z)``, the
     derivative of ``x * s`` is ``s + 2x * s * (1 - s) * dz/dx``."""
     if approximate != "tanh":
-        return core_aten_decompositions()[aten.gelu_backward.default](
+        return _decomposition(aten.gelu_backward.default)(
             grad_output, self, approximate=approximate
         )
     dtype = self.dtype
@@ -252,7 +254,7 @@ def _nll_loss_forward(
     accumulates that loss from zero (``0 - x[t] * w``), so a zero loss is +0 where the
     decomposition's ``-(x[t] * w)`` gives -0 (``y / cross_entropy(x, t,
     reduction="none")`` of a single class was +inf in eager, -inf here)."""
-    output, total_weight = core_aten_decompositions()[aten.nll_loss_forward.default](
+    output, total_weight = _decomposition(aten.nll_loss_forward.default)(
         self, target, weight, reduction, ignore_index
     )
     if self.dim() == 1 and reduction == 0:  # 0: Reduction.NONE
@@ -308,10 +310,37 @@ def _unless_eager_refuses(op: Any, decompose: Callable[..., Any]) -> Callable[..
 
 
 @functools.cache
+def _post_autograd_decompositions() -> dict[Any, Callable[..., Any]]:
+    """PyTorch's core ATen decompositions less those of CompositeImplicitAutograd ops.
+
+    ``core_aten_decompositions()`` adds an entry for every CompositeImplicitAutograd op
+    of every namespace, which costs every process 0.1 s to enumerate (most of
+    aot_autograd's time on a small graph). aot_autograd's tracing never needs them: the
+    dispatcher decomposes such an op before the tracer sees it, and the tracer
+    decomposes any that reaches it (``OpOverload.decompose``) with or without an entry
+    (``tests/test_aot.py`` checks both, graph for graph)."""
+    try:
+        from torch._decomp import _core_aten_decompositions_post_autograd
+    except ImportError:  # (a torch release without it: the whole table)
+        return dict(core_aten_decompositions())
+    return dict(_core_aten_decompositions_post_autograd())
+
+
+def _decomposition(op: Any) -> Callable[..., Any]:
+    """PyTorch's own decomposition of ``op`` (for the corrections that fall back to it)."""
+    return _post_autograd_decompositions()[op]
+
+
+@functools.cache
 def _tracing_decompositions() -> dict[Any, Callable[..., Any]]:
-    """``decompositions()`` as aot_autograd applies them: each entry steps aside for
-    the dtypes its op's eager kernel refuses (``_unless_eager_refuses``)."""
-    return {op: _unless_eager_refuses(op, fn) for op, fn in decompositions().items()}
+    """The table aot_autograd traces with: ``decompositions()`` less the entries of
+    CompositeImplicitAutograd ops (``_post_autograd_decompositions``), each entry
+    stepping aside for the dtypes its op's eager kernel refuses
+    (``_unless_eager_refuses``)."""
+    table = {**_post_autograd_decompositions(), **corrections()}
+    for op in (*FUSED_KERNELS, *CHECKED_KERNELS):
+        table.pop(op, None)
+    return {op: _unless_eager_refuses(op, fn) for op, fn in table.items()}
 
 
 def _partition_without_reading_mutated_inputs(
@@ -509,31 +538,61 @@ def _writing_back(mutated: list[int]) -> Callable[[Callable[..., Any]], Callable
 
 
 def aot_compile(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_aten_graph: GraphCompiler
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    compile_aten_graph: GraphCompiler,
+    cache: ExecutableCache | None = None,
 ) -> Callable[..., Any]:
     """Runs aot_autograd on Dynamo's graph and hands each ATen graph it makes to
-    ``compile_aten_graph(graph, inputs, kind=...)``, ``kind`` being ``inference``,
-    ``forward`` or ``backward``.
+    ``compile_aten_graph(graph, inputs, kind=..., aot=...)``, ``kind`` being
+    ``inference``, ``forward`` or ``backward`` and ``aot`` what became of the graph in
+    ``cache`` (``runtime/aot_cache.py``: loaded, traced and stored, or why not).
 
     For an inference graph whose runtime wrapper would do nothing but write new data
     into inputs (``_runtime_wrapper_plan``), Dynamo gets the compiled graph's own
     unboxed callable (``unboxed`` of ``stitched_callable``'s result), with those writes
     (``_writing_back``), instead of aot_autograd's wrapper chain; its first call still
-    goes through the chain, which checks custom ops' aliasing on first calls.
+    goes through the chain, which checks custom ops' aliasing on first calls. Such a
+    graph is stored in ``cache``, and a later process loads it instead of running
+    aot_autograd (a graph with custom ops, which that check is for, is not stored).
     """
+    entry = aot_cache.lookup(cache, gm, example_inputs) if cache is not None else None
+    found = entry.load() if entry is not None else None
+    if found is not None and entry is not None:
+        graph, plan = found
+        compiled = compile_aten_graph(graph, example_inputs, kind="inference", aot=entry.status)
+        unboxed: Callable[..., Any] = compiled.unboxed  # type: ignore[attr-defined]
+        return unboxed(None, _writing_back(plan))
+
     inference: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
 
     def compile_inference(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
-        compiled = compile_aten_graph(graph, inputs, kind="inference")
-        unboxed = getattr(compiled, "unboxed", None)
         plan = _runtime_wrapper_plan(len(inputs), example_inputs)
+        if entry is not None:
+            data = entry.serialize(graph) if plan is not None else None
+            if data is not None and plan is not None:
+                entry.store(data, plan)
+            elif plan is None:
+                entry.not_stored("aot_autograd's runtime wrapper has work to do for it")
+        status = entry.status if entry is not None else "traced"
+        compiled = compile_aten_graph(graph, inputs, kind="inference", aot=status)
+        unboxed = getattr(compiled, "unboxed", None)
         if unboxed is not None and plan is not None:
             inference.append(lambda first: unboxed(first, _writing_back(plan)))
         return compiled
 
+    def compile_training(kind: str) -> GraphCompiler:
+        def compile(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
+            if entry is not None:
+                entry.not_stored("training graphs are not cached (aot_autograd's autograd wrapper)")
+            status = entry.status if entry is not None else "traced"
+            return compile_aten_graph(graph, inputs, kind=kind, aot=status)
+
+        return compile
+
     compiler = aot_autograd(
-        fw_compiler=functools.partial(compile_aten_graph, kind="forward"),
-        bw_compiler=_under_compile_lock(functools.partial(compile_aten_graph, kind="backward")),
+        fw_compiler=compile_training("forward"),
+        bw_compiler=_under_compile_lock(compile_training("backward")),
         inference_compiler=compile_inference,
         decompositions=_tracing_decompositions(),
         # What the backward needs is chosen as inductor chooses it: cheap ops (views,

@@ -107,7 +107,7 @@ class Backend:
             # Parameter and buffer names, by Dynamo input, for the sharding rules.
             names = dynamo_input_names(gm)
             compile_aten_graph = functools.partial(compile_aten_graph, input_names=names)
-        compiled = aot_compile(gm, example_inputs, compile_aten_graph)
+        compiled = aot_compile(gm, example_inputs, compile_aten_graph, self.cache)
         # Dynamo calls what a backend returns unboxed, f(*inputs). aot_autograd's
         # forward is such a function, but it copies the ``_boxed_call`` flag of the boxed
         # function it wraps (functools.wraps copies __dict__), and PyTorch's accuracy
@@ -124,12 +124,15 @@ class Backend:
         kind: str,
         input_names: Sequence[StateName | None] = (),
         rewrites: Sequence[RewriteRecord] = (),
+        aot: str = "traced",
     ) -> Callable[..., Any]:
         """Compiles one ATen graph: JAX partitions for what JAX can run, eager for the rest.
 
         ``input_names``: the parameter or buffer each input of Dynamo's graph is (None
         for other inputs), which the sharding rules match. ``rewrites``: what the
-        user's rewrites did to Dynamo's graph (shown by the forward's report).
+        user's rewrites did to Dynamo's graph (shown by the forward's report). ``aot``:
+        whether aot_autograd traced the graph or it was loaded from the cache
+        (``runtime/aot_cache.py``), for the report.
         """
         gm = run_passes(
             gm,
@@ -188,6 +191,7 @@ class Backend:
                 self.options.min_block_size,
             )
             report.compile_stats = stats
+            report.aot = aot
             report.sharding = sharding
             if kind != "backward":  # (the forward's report shows its Dynamo graph's rewrites)
                 report.rewrites = list(rewrites)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+import torch.nn.functional as F
 from torch._decomp import core_aten_decompositions
+from torch._dynamo.backends.common import aot_autograd
 
 import dynajax
 from dynajax import aot
@@ -33,3 +37,55 @@ def test_corrections_replace_core_decompositions() -> None:
     # Everything else is PyTorch's own table.
     kept = set(aot.FUSED_KERNELS) | set(aot.CHECKED_KERNELS)
     assert set(table) == (set(core) | set(corrections)) - kept
+
+
+def _is_composite_implicit(op) -> bool:
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key) or (
+        key in getattr(op, "py_kernels", {})
+    )
+
+
+def test_tracing_table_leaves_out_only_composite_implicit_ops() -> None:
+    # The table aot_autograd traces with is decompositions() less entries that the
+    # dispatcher or the tracer apply anyway (CompositeImplicitAutograd kernels).
+    full = aot.decompositions()
+    tracing = aot._tracing_decompositions()
+    assert set(tracing) <= set(full)
+    left_out = set(full) - set(tracing)
+    assert left_out, "nothing left out: the cheap table is the whole table"
+    assert all(_is_composite_implicit(op) for op in left_out), [
+        op for op in left_out if not _is_composite_implicit(op)
+    ][:5]
+
+
+def _composites(x: torch.Tensor) -> torch.Tensor:
+    # interpolate (nearest: an op whose CompositeImplicitAutograd kernel is Python's),
+    # layer_norm, einsum, linalg.norm, std, flatten: composite ops of both kinds
+    y = F.interpolate(x, scale_factor=2, mode="nearest")
+    y = F.interpolate(y, size=(5, 7), mode="bilinear") + F.interpolate(y, size=(5, 7))
+    z = F.layer_norm(y, (7,)).flatten(2)
+    return torch.einsum("bcn,bdn->bcd", z, z) + torch.linalg.norm(z) + z.std()
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_tracing_table_traces_the_graphs_of_the_whole_table(train) -> None:
+    def traced(table):
+        graphs = []
+
+        def keep(gm, _):
+            graphs.append(gm.code)
+            return gm.forward
+
+        torch._dynamo.reset()
+        backend = aot_autograd(
+            fw_compiler=keep, bw_compiler=keep, inference_compiler=keep, decompositions=table
+        )
+        x = torch.randn(2, 3, 4, 4, requires_grad=train)
+        out = torch.compile(_composites, backend=backend)(x)
+        if train:
+            out.sum().backward()
+        return graphs
+
+    full = {op: aot._unless_eager_refuses(op, fn) for op, fn in aot.decompositions().items()}
+    assert traced(aot._tracing_decompositions()) == traced(full)

@@ -54,6 +54,9 @@ class GraphReport:
         rewrites: what the user's rewrites (option ``rewrites``) did to the Dynamo
             graph this graph came from: each pattern, its matches and their source
             lines (on the inference or forward graph; a backward graph repeats none).
+        aot: how the graph was made: ``traced`` by aot_autograd, ``loaded from the
+            cache``, or traced and stored, with the reason of a miss or of not storing
+            it (``runtime/aot_cache.py``).
     """
 
     kind: str
@@ -68,6 +71,7 @@ class GraphReport:
     compile_stats: CompileStats | None = None
     sharding: GraphSharding | None = None
     rewrites: list[RewriteRecord] = dataclasses.field(default_factory=list)
+    aot: str = "traced"
 
     @property
     def jax_ops(self) -> int:
@@ -123,6 +127,8 @@ class GraphReport:
                 out.append(f"    {w.op:<{width}}  {w.describe()}")
         if self.compile_stats is not None:
             out.extend(_stats_lines(self.compile_stats, "  "))
+        if self.aot != "traced":
+            out.append(f"  aot_autograd: {self.aot}")
         if self.sharding is not None:
             out.extend(self.sharding.lines("  ", eager_ops=len(self.fallbacks)))
         if self.host_scalars:

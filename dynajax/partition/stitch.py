@@ -70,7 +70,7 @@ def stitched_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
 
 
 def _first_then(
-    first: Callable[..., Any],
+    first: Callable[..., Any] | None,
     around: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     *,
     then: Callable[..., Any],
@@ -79,11 +79,19 @@ def _first_then(
     that hands Dynamo the graph's callable without aot_autograd's runtime wrapper
     (``aot.aot_compile``, where that wrapper would do nothing but write inputs back):
     the first call goes to ``first`` (aot_autograd's wrapper, which checks custom ops
-    on first calls), the rest straight to ``then``, which takes the tuple of inputs (a
-    single partition's ``run`` itself: one Python frame between Dynamo and the
-    partition), or to ``around(then)`` (the caller's own write-back of inputs)."""
+    on first calls; None for a graph loaded from the cache, which has none), the rest
+    straight to ``then``, which takes the tuple of inputs (a single partition's ``run``
+    itself: one Python frame between Dynamo and the partition), or to ``around(then)``
+    (the caller's own write-back of inputs)."""
     if around is not None:
         then = around(then)
+    if first is None:
+        hot = then
+
+        def direct(*args: Any) -> Any:
+            return hot(args)
+
+        return direct
     pending = [first]
 
     def call(*args: Any) -> Any:

@@ -14,6 +14,12 @@ Two kinds of key name an entry:
 
     entry = <dir>/<key>.bin:  MAGIC | HMAC-SHA256(secret, MAGIC | key | body) | body
 
+    value key = sha256(kind, format, description)      (``value_key``; kind "aot":
+                                                         aot_autograd's ATen graph,
+                                                         ``runtime/aot_cache.py``)
+    entry     = <dir>/<key>.<kind>, authenticated the same way; body pickle((versions,
+                payload bytes))
+
 A partition's executables are keyed by their program (``compile_traced``), so a hit
 skips tracing the partition through the rule table and lowering it as well as XLA's
 compile; the entry keeps the value checks that trace recorded (``lowering/checks.py``),
@@ -102,7 +108,9 @@ _KEY_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 30
 """The default bound of a cache directory (``cache_max_bytes``): 1 GiB."""
 
-_ENTRY = re.compile(r"[0-9a-f]{64}\.bin")  # only these are ever loaded or evicted
+# Only these are ever loaded or evicted: executables (.bin) and values (.aot).
+_ENTRY = re.compile(r"[0-9a-f]{64}\.(bin|aot)")
+_VALUE_KINDS = ("aot",)
 _TEMP = re.compile(r"\.tmp-([0-9a-f]{8})-([0-9]+)-[A-Za-z0-9_]+\.part")
 # A temporary file whose writer's process is gone (same host) is removed after this
 # long; one from another host, or whose writer cannot be checked, after the second.
@@ -449,33 +457,12 @@ class ExecutableCache:
     ) -> tuple[jax.stages.Compiled | None, Any, str]:
         """The entry's executable (and, for a program entry, what was stored with it),
         or None and the reason of the miss."""
-        try:
-            blob = _read_entry(path)
-        except (FileNotFoundError, NotADirectoryError):  # (the write says why, if it fails)
-            return None, None, "not cached yet"
-        except OSError as e:
-            self._warn("read", f"cannot read {path} ({e}); compiling instead")
-            return None, None, "unreadable entry"
-        if blob is None or len(blob) < len(_MAGIC) + _MAC or not blob.startswith(_MAGIC):
-            self._warn(
-                "corrupt",
-                f"corrupt cache entry {path.name} (not a dynajax format-{_FORMAT} entry); "
-                "compiling it again",
-            )
-            return None, None, "corrupt entry"
-        body = blob[len(_MAGIC) + _MAC :]
-        if not hmac.compare_digest(blob[len(_MAGIC) : len(_MAGIC) + _MAC], _mac(secret, key, body)):
-            self._warn(
-                "unauthenticated",
-                f"cache entry {path.name} failed authentication with the key {self.key_file}: "
-                "it is damaged, was written with another key (another user, or a key that "
-                "was replaced), or was planted. It was not loaded; compiling it again. If "
-                "several users share this cache directory, give each their own cache_dir.",
-            )
-            return None, None, "unauthenticated entry"
+        body, why = self._read_authentic(path, key, secret)
+        if body is None:
+            return None, None, why
         value = None
         try:
-            if program:  # (authenticated above: only now is the body unpickled)
+            if program:  # (authenticated: only now is the body unpickled)
                 payload, in_tree, out_tree, written, value = pickle.loads(body)
                 stale = _stale(written)
                 if stale:
@@ -494,11 +481,37 @@ class ExecutableCache:
                 f"cannot load cache entry {path.name} ({type(e).__name__}); compiling",
             )
             return None, None, "unloadable entry"
-        try:
-            os.utime(path)  # mtime = last use, for the LRU order of eviction
-        except OSError:  # evicted meanwhile, or a read-only cache: order only
-            pass
+        _touch(path)
         return compiled, value, ""
+
+    def _read_authentic(self, path: Path, key: str, secret: bytes) -> tuple[bytes | None, str]:
+        """The body of the entry at ``path`` if it is authentic, else None and the
+        reason of the miss (warned about unless the entry is simply absent)."""
+        try:
+            blob = _read_entry(path)
+        except (FileNotFoundError, NotADirectoryError):  # (the write says why, if it fails)
+            return None, "not cached yet"
+        except OSError as e:
+            self._warn("read", f"cannot read {path} ({e}); compiling instead")
+            return None, "unreadable entry"
+        if blob is None or len(blob) < len(_MAGIC) + _MAC or not blob.startswith(_MAGIC):
+            self._warn(
+                "corrupt",
+                f"corrupt cache entry {path.name} (not a dynajax format-{_FORMAT} entry); "
+                "compiling it again",
+            )
+            return None, "corrupt entry"
+        body = blob[len(_MAGIC) + _MAC :]
+        if not hmac.compare_digest(blob[len(_MAGIC) : len(_MAGIC) + _MAC], _mac(secret, key, body)):
+            self._warn(
+                "unauthenticated",
+                f"cache entry {path.name} failed authentication with the key {self.key_file}: "
+                "it is damaged, was written with another key (another user, or a key that "
+                "was replaced), or was planted. It was not loaded; compiling it again. If "
+                "several users share this cache directory, give each their own cache_dir.",
+            )
+            return None, "unauthenticated entry"
+        return body, ""
 
     def _store(
         self,
@@ -509,8 +522,9 @@ class ExecutableCache:
         name: str,
         trailer: tuple[Any, ...] = (),
     ) -> bool:
-        """Writes the entry atomically; True if it was written. ``trailer``: what a
-        program entry keeps after the executable (its versions, the recorded checks)."""
+        """Writes the executable's entry atomically; True if it was written.
+        ``trailer``: what a program entry keeps after the executable (its versions, the
+        recorded checks)."""
         if self._unwritable:
             return False
         try:
@@ -525,11 +539,18 @@ class ExecutableCache:
             # e.g. executables with host callbacks or closed-over constants
             log.info("not caching %s: the executable cannot be serialized (%s)", name, e)
             return False
+        return self._write_authentic(path, key, secret, body, f"the executable of {name}")
+
+    def _write_authentic(self, path: Path, key: str, secret: bytes, body: bytes, what: str) -> bool:
+        """Writes ``body`` as the entry at ``path``, authenticated and atomically; True
+        if it was written. ``what`` names it in messages."""
+        if self._unwritable:
+            return False
         blob = _MAGIC + _mac(secret, key, body) + body
         if self.max_bytes is not None and len(blob) > self.max_bytes:
             log.info(
                 "not caching %s: its entry (%d bytes) is larger than cache_max_bytes (%d)",
-                name,
+                what,
                 len(blob),
                 self.max_bytes,
             )
@@ -557,7 +578,7 @@ class ExecutableCache:
         except OSError as e:  # disk full, or the file removed under us: this entry only
             self._warn(
                 "store",
-                f"could not store the executable of {name} in {directory} ({e}); it runs, "
+                f"could not store {what} in {directory} ({e}); it runs, "
                 "but other processes will compile it again. Free space there, or set "
                 "DYNAJAX_CACHE_DIR to another directory.",
             )
@@ -567,13 +588,62 @@ class ExecutableCache:
                 pass
             return False
 
+    # -- values: what a compile computes besides executables --------------------------------
+
+    def value_key(self, kind: str, description: str) -> str:
+        """The entry's name for a value of ``kind`` (``"aot"``: aot_autograd's result)
+        computed from what ``description`` describes."""
+        assert kind in _VALUE_KINDS, kind
+        h = hashlib.sha256()
+        for part in (f"value|{kind}|fmt{_FORMAT}", description):
+            h.update(part.encode())
+            h.update(b"\x00")
+        return h.hexdigest()
+
+    def load_value(self, kind: str, key: str) -> tuple[bytes | None, str]:
+        """The bytes stored under ``key`` (``value_key``) by ``store_value`` with the
+        same ``versions()``, or None and the reason of the miss."""
+        if self.directory is None:
+            return None, "cache off"
+        secret = self._get_secret()
+        if secret is None:
+            return None, "no cache key"
+        path = self.directory / f"{key}.{kind}"
+        body, why = self._read_authentic(path, key, secret)
+        if body is None:
+            return None, why
+        try:  # (authenticated: only now is the body unpickled)
+            written, payload = pickle.loads(body)
+        except Exception as e:  # noqa: BLE001 - authentic but unreadable: a miss
+            self._warn("unloadable", f"cannot load cache entry {path.name} ({type(e).__name__})")
+            return None, "unloadable entry"
+        stale = _stale(written)
+        if stale:
+            return None, f"stale entry ({stale} changed)"
+        _touch(path)
+        return payload, ""
+
+    def store_value(self, kind: str, key: str, payload: bytes, what: str) -> bool:
+        """Stores ``payload`` under ``key`` (with ``versions()``); True if written."""
+        if self.directory is None:
+            return False
+        secret = self._get_secret()
+        if secret is None:
+            return False
+        body = pickle.dumps((versions(), payload))
+        path = self.directory / f"{key}.{kind}"
+        if not self._write_authentic(path, key, secret, body, what):
+            return False
+        self.prune()
+        return True
+
     def prune(self) -> int:
         """Keeps the directory within ``max_bytes`` and removes abandoned temp files.
 
         Removes entries least recently used first (oldest mtime: the time of their last
         hit or store) until the entries' total size is within the bound, and temporary
         files left by writers that were killed. Only files named like entries
-        (``<64 hex digits>.bin``) or like dynajax's temp files are touched, so a
+        (``<64 hex digits>.bin`` or ``.aot``) or like dynajax's temp files are touched, so a
         directory shared with other files loses none of them. Safe to run in several
         processes at once. Returns the number of entries this call removed.
         """
@@ -627,6 +697,14 @@ class ExecutableCache:
                 return
             self._warned.add(kind)
         warnings.warn(f"dynajax compilation cache: {message}", RuntimeWarning, stacklevel=2)
+
+
+def _touch(path: Path) -> None:
+    """Marks the entry at ``path`` as used now (mtime: the LRU order of eviction)."""
+    try:
+        os.utime(path)
+    except OSError:  # evicted meanwhile, or a read-only cache: order only
+        pass
 
 
 def _mac(secret: bytes, key: str, body: bytes) -> bytes:

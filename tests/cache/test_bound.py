@@ -42,7 +42,8 @@ def _compile(c: ExecutableCache, n: int, stats: CompileStats | None = None) -> C
 
 
 def _entries(directory: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in directory.glob("*.bin")}
+    """Every entry: executables (.bin) and aot_autograd's graphs (.aot)."""
+    return {p.name: p.stat().st_size for p in (*directory.glob("*.bin"), *directory.glob("*.aot"))}
 
 
 def _age(path: Path, seconds: float) -> None:
@@ -165,7 +166,7 @@ def test_four_processes_share_one_bounded_directory(tmp_path) -> None:
         blob = (directory / name).read_bytes()
         body = blob[len(cache._MAGIC) + 32 :]
         assert blob[len(cache._MAGIC) : len(cache._MAGIC) + 32] == cache._mac(
-            secret, name.removesuffix(".bin"), body
+            secret, name.split(".")[0], body
         )
 
 
@@ -196,12 +197,13 @@ def test_writer_killed_half_way_leaves_nothing_loadable(tmp_path) -> None:
     stats = dynajax.Report(backend.graphs).compile_stats
     assert dict(stats.cache_misses) == {"not cached yet": 1} and stats.xla_compiles == 1
     assert not partial.exists()  # cleaned up by the store
-    [entry] = directory.iterdir()
-    assert entry.suffix == ".bin"
+    # the executable and aot_autograd's graph
+    assert sorted(p.suffix for p in directory.iterdir()) == [".aot", ".bin"]
     torch._dynamo.reset()
     backend = dynajax.Backend(cache_dir=str(directory))
     assert_same(torch.compile(graph, backend=backend)(x), graph(x))
     assert dynajax.Report(backend.graphs).compile_stats.cache_hits == 1
+    assert backend.graphs[0].aot == "loaded from the cache (not traced)"
 
 
 def test_young_temp_file_of_a_live_writer_is_kept(tmp_path) -> None:
