@@ -24,6 +24,7 @@ import torch.fx
 
 from dynajax.aot import aot_compile
 from dynajax.capability import CapabilityChecker
+from dynajax.capability.memo import Evaluations
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, graph_report, snapshot_graph
 from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
@@ -139,7 +140,7 @@ class Backend:
             before=passes_at(self.options.passes, "post_aot"),
             after=passes_at(self.options.passes, "post_passes"),
         )
-        checker = CapabilityChecker(self.options.fallback_ops)
+        checker = CapabilityChecker(self.options.fallback_ops, Evaluations(self.cache))
         refused = checker.annotate(gm)
         if self.options.strict:
             # fallback_ops are the user's own choice; strict objects to the rest.

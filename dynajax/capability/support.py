@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.capability.layout import keep_eager_storage, node_layout
+from dynajax.capability.memo import Evaluations
 from dynajax.capability.verdict import (
     META_KEY,
     Reason,
@@ -115,7 +116,7 @@ def _describe_aval(a: Any) -> str:
 
 
 class CapabilityChecker:
-    """Decides verdicts; caches abstract evaluations by (op, argument signature).
+    """Decides verdicts; remembers abstract evaluations by (op, argument signature).
 
     The questions, in order (the first that refuses gives the reason):
 
@@ -140,9 +141,13 @@ class CapabilityChecker:
     the what-if list must not suggest one.
     """
 
-    def __init__(self, fallback_ops: Iterable[str] = ()) -> None:
+    def __init__(
+        self, fallback_ops: Iterable[str] = (), evaluations: Evaluations | None = None
+    ) -> None:
         self.fallback_ops = frozenset(fallback_ops)
-        self._cache: dict[Any, tuple[Reason, str] | None] = {}
+        # Abstract evaluations by (op, argument signature), shared by every graph of
+        # the process and, given a persistent cache, by later processes (memo.py).
+        self._evaluations = evaluations if evaluations is not None else Evaluations()
 
     def annotate(self, gm: torch.fx.GraphModule) -> list[Unsupported]:
         """Stores a verdict in ``node.meta`` for every call_function node of ``gm``
@@ -162,6 +167,7 @@ class CapabilityChecker:
                 refused.append(verdict)
         # Eager ops that read storage (as_strided) get it as eager would have it.
         refused += keep_eager_storage(gm, self._refuse)
+        self._evaluations.save()
         return refused
 
     def decide(self, node: torch.fx.Node) -> Verdict:
@@ -229,9 +235,7 @@ class CapabilityChecker:
             node.meta[LAYOUT_KEY] = kwargs["layout"] = node_layout(node)
         expected = _abstract(out)
         key = (node.target, _freeze(args), _freeze(kwargs), _freeze(expected))
-        if key not in self._cache:
-            self._cache[key] = _evaluate(rule, args, kwargs, expected)
-        found = self._cache[key]
+        found = self._evaluations.get(key, rule, lambda: _evaluate(rule, args, kwargs, expected))
         if found is None:
             return Supported(name)
         return self._refuse(node, *found)

@@ -16,7 +16,10 @@ Two kinds of key name an entry:
 
     value key = sha256(kind, format, description)      (``value_key``; kind "aot":
                                                          aot_autograd's ATen graph,
-                                                         ``runtime/aot_cache.py``)
+                                                         ``runtime/aot_cache.py``;
+                                                         "verdicts": abstract
+                                                         evaluations of rules,
+                                                         ``capability/memo.py``)
     entry     = <dir>/<key>.<kind>, authenticated the same way; body pickle((versions,
                 payload bytes))
 
@@ -108,9 +111,10 @@ _KEY_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 30
 """The default bound of a cache directory (``cache_max_bytes``): 1 GiB."""
 
-# Only these are ever loaded or evicted: executables (.bin) and values (.aot).
-_ENTRY = re.compile(r"[0-9a-f]{64}\.(bin|aot)")
-_VALUE_KINDS = ("aot",)
+# Only these are ever loaded or evicted: executables (.bin) and values (.aot:
+# aot_autograd's graphs, .verdicts: abstract evaluations of rules).
+_VALUE_KINDS = ("aot", "verdicts")
+_ENTRY = re.compile(r"[0-9a-f]{64}\.(bin|aot|verdicts)")
 _TEMP = re.compile(r"\.tmp-([0-9a-f]{8})-([0-9]+)-[A-Za-z0-9_]+\.part")
 # A temporary file whose writer's process is gone (same host) is removed after this
 # long; one from another host, or whose writer cannot be checked, after the second.
@@ -643,9 +647,10 @@ class ExecutableCache:
         Removes entries least recently used first (oldest mtime: the time of their last
         hit or store) until the entries' total size is within the bound, and temporary
         files left by writers that were killed. Only files named like entries
-        (``<64 hex digits>.bin`` or ``.aot``) or like dynajax's temp files are touched, so a
-        directory shared with other files loses none of them. Safe to run in several
-        processes at once. Returns the number of entries this call removed.
+        (``<64 hex digits>.bin``, ``.aot``, ``.verdicts``) or like dynajax's temp files
+        are touched, so a directory shared with other files loses none of them. Safe to
+        run in several processes at once. Returns the number of entries this call
+        removed.
         """
         directory = self.directory
         if directory is None:

@@ -20,6 +20,7 @@ import torch
 
 import dynajax
 from dynajax import Options, OptionsError
+from dynajax.capability import memo
 from dynajax.runtime import cache
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from tests.cache.worker import graph
@@ -42,8 +43,9 @@ def _compile(c: ExecutableCache, n: int, stats: CompileStats | None = None) -> C
 
 
 def _entries(directory: Path) -> dict[str, int]:
-    """Every entry: executables (.bin) and aot_autograd's graphs (.aot)."""
-    return {p.name: p.stat().st_size for p in (*directory.glob("*.bin"), *directory.glob("*.aot"))}
+    """Every entry: executables, aot_autograd's graphs, abstract evaluations."""
+    found = [p for kind in ("bin", "aot", "verdicts") for p in directory.glob(f"*.{kind}")]
+    return {p.name: p.stat().st_size for p in found}
 
 
 def _age(path: Path, seconds: float) -> None:
@@ -170,7 +172,8 @@ def test_four_processes_share_one_bounded_directory(tmp_path) -> None:
         )
 
 
-def test_writer_killed_half_way_leaves_nothing_loadable(tmp_path) -> None:
+def test_writer_killed_half_way_leaves_nothing_loadable(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(memo, "_MEMORY", {})  # evaluated here, so stored here
     directory, ready = tmp_path / "cache", tmp_path / "ready"
     proc = _spawn("stall", str(directory), str(ready))
     try:
@@ -197,8 +200,8 @@ def test_writer_killed_half_way_leaves_nothing_loadable(tmp_path) -> None:
     stats = dynajax.Report(backend.graphs).compile_stats
     assert dict(stats.cache_misses) == {"not cached yet": 1} and stats.xla_compiles == 1
     assert not partial.exists()  # cleaned up by the store
-    # the executable and aot_autograd's graph
-    assert sorted(p.suffix for p in directory.iterdir()) == [".aot", ".bin"]
+    # the executable, aot_autograd's graph and the abstract evaluations of its rules
+    assert sorted(p.suffix for p in directory.iterdir()) == [".aot", ".bin", ".verdicts"]
     torch._dynamo.reset()
     backend = dynajax.Backend(cache_dir=str(directory))
     assert_same(torch.compile(graph, backend=backend)(x), graph(x))
