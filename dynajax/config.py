@@ -37,9 +37,12 @@ class Options:
             JAX instead of falling back. Env: ``DYNAJAX_STRICT``.
         cache_dir: directory of the persistent XLA compilation cache; ``""`` turns it
             off, ``None`` picks the default (``$XDG_CACHE_HOME/dynajax/xla``, else
-            ``~/.cache/dynajax/xla``). Entries are keyed by the lowered program (graph,
-            shapes, dtypes, everything the options changed in it), the platform and the
-            versions of torch, jax, jaxlib and dynajax. Env: ``DYNAJAX_CACHE_DIR``.
+            ``~/.cache/dynajax/xla``). It holds executables, keyed by their program
+            (graph, shapes, dtypes, everything the options changed in it), the device
+            and the host; aot_autograd's inference graphs, keyed by Dynamo's graph and
+            its inputs' metadata; and the abstract evaluations of dynajax's rules. Each
+            entry is checked against the versions of torch, jax, jaxlib and dynajax.
+            Env: ``DYNAJAX_CACHE_DIR``.
         cache_max_bytes: bound on the total size of the cache directory's entries
             (default 1 GiB); beyond it the least recently used entries are removed.
             ``None`` or ``0``: no bound. Env: ``DYNAJAX_CACHE_MAX_BYTES``.
