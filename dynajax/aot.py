@@ -584,7 +584,9 @@ def aot_compile(
     def compile_training(kind: str) -> GraphCompiler:
         def compile(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
             if entry is not None:
-                entry.not_stored("training graphs are not cached (aot_autograd's autograd wrapper)")
+                entry.not_stored(
+                    "a training graph; aot_autograd's autograd wrapper is rebuilt only by tracing"
+                )
             status = entry.status if entry is not None else "traced"
             return compile_aten_graph(graph, inputs, kind=kind, aot=status)
 

@@ -304,13 +304,13 @@ def check_pass(
 # ---------------------------------------------------------------------------------
 
 
-def run_worker(module: str, timeout: float = 600) -> dict[str, Any]:
-    """Runs ``python -m module`` from the repository root and returns the JSON object
-    it printed last (workers print facts; tests assert on them)."""
+def run_python(*args: str, timeout: float = 600) -> str:
+    """Runs ``python *args`` from the repository root (with this process's environment)
+    and returns the last line it printed; fails the test with its stderr if it fails."""
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
     out = subprocess.run(
-        [sys.executable, "-m", module],
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -318,4 +318,29 @@ def run_worker(module: str, timeout: float = 600) -> dict[str, Any]:
         env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return out.stdout.strip().splitlines()[-1]
+
+
+def run_worker(module: str, *args: str, timeout: float = 600) -> dict[str, Any]:
+    """Runs ``python -m module *args`` from the repository root and returns the JSON
+    object it printed last (workers print facts; tests assert on them)."""
+    return json.loads(run_python("-m", module, *args, timeout=timeout))
+
+
+# ---------------------------------------------------------------------------------
+# Counting calls
+# ---------------------------------------------------------------------------------
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
+    """Replaces ``owner.name`` (for the test) by a wrapper that counts its calls; the
+    count is the returned list's one element."""
+    count = [0]
+    original = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return count

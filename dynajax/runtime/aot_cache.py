@@ -312,4 +312,7 @@ def _pickle_options() -> Any:
     # Provenance (from_node) is most of a graph's bytes and nothing here reads it; the
     # module stacks hold objects that do not pickle (torch's own filter drops them).
     drop = {"from_node", "source_fn_stack", "nn_module_stack", "fwd_source_fn_stack"}
-    return Options(node_metadata_key_filter=lambda key: key not in drop)
+    return Options(
+        ops_filter=lambda name: name.startswith(("torch.ops.aten.", "torch.ops.prims.")),
+        node_metadata_key_filter=lambda key: key not in drop,
+    )

@@ -8,35 +8,21 @@ miss; what cannot be keyed is traced and the report says why.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch._dynamo.backends import common
 
 import dynajax
 from dynajax.runtime import aot_cache, cache
+from tests.helpers import count_calls, run_python
 from tests.models import mlp
 from tests.tolerances import assert_same
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def aot_runs(monkeypatch):
     """Counts aot_autograd's runs (``[n]``)."""
-    count = [0]
-    run = common.aot_module_simplified
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(common, "aot_module_simplified", counted)
-    return count
+    return count_calls(monkeypatch, common, "aot_module_simplified")
 
 
 def _compile(cache_dir, fn, **options):
@@ -157,7 +143,10 @@ def test_training_graphs_are_traced_and_say_why(tmp_path, aot_runs) -> None:
     assert aot_runs[0] == 2
     assert (
         _aot(backend)
-        == ["traced (not cached: training graphs are not cached (aot_autograd's autograd wrapper))"]
+        == [
+            "traced (not cached: a training graph; aot_autograd's autograd wrapper is rebuilt "
+            "only by tracing)"
+        ]
         * 2
     )
 
@@ -249,18 +238,7 @@ def test_key_is_the_same_in_another_process(tmp_path) -> None:
         "torch.no_grad().__enter__(); torch.compile(m, backend=b)(torch.randn(8, 32));"
         "print(b.graphs[0].aot)"
     )
-    out = []
-    for _ in range(2):
-        proc = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            env=dict(os.environ),
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out.append(proc.stdout.strip().splitlines()[-1])
+    out = [run_python("-c", code, timeout=300) for _ in range(2)]
     assert out == [
         "traced and stored in the cache (cache miss: not cached yet)",
         "loaded from the cache (not traced)",

@@ -9,11 +9,7 @@ and a tampered or stale entry, which is a miss with its reason and is compiled a
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,23 +18,14 @@ import torch
 import dynajax
 from dynajax.lowering import interpreter
 from dynajax.runtime import cache
+from tests.helpers import count_calls, run_worker
 from tests.tolerances import assert_same
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def traces(monkeypatch):
     """Counts the partitions traced through the rule table (``[n]``)."""
-    count = [0]
-    run = interpreter.JaxInterpreter.run
-
-    def counted(self, *args, **kwargs):
-        count[0] += 1
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.JaxInterpreter, "run", counted)
-    return count
+    return count_calls(monkeypatch, interpreter.JaxInterpreter, "run")
 
 
 def _compile(cache_dir, fn, *args, dynamic=None, **options):
@@ -53,16 +40,7 @@ def _stats(backend):
 
 
 def _worker(cache_dir: Path) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.cache.warm_worker", str(cache_dir)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ),
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("tests.cache.warm_worker", str(cache_dir), timeout=300)
 
 
 def test_second_process_traces_nothing_and_gives_eagers_answers(tmp_path) -> None:

@@ -14,23 +14,15 @@ import torch
 import dynajax
 from dynajax.capability import memo, support
 from dynajax.runtime import cache
+from tests.helpers import count_calls
 from tests.tolerances import assert_same
 
 
 @pytest.fixture
 def evaluations(monkeypatch):
     """Counts abstract evaluations (``[n]``); each test starts with an empty memory."""
-    monkeypatch.setattr(memo, "_MEMORY", {})
-    monkeypatch.setattr(memo, "_STORES", {})
-    count = [0]
-    evaluate = support._evaluate
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(support, "_evaluate", counted)
-    return count
+    _new_process(monkeypatch)
+    return count_calls(monkeypatch, support, "_evaluate")
 
 
 def _new_process(monkeypatch) -> None:
