@@ -168,9 +168,15 @@ def describe(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
     storages: dict[Any, int] = {}
     for i, x in enumerate(example_inputs):
         lines.append(f"input {i}: {_describe_input(x, storages)}")
-    for node in gm.graph.find_nodes(op="placeholder"):
+    for node in gm.graph.nodes:
+        # Symbolic sizes and scalars (dynamic shapes, .item() under
+        # capture_scalar_outputs) live in Dynamo's shape environment, with guards
+        # aot_autograd adds to it: a graph stored from another environment would not
+        # carry them.
         value = node.meta.get("example_value")
-        if isinstance(value, torch.Tensor) and _symbolic(value):
+        if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool) or (
+            isinstance(value, torch.Tensor) and _symbolic(value)
+        ):
             raise Uncacheable("dynamic shapes")
     return "\n".join(lines)
 

@@ -268,3 +268,17 @@ def test_tensor_constants_of_any_shape_are_hashed(constant) -> None:
     text = aot_cache.describe(gm, [])
     gm.c = constant + 1  # other values (an empty tensor has none)
     assert (aot_cache.describe(gm, []) != text) == (constant.numel() > 0)
+
+
+def _data_dependent(x: torch.Tensor) -> torch.Tensor:
+    n = (x > 0).sum().item()  # an unbacked size, captured in the graph
+    return torch.ones(n).sum() + x.sin()
+
+
+def test_data_dependent_sizes_are_traced_and_say_why(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    x = torch.randn(6)
+    for _ in range(2):
+        f, backend = _compile(tmp_path, _data_dependent)
+        assert_same(f(x), _data_dependent(x))
+    assert {g.aot for g in backend.graphs} == {"traced (not cached: dynamic shapes)"}
