@@ -275,10 +275,10 @@ def _data_dependent(x: torch.Tensor) -> torch.Tensor:
     return torch.ones(n).sum() + x.sin()
 
 
-def test_data_dependent_sizes_are_traced_and_say_why(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+def test_data_dependent_sizes_are_traced_and_say_why(tmp_path) -> None:
     x = torch.randn(6)
-    for _ in range(2):
-        f, backend = _compile(tmp_path, _data_dependent)
-        assert_same(f(x), _data_dependent(x))
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for _ in range(2):
+            f, backend = _compile(tmp_path, _data_dependent)
+            assert_same(f(x), _data_dependent(x))
     assert {g.aot for g in backend.graphs} == {"traced (not cached: dynamic shapes)"}
