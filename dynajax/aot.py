@@ -556,9 +556,9 @@ def aot_compile(
     graph is stored in ``cache``, and a later process loads it instead of running
     aot_autograd (a graph with custom ops, which that check is for, is not stored).
     """
-    entry = aot_cache.lookup(cache, gm, example_inputs) if cache is not None else None
-    found = entry.load() if entry is not None else None
-    if found is not None and entry is not None:
+    entry = aot_cache.lookup(cache, gm, example_inputs)
+    found = entry.load()
+    if found is not None:
         graph, plan = found
         compiled = compile_aten_graph(graph, example_inputs, kind="inference", aot=entry.status)
         unboxed: Callable[..., Any] = compiled.unboxed  # type: ignore[attr-defined]
@@ -568,14 +568,11 @@ def aot_compile(
 
     def compile_inference(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
         plan = _runtime_wrapper_plan(len(inputs), example_inputs)
-        if entry is not None:
-            data = entry.serialize(graph) if plan is not None else None
-            if data is not None and plan is not None:
-                entry.store(data, plan)
-            elif plan is None:
-                entry.not_stored("aot_autograd's runtime wrapper has work to do for it")
-        status = entry.status if entry is not None else "traced"
-        compiled = compile_aten_graph(graph, inputs, kind="inference", aot=status)
+        if plan is None:
+            entry.not_stored("aot_autograd's runtime wrapper has work to do for it")
+        elif (data := entry.serialize(graph)) is not None:
+            entry.store(data, plan)
+        compiled = compile_aten_graph(graph, inputs, kind="inference", aot=entry.status)
         unboxed = getattr(compiled, "unboxed", None)
         if unboxed is not None and plan is not None:
             inference.append(lambda first: unboxed(first, _writing_back(plan)))
@@ -583,12 +580,10 @@ def aot_compile(
 
     def compile_training(kind: str) -> GraphCompiler:
         def compile(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
-            if entry is not None:
-                entry.not_stored(
-                    "a training graph; aot_autograd's autograd wrapper is rebuilt only by tracing"
-                )
-            status = entry.status if entry is not None else "traced"
-            return compile_aten_graph(graph, inputs, kind=kind, aot=status)
+            entry.not_stored(
+                "a training graph; aot_autograd's autograd wrapper is rebuilt only by tracing"
+            )
+            return compile_aten_graph(graph, inputs, kind=kind, aot=entry.status)
 
         return compile
 

@@ -73,32 +73,33 @@ class Lookup:
     """One Dynamo graph's entry: its key (None where it cannot have one), and what
     became of it (``status``: shown in the graph's report)."""
 
-    cache: ExecutableCache
+    cache: ExecutableCache | None
     key: str | None
     status: str
     miss: str = ""
 
+    def _missed(self, why: str) -> None:
+        self.miss = why
+        self.status = f"traced (cache miss: {why})"
+
     def load(self) -> tuple[torch.fx.GraphModule, list[int]] | None:
         """The stored ATen inference graph and its write-back plan, or None (a miss,
         whose reason becomes ``status``)."""
-        if self.key is None:
+        if self.key is None or self.cache is None:
             return None
         payload, why = self.cache.load_value("aot", self.key)
         if payload is None:
-            self.miss = why
-            self.status = f"traced (cache miss: {why})"
+            self._missed(why)
             return None
         try:
             data, plan = pickle.loads(payload)
             graph = _graph_pickler().loads(data, _fake_mode())
         except Exception as e:  # noqa: BLE001 - an authentic entry this torch cannot read
-            self.miss = f"unloadable entry, {type(e).__name__}"
-            self.status = f"traced (cache miss: {self.miss})"
+            self._missed(f"unloadable entry, {type(e).__name__}")
             log.info("cannot load aot_autograd's graph %s: %s", self.key[:16], e)
             return None
         if not isinstance(graph, torch.fx.GraphModule):
-            self.miss = "unloadable entry"
-            self.status = f"traced (cache miss: {self.miss})"
+            self._missed("unloadable entry")
             return None
         self.status = "loaded from the cache (not traced)"
         log.debug("aot cache hit: %s", self.key[:16])
@@ -133,7 +134,7 @@ class Lookup:
             return None
 
     def store(self, data: bytes, plan: list[int]) -> None:
-        assert self.key is not None
+        assert self.key is not None and self.cache is not None
         payload = pickle.dumps((data, plan))
         if self.cache.store_value("aot", self.key, payload, "aot_autograd's graph"):
             self.status = f"traced and stored in the cache (cache miss: {self.miss})"
@@ -144,10 +145,11 @@ class Lookup:
 
 
 def lookup(
-    cache: ExecutableCache, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+    cache: ExecutableCache | None, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
 ) -> Lookup:
-    """The entry of Dynamo's graph ``gm`` called with ``example_inputs``."""
-    if cache.directory is None:
+    """The entry of Dynamo's graph ``gm`` called with ``example_inputs`` (without a
+    cache: no key, status ``traced``)."""
+    if cache is None or cache.directory is None:
         return Lookup(cache, None, "traced")
     if _graph_pickler() is None:
         return Lookup(cache, None, "traced (not cached: this torch lacks torch.fx's GraphPickler)")
