@@ -11,6 +11,7 @@ ratios, not absolute times, on a shared machine.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -43,10 +44,14 @@ def _steps(xs, ws, stride, padding, groups, transposed) -> dict[str, Callable[[]
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.workloads import device, jax_put
     from dynajax.lowering import conv_algorithms as ca
 
     torch.manual_seed(0)
     x, w = torch.randn(xs), torch.randn(ws)
+    xa, wa = jax_put(x.numpy()), jax_put(w.numpy())
+    x, w = x.to(device()), w.to(device())
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     nd = len(ws) - 2
     s, p, d, op = [stride] * nd, [padding] * nd, [1] * nd, [0] * nd
     if transposed:
@@ -55,16 +60,19 @@ def _steps(xs, ws, stride, padding, groups, transposed) -> dict[str, Callable[[]
         xla = jax.jit(lambda a, b: ca.xla_transposed(a, b, s, p, d, op, groups, jnp.float32))
 
         def eager() -> Any:
-            return conv(x, w, None, stride, padding, 0, groups)
+            out = conv(x, w, None, stride, padding, 0, groups)
+            sync()
+            return out
     else:
         conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
         chosen = jax.jit(lambda a, b: ca.convolution(a, b, s, p, d, groups, jnp.float32))
         xla = jax.jit(lambda a, b: ca.xla_convolution(a, b, s, p, d, groups, jnp.float32))
 
         def eager() -> Any:
-            return conv(x, w, None, stride, padding, 1, groups)
+            out = conv(x, w, None, stride, padding, 1, groups)
+            sync()
+            return out
 
-    xa, wa = jnp.asarray(x.numpy()), jnp.asarray(w.numpy())
     return {
         "eager": eager,
         "xla conv": lambda: xla(xa, wa).block_until_ready(),
@@ -84,7 +92,11 @@ def _form(xs, ws, stride, padding, groups, transposed) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args(argv)
+    from benchmarks.workloads import DEVICE_ENV
+
+    os.environ[DEVICE_ENV] = args.device
     print(f"torch threads: {torch.get_num_threads()}, median of {args.rounds} rounds\n")
     print("milliseconds per call; form: the one dynajax chooses for the shape")
     head = f"{'shape':38} {'form':>8} {'eager':>9} {'xla conv':>9} {'dynajax':>9} {'xla/dj':>7}"

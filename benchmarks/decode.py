@@ -103,9 +103,10 @@ class StaticDecoder(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.max_len = max_len
         shape = (batch, self.kv_heads, max_len, self.head_dim)
+        dev = hf.lm_head.weight.device
         for i in range(cfg.num_hidden_layers):
-            self.register_buffer(f"k{i}", torch.zeros(shape), persistent=False)
-            self.register_buffer(f"v{i}", torch.zeros(shape), persistent=False)
+            self.register_buffer(f"k{i}", torch.zeros(shape, device=dev), persistent=False)
+            self.register_buffer(f"v{i}", torch.zeros(shape, device=dev), persistent=False)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -114,7 +115,7 @@ class StaticDecoder(nn.Module):
         b, s = ids.shape
         x = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(x, pos[None])
-        mask = pos[:, None] >= torch.arange(self.max_len)[None]  # (s, max_len)
+        mask = pos[:, None] >= torch.arange(self.max_len, device=pos.device)[None]  # (s, max)
         rep = self.heads // self.kv_heads
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
@@ -212,16 +213,16 @@ class Timed:
         return out[:, self.ids.shape[1] :]
 
     def _loop(self, new_tokens: int) -> torch.Tensor:
-        p = self.ids.shape[1]
-        pos = torch.arange(p)
+        p, dev = self.ids.shape[1], self.ids.device
+        pos = torch.arange(p, device=dev)
         t0 = time.perf_counter()
-        tok = self.prefill(self.ids, pos)
+        tok = _synced(self.prefill(self.ids, pos))
         self.prefill_s = time.perf_counter() - t0
         toks, self.decode_s = [tok], []
-        pos = torch.tensor([p])
+        pos = torch.tensor([p], device=dev)
         for _ in range(new_tokens - 1):
             t0 = time.perf_counter()
-            tok = self.step(tok, pos)
+            tok = _synced(self.step(tok, pos))
             self.decode_s.append(time.perf_counter() - t0)
             toks.append(tok)
             pos.add_(1)
@@ -235,10 +236,19 @@ class _Stamps:
         self.times: list[float] = []
 
     def put(self, value: torch.Tensor) -> None:
+        _synced(value)
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
         pass
+
+
+def _synced(token: torch.Tensor) -> torch.Tensor:
+    """``token`` once the device has computed it (a GPU runs kernels after the call
+    returns; a decode loop reads each token before the next step)."""
+    if token.is_cuda:
+        torch.cuda.synchronize()
+    return token
 
 
 def _caches_off() -> None:
@@ -255,11 +265,12 @@ def measure(
     paths: tuple[str, ...] = PATHS,
     rounds: int = 5,
     log: Callable[[str], None] = lambda s: None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Per (path, peer): cold and warm time to first token, decode tokens/s, token match."""
     _caches_off()
-    model = build_llama(size)
-    ids = prompt_ids(size)
+    model = build_llama(size).to(device)
+    ids = prompt_ids(size).to(device)
     with torch.no_grad():
         reference = model.generate(
             ids,
@@ -305,7 +316,12 @@ def measure(
     for key, r in runners.items():  # after the rounds: recompiles would show here
         if r.backend is not None:
             results[f"{key[0]}/{key[1]}"]["graphs"] = graph_summary(r.backend)
-    return {"size": dataclasses.asdict(size), "rounds": rounds, "results": results}
+    return {
+        "size": dataclasses.asdict(size),
+        "rounds": rounds,
+        "device": torch.cuda.get_device_name() if device == "cuda" else device,
+        "results": results,
+    }
 
 
 def profile(
@@ -404,7 +420,7 @@ def profile(
 
 def print_report(out: dict[str, Any]) -> None:
     res = out["results"]
-    print(f"\n{out['size']}, {out['rounds']} rounds interleaved")
+    print(f"\n{out['size']}, {out['rounds']} rounds interleaved, on {out['device']}")
     head = ["path", "peer", "tokens/s", "vs inductor", "TTFT warm", "TTFT cold", "1st step cold"]
     head += ["1st generation", "= eager"]
     lines = [head]
@@ -456,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         help="time the layers of one decode step of the loop instead (µs per call)",
     )
     p.add_argument("--calls", type=int, default=200, help="calls per round (--profile)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(
         "--threads",
         type=int,
@@ -480,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         tuple(args.paths.split(",")),
         args.rounds,
         log=lambda s: print(f"[decode] {s}", file=sys.stderr, flush=True),
+        device=args.device,
     )
     print_report(out)
     return 0

@@ -31,9 +31,10 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
-from benchmarks.workloads import WORKLOADS, Step, Workload
+from benchmarks.workloads import WORKLOADS, Step, Workload, device
 
 PEERS = ("eager", "inductor", "dynajax", "jax")
 
@@ -89,7 +90,23 @@ def build_step(w: Workload, peer: str) -> Step | None:
     """The step for ``peer``; None where the peer has no version of this workload."""
     if peer == "jax":
         return w.jax_setup() if w.jax_setup is not None else dynajax_lowered_step(w)
-    return in_grad_mode(w, w.setup(compile_fn(peer)))
+    return synchronized(in_grad_mode(w, w.setup(compile_fn(peer))))
+
+
+def synchronized(step: Step) -> Step:
+    """``step`` that returns once the device has finished its work (on a GPU, kernels run
+    after the call returns: a timing without this measures the launches only). The JAX
+    floors block on their results themselves; dynajax's outputs are torch tensors over
+    XLA's buffers, and a device-wide synchronize waits for XLA's streams too."""
+    if device().type != "cuda":
+        return step
+
+    def synced() -> Any:
+        out = step()
+        torch.cuda.synchronize()
+        return out
+
+    return synced
 
 
 def in_grad_mode(w: Workload, step: Step) -> Step:
@@ -187,18 +204,25 @@ def time_steady(
     """Median seconds per call for each peer, interleaved; errors are recorded."""
     steps: dict[str, Step] = {}
     results: dict[str, dict[str, Any]] = {}
+    firsts: dict[str, Any] = {}
     for peer in peers:
         try:
             step = build_step(w, peer)
             if step is None:
                 results[peer] = {"status": "n/a"}
                 continue
-            for _ in range(warmup):
+            firsts[peer] = step()
+            for _ in range(warmup - 1):
                 step()
             steps[peer] = step
             results[peer] = {"status": "ok", "samples": []}
         except Exception as e:  # a peer failing is a result, not a crash of the run
             results[peer] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+    if w.no_grad and "eager" in firsts:  # training rows' first steps differ by dropout
+        for peer, out in firsts.items():
+            if peer != "eager":
+                results[peer]["max_abs_diff_vs_eager"] = max_abs_diff(out, firsts["eager"])
+    del firsts
     order = list(steps)
     shuffle = random.Random(0).shuffle
     start = time.perf_counter()
@@ -230,6 +254,34 @@ def time_steady(
     if w.memory_calls and "dynajax" in steps:
         results["dynajax"]["memory"] = measure_memory(steps["dynajax"], w.memory_calls)
     return results
+
+
+def _host_leaves(out: Any) -> list[np.ndarray]:
+    """The arrays of a step's result (torch tensors, JAX arrays, nested), on the host."""
+    import jax
+    from torch.utils import _pytree
+
+    leaves = []
+    for leaf in _pytree.tree_leaves(out):
+        for x in jax.tree_util.tree_leaves(leaf):
+            if isinstance(x, torch.Tensor):  # float64 on the host: NumPy has no bfloat16
+                x = x.detach().cpu()
+                x = x.double() if x.is_floating_point() else x
+            leaves.append(np.asarray(x))
+    return leaves
+
+
+def max_abs_diff(out: Any, expected: Any) -> float | None:
+    """The largest absolute difference between two results' arrays (float64); None when
+    their structures or shapes differ."""
+    a, b = _host_leaves(out), _host_leaves(expected)
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True)):
+        return None
+    diffs = [
+        float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)), initial=0.0))
+        for x, y in zip(a, b, strict=True)
+    ]
+    return max(diffs, default=0.0)
 
 
 def _rss_bytes() -> int:
@@ -277,7 +329,7 @@ def _warm_compiler(peer: str) -> None:
         jax.jit(lambda a: a * 3 - 1)(jnp.ones((3, 5))).block_until_ready()
         return
     f = compile_fn(peer)(lambda a: a * 3 - 1)
-    f(torch.ones(3, 5))
+    f(torch.ones(3, 5, device=device()))
     torch._dynamo.reset()
 
 

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from benchmarks import harness
-    from benchmarks.workloads import WORKLOADS
+    from benchmarks.workloads import WORKLOADS, device
 
     if args.suite:  # the test suite's models: rows built on the fly, not in WORKLOADS
         from benchmarks.suite import suite_workloads
@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "suite": args.suite,
+            "device": str(device()),
+            "device_name": torch.cuda.get_device_name() if device().type == "cuda" else None,
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
         },
         "workloads": {},
     }
@@ -114,6 +117,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "steady": steady,
             "first_call": first,
         }
+        # What is measured so far, should a long run be stopped (--report re-prints it).
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "partial.json").write_text(json.dumps(out, indent=1, default=str))
     out["summary"] = summarize(out)
     return out
 
@@ -192,7 +198,20 @@ def print_report(out: dict[str, Any]) -> None:
         f"load average at start: {meta['load_avg']}  cpus: {meta['cpus']}  "
         f"torch threads: {meta.get('torch_threads')}  XLA_FLAGS: {meta.get('xla_flags') or '-'}"
     )
-    head = ["workload"] + peers + ["dj/ind", "dj/eager", "dj/jax"]
+    if meta.get("device", "cpu") != "cpu":
+        print(
+            f"device: {meta['device']} ({meta.get('device_name')}), float32 matmul precision: "
+            f"{meta.get('float32_matmul_precision')}  torch {meta['torch']}  jax {meta['jax']}"
+        )
+    # The largest |dynajax - eager| over a row's outputs, on its first call (inference rows).
+    errs = {n: r["steady"].get("dynajax", {}).get("max_abs_diff_vs_eager") for n, r in rows.items()}
+    show_err = any(e is not None for e in errs.values())
+    head = (
+        ["workload"]
+        + peers
+        + ["dj/ind", "dj/eager", "dj/jax"]
+        + (["|dj-eager|"] if show_err else [])
+    )
     lines = [head]
     for name, r in rows.items():
         st = r["steady"]
@@ -207,6 +226,8 @@ def print_report(out: dict[str, Any]) -> None:
         for k in ("dynajax/inductor", "dynajax/eager", "dynajax/jax"):
             v = ratios[name][k]
             cells.append(f"{v:.2f}" if v else "-")
+        if show_err:
+            cells.append("-" if errs[name] is None else f"{errs[name]:.1e}")
         lines.append(cells)
     _table("steady state, median per call", lines)
 
@@ -352,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run benchmarks.decode (greedy generation with a static KV cache) instead",
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="where models and inputs live (default cpu); cuda: every step synchronizes "
+        "the device before its time is taken",
+    )
     p.add_argument("--no-first-call", action="store_true", help="skip cold first-call runs")
     p.add_argument("--no-memory", action="store_true", help="skip memory checks")
     p.add_argument("--no-plot", action="store_true")
@@ -369,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         "like there. Default: each library's own default.",
     )
     args = p.parse_args(argv)
+    from benchmarks.workloads import DEVICE_ENV
+
+    if args.device:  # an environment variable: first-call workers inherit it
+        os.environ[DEVICE_ENV] = args.device
     if args.peers is None:
         args.peers = "eager,inductor,dynajax" + ("" if args.suite else ",jax")
     if args.threads:
@@ -376,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode:
         from benchmarks import decode
 
-        return decode.main([f"--rounds={args.repeats or 5}"])
+        return decode.main([f"--rounds={args.repeats or 5}", f"--device={args.device or 'cpu'}"])
 
     if args.report:
         out = json.loads(args.report.read_text())

@@ -21,6 +21,7 @@ from benchmarks.workloads import (
     Workload,
     encoder_model,
     mlp_model,
+    placed,
     register,
     resnet_model,
 )
@@ -29,7 +30,7 @@ from benchmarks.workloads import (
 def _train_step(build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]) -> Callable[..., Step]:
     def setup(compile: Compile) -> Step:
         torch.manual_seed(0)
-        model, args = build()
+        model, args = placed(*build())
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         fwd = compile(model)

@@ -28,6 +28,7 @@ the geometric means of the targets.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -82,11 +83,35 @@ def _seeded() -> None:
     torch.manual_seed(0)
 
 
+# -- the device every row runs on (``python -m benchmarks.run --device cuda``) ----------
+
+DEVICE_ENV = "DYNAJAX_BENCH_DEVICE"  # inherited by first-call worker processes
+
+
+def device() -> torch.device:
+    """The torch device of every row's model and inputs (default: CPU)."""
+    return torch.device(os.environ.get(DEVICE_ENV) or "cpu")
+
+
+def placed(model: nn.Module, args: tuple[Any, ...]) -> tuple[nn.Module, tuple[Any, ...]]:
+    """``model`` and its tensor arguments moved to ``device()``."""
+    d = device()
+    return model.to(d), tuple(a.to(d) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def jax_put(x: Any) -> Any:
+    """``x`` (NumPy or JAX) on the JAX device matching ``device()``, for the JAX floors."""
+    import jax
+
+    platform = "gpu" if device().type == "cuda" else "cpu"
+    return jax.device_put(x, jax.devices(platform)[0])
+
+
 # -- overhead rows ---------------------------------------------------------------------
 
 
 def _add_one(compile: Compile) -> Step:
-    x = torch.zeros(1)
+    x = torch.zeros(1, device=device())
     f = compile(lambda x: x + 1)
     return lambda: f(x)
 
@@ -96,7 +121,7 @@ def _add_one_jax() -> Step:
     import jax.numpy as jnp
 
     f = jax.jit(lambda x: x + 1)
-    x = jnp.zeros(1)
+    x = jax_put(jnp.zeros(1))
     return lambda: f(x).block_until_ready()
 
 
@@ -111,7 +136,7 @@ def _sum_inputs(*xs: torch.Tensor) -> torch.Tensor:
 
 
 def _many_inputs(compile: Compile) -> Step:
-    xs = [torch.full((4,), float(i)) for i in range(N_SMALL)]
+    xs = [torch.full((4,), float(i), device=device()) for i in range(N_SMALL)]
     f = compile(_sum_inputs)
     return lambda: f(*xs)
 
@@ -121,7 +146,7 @@ def _many_inputs_jax() -> Step:
     import jax.numpy as jnp
 
     f = jax.jit(_sum_inputs)
-    xs = [jnp.full((4,), float(i)) for i in range(N_SMALL)]
+    xs = [jax_put(jnp.full((4,), float(i))) for i in range(N_SMALL)]
     return lambda: f(*xs).block_until_ready()
 
 
@@ -157,7 +182,7 @@ register(
 def _model_step(build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]) -> Callable[..., Step]:
     def setup(compile: Compile) -> Step:
         _seeded()
-        model, args = build()
+        model, args = placed(*build())
         model.eval()
         f = compile(model)
         return lambda: f(*args)
@@ -176,13 +201,19 @@ def _mlp_jax() -> Step:
 
     _seeded()
     model, (x,) = mlp_model()
-    w1, b1, w2, b2 = (jnp.asarray(p.detach().numpy()) for p in model.parameters())
+    w1, b1, w2, b2 = (jax_put(p.detach().numpy()) for p in model.parameters())
+
+    # PyTorch's float32 products are exact float32 at its default precision ("highest");
+    # JAX's default on a GPU is TF32. The floor computes what the peers compute.
+    exact = torch.get_float32_matmul_precision() == "highest"
+    precision = jax.lax.Precision.HIGHEST if exact else None
 
     @jax.jit
     def f(x: jax.Array) -> jax.Array:
-        return jnp.maximum(x @ w1.T + b1, 0) @ w2.T + b2
+        h = jnp.maximum(jnp.matmul(x, w1.T, precision=precision) + b1, 0)
+        return jnp.matmul(h, w2.T, precision=precision) + b2
 
-    xa = jnp.asarray(x.numpy())
+    xa = jax_put(x.numpy())
     return lambda: f(xa).block_until_ready()
 
 

@@ -17,7 +17,7 @@ from dynajax.interop import JaxFunction, jax_function
 from dynajax.interop.call_jax import call_jax
 from dynajax.lowering.registry import supported_ops
 from dynajax.passes.user import Rewrite, RewriteRecord
-from dynajax.runtime import cpu_client
+from dynajax.runtime import cpu_client, gpu_memory
 from dynajax.sharding import ShardingRules
 from dynajax.stablehlo import ExportedModel, export
 
@@ -26,6 +26,9 @@ __version__ = "0.1.0"
 # Unless JAX is already in use: its CPU client runs executions on the calling thread
 # (dynajax waits for every result; a hand-off to a worker thread is pure cost).
 cpu_client.prefer_inline()
+# Unless JAX is already in use or the environment says otherwise: JAX's GPU client
+# allocates as it needs instead of reserving 75% of the card PyTorch shares.
+gpu_memory.share_with_torch()
 
 __all__ = [
     "Backend",

@@ -304,11 +304,15 @@ def check_pass(
 # ---------------------------------------------------------------------------------
 
 
-def run_python(*args: str, timeout: float = 600) -> str:
-    """Runs ``python *args`` from the repository root (with this process's environment)
-    and returns the last line it printed; fails the test with its stderr if it fails."""
+def run_python(
+    *args: str, timeout: float = 600, unset: tuple[str, ...] = (), **environ: str
+) -> str:
+    """Runs ``python *args`` from the repository root (with this process's environment,
+    less ``unset``, plus ``environ``) and returns the last line it printed; fails the
+    test with its stderr if it fails."""
     root = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root))
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(environ, PYTHONPATH=str(root))
     out = subprocess.run(
         [sys.executable, *args],
         capture_output=True,
