@@ -6,7 +6,7 @@ print(dynajax.explain(model, x))
 """
 
 from dynajax import debug  # dynajax.debug.compare: the accuracy debugger
-from dynajax.backend import Backend, dynajax_backend
+from dynajax.backend import Backend, dynajax_backend, register_name
 from dynajax.capability import Reason, Supported, Unsupported
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, Report, WhatIf
@@ -29,6 +29,8 @@ cpu_client.prefer_inline()
 # Unless JAX is already in use or the environment says otherwise: JAX's GPU client
 # allocates as it needs instead of reserving 75% of the card PyTorch shares.
 gpu_memory.share_with_torch()
+# backend="dynajax" from a checkout on PYTHONPATH too (an installed one has an entry point).
+register_name()
 
 __all__ = [
     "Backend",

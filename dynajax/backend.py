@@ -223,3 +223,23 @@ def dynajax_backend(
             "options={...} instead (valid options: " + ", ".join(Options.names()) + ")."
         )
     return Backend(**(options or {}))(gm, example_inputs)
+
+
+def register_name() -> None:
+    """Make ``backend="dynajax"`` work once dynajax is imported, installed or not.
+
+    An installed dynajax is found through its ``torch_dynamo_backends`` entry point,
+    which Dynamo loads (importing dynajax) and registers itself. A checkout on
+    ``PYTHONPATH`` has no entry point, and Dynamo would answer ``InvalidBackend``: there
+    the name is registered here. Never both: Dynamo refuses a name registered twice.
+    """
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends.registry import register_backend
+
+    if entry_points(group="torch_dynamo_backends", name="dynajax"):
+        return
+    try:
+        register_backend(dynajax_backend, name="dynajax")
+    except AssertionError:  # "duplicate name": registered already
+        pass

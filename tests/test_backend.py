@@ -9,6 +9,7 @@ import textwrap
 import torch
 
 import dynajax
+from tests.helpers import run_python
 
 
 def test_entry_point_in_fresh_process() -> None:
@@ -26,6 +27,28 @@ def test_entry_point_in_fresh_process() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_name_registered_on_import_without_an_entry_point() -> None:
+    # A checkout on PYTHONPATH, not installed: no entry point, and importing dynajax is
+    # what makes backend="dynajax" valid.
+    code = textwrap.dedent(
+        """
+        import importlib.metadata as md
+        found = md.entry_points
+        md.entry_points = lambda **kw: (
+            md.EntryPoints(()) if kw.get("group") == "torch_dynamo_backends" else found(**kw)
+        )
+        import torch, dynajax
+        from torch._dynamo.backends.registry import lookup_backend
+        f = torch.compile(lambda x: torch.sin(x) * 2, backend="dynajax")
+        x = torch.randn(5)
+        torch.testing.assert_close(f(x), torch.sin(x) * 2)
+        assert lookup_backend("dynajax") is dynajax.dynajax_backend
+        print("ok")
+        """
+    )
+    assert run_python("-c", code, timeout=300) == "ok"
 
 
 def test_listed_by_dynamo() -> None:

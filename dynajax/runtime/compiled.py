@@ -140,8 +140,14 @@ class CompiledPartition(torch.nn.Module):
         # The partition's function under plain jax.jit: the raw-JAX floor the benchmarks
         # compare against (the per-call path uses the AOT executable instead).
         self.jitted = jax.jit(owned)
-        devices = _placeholder_devices(graph)
-        self.device_type = devices.pop() if len(devices) == 1 else None
+        # Where eager runs the graph: its inputs' device; with none, its outputs'. A
+        # 0-dim CPU tensor may meet a GPU's tensors in one op (PyTorch takes it as a
+        # scalar): the partition runs on the GPU and takes that tensor there per call.
+        devices = _tensor_devices(graph, "placeholder") or _tensor_devices(graph, "output")
+        accelerators = devices - {"cpu"}
+        self.device_type = (
+            accelerators.pop() if len(accelerators) == 1 else "cpu" if devices == {"cpu"} else None
+        )
         on_cpu = self.device_type == "cpu"
         vals = [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]
         if placement is None and device is not None:
@@ -172,6 +178,19 @@ class CompiledPartition(torch.nn.Module):
         else:
             convert = fast_to_jax
             sharding, platform = None, jax.default_backend()
+            if "cpu" in devices:  # a CPU scalar, copied per call to the accelerator
+                make_cached = _accelerator_array
+        # Outputs eager gives on the CPU from a partition that runs elsewhere (a CPU
+        # scalar's arithmetic beside a GPU's, a graph that only creates tensors).
+        self._cpu_outputs = (
+            []
+            if on_cpu or placement is not None
+            else [
+                i
+                for i, v in enumerate(_output_vals(graph))
+                if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+            ]
+        )
         self.stats = stats if stats is not None else CompileStats()
         self.executables = Executables(
             name,
@@ -252,7 +271,14 @@ class CompiledPartition(torch.nn.Module):
             direct.checked.raise_if_failed(results.pop(), self.name)
         if self._numpy_outputs:
             return list(map(_from_numpy, map(_asarray, results)))
-        return list(map(self._to_torch, results))
+        return self._outputs(results)
+
+    def _outputs(self, results: Sequence[Any]) -> list[torch.Tensor]:
+        """The executable's results as tensors on the devices eager gives them."""
+        outs = list(map(self._to_torch, results))
+        for i in self._cpu_outputs:
+            outs[i] = outs[i].cpu()
+        return outs
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The per-call path: a sequence of tensors in, a list of tensors out."""
@@ -378,7 +404,7 @@ class CompiledPartition(torch.nn.Module):
             outs = outs[:-1]
         if self._numpy_outputs:
             return list(map(_from_numpy, map(_asarray, outs)))
-        return list(map(self._to_torch, outs))
+        return self._outputs(outs)
 
     def _first_call(self, tensors: Sequence[Any], arrays: list[Any]) -> Any:
         """Compiles (or loads) the one executable of a static-shape graph and calls it."""
@@ -408,7 +434,7 @@ class CompiledPartition(torch.nn.Module):
                 return self._run_exact(given)
             checks.raise_if_failed(results[-1], self.name)
             results = results[:-1]
-        outs = list(map(self._to_torch, results))
+        outs = self._outputs(results)
         return ex.unpad(outs, restore) if restore else outs
 
     def _run_exact(self, args: Sequence[Any]) -> list[torch.Tensor]:
@@ -503,14 +529,20 @@ def _output_vals(graph: torch.fx.GraphModule) -> list[Any]:
     return []
 
 
-def _placeholder_devices(graph: torch.fx.GraphModule) -> set[str]:
-    devices = set()
-    for node in graph.graph.nodes:
-        if node.op == "placeholder":
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                devices.add(val.device.type)
-    return devices
+def _tensor_devices(graph: torch.fx.GraphModule, op: str) -> set[str]:
+    """The device types of the graph's inputs (``op="placeholder"``) or outputs."""
+    if op == "output":
+        vals = _output_vals(graph)
+    else:
+        vals = [n.meta.get("val") for n in graph.graph.nodes if n.op == op]
+    return {v.device.type for v in vals if isinstance(v, torch.Tensor)}
+
+
+def _accelerator_array(t: torch.Tensor) -> jax.Array | None:
+    """``zero_copy_array`` for a partition on an accelerator: a CPU tensor there (a
+    0-dim one PyTorch lets meet a GPU's) is not cached as a CPU array, and crosses per
+    call (the executable puts it on its device)."""
+    return None if t.device.type == "cpu" else zero_copy_array(t)
 
 
 def _committed_cpu(t: torch.Tensor) -> jax.Array:

@@ -1,0 +1,92 @@
+"""Tensors on the device eager gives them, on every device this machine has.
+
+CI runs the CPU cases; a machine with a GPU runs each case on CUDA as well
+(``python -m pytest tests/runtime/test_devices.py``). PyTorch lets a 0-dim CPU tensor
+meet a GPU's tensors in one op (as a scalar): such a partition runs on the GPU, takes
+the CPU tensor there per call, and hands back on the CPU what eager gives on the CPU.
+A graph with no tensor inputs runs where its outputs live.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dynajax
+from tests.tolerances import assert_same
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+def _both(fn, *args):
+    backend = dynajax.Backend()
+    got = torch.compile(fn, backend=backend)(*args)
+    return got, fn(*args), backend
+
+
+def _same_placed(got, want) -> None:
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    assert [g.device for g in got] == [w.device for w in want]
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    assert_same(list(got), list(want))
+
+
+def test_cpu_scalar_beside_device_tensors(device) -> None:
+    x = torch.randn(4, 8, device=device)
+    scale, step = torch.tensor(2.5), torch.tensor(3, dtype=torch.int64)
+
+    def f(x, scale, step):
+        return x * scale + step, step + 1, (step * 2).double()
+
+    for s in (scale, torch.tensor(-0.5)):  # a new CPU tensor: crosses per call
+        got, want, backend = _both(f, x, s, step)
+        _same_placed(got, want)
+    assert not dynajax.Report(backend.graphs).fallbacks
+
+
+def test_graph_without_tensor_inputs_gives_eager_devices(device) -> None:
+    def f(n: int):
+        return torch.arange(n, device=device) * 2, torch.ones(3, dtype=torch.float64)
+
+    got, want, _ = _both(f, 5)
+    _same_placed(got, want)
+
+
+def test_model_forward_backward_and_buffers(device) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model).to(device)
+    model = model.to(device)
+    x = torch.randn(32, 8, device=device)
+    compiled = torch.compile(model, backend="dynajax")
+    got, want = compiled(x), ref(x)
+    got.square().mean().backward()
+    want.square().mean().backward()
+    _same_placed(got, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and p.grad.device == device, name
+        assert_same([p.grad], [q.grad])
+    for b, c in zip(model.buffers(), ref.buffers(), strict=True):  # running stats
+        assert b.device == device
+        assert_same([b], [c])
+
+
+def test_exact_dtypes_on_device(device) -> None:
+    a = torch.arange(-6, 6, device=device, dtype=torch.int64) * (2**40)
+    b = torch.linspace(-1, 1, 12, device=device, dtype=torch.float64)
+
+    def f(a, b):
+        return a // 3 + 1, b * 1e-300, (a.double() * b).sum()
+
+    got, want, _ = _both(f, a, b)
+    _same_placed(got, want)
+    assert torch.equal(got[0], want[0])
