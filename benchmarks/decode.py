@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.harness import graph_summary
+
 PEERS = ("eager", "inductor", "dynajax")
 PATHS = ("generate", "loop")
 
@@ -152,19 +154,6 @@ def _compile_fn(peer: str) -> tuple[Callable[[Callable[..., Any]], Callable[...,
 
     backend = dynajax.Backend(cache_dir="")
     return (lambda f: torch.compile(_own_code(f, peer), backend=backend)), backend
-
-
-def graph_summary(backend: Any) -> str:
-    """dynajax's graphs, partitions, fallbacks and XLA compiles, in one line."""
-    import dynajax
-
-    report = dynajax.Report(backend.graphs)
-    parts = [len(g.partitions) for g in report.graphs]
-    fallbacks = sorted({str(f.target) for f in report.fallbacks})
-    return (
-        f"{len(report.graphs)} graph(s), partitions per graph {parts}, "
-        f"{report.compile_stats.xla_compiles} XLA compile(s), fallbacks {fallbacks or 'none'}"
-    )
 
 
 class Timed:

@@ -61,10 +61,33 @@ def compile_fn(peer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     if peer == "inductor":
         return lambda f: torch.compile(_own_code(f, peer))
     if peer == "dynajax":
-        import dynajax  # noqa: F401  (entry point registered on import too)
+        import dynajax
 
-        return lambda f: torch.compile(_own_code(f, peer), backend="dynajax")
+        def compile_dynajax(f: Callable[..., Any]) -> Callable[..., Any]:
+            backend = dynajax.Backend()  # what backend="dynajax" builds, kept for its report
+            dynajax_backends.append(backend)
+            return torch.compile(_own_code(f, peer), backend=backend)
+
+        return compile_dynajax
     raise ValueError(f"unknown peer {peer!r}")
+
+
+# Every backend the dynajax peer compiled with, newest last (time_steady summarizes a
+# row's from them: graphs, partitions, fallbacks).
+dynajax_backends: list[Any] = []
+
+
+def graph_summary(*backends: Any) -> str:
+    """dynajax's graphs, partitions, fallbacks and XLA compiles, in one line."""
+    import dynajax
+
+    report = dynajax.Report([g for b in backends for g in b.graphs])
+    parts = [len(g.partitions) for g in report.graphs]
+    fallbacks = sorted({str(f.target) for f in report.fallbacks})
+    return (
+        f"{len(report.graphs)} graph(s), partitions per graph {parts}, "
+        f"{report.compile_stats.xla_compiles} XLA compile(s), fallbacks {fallbacks or 'none'}"
+    )
 
 
 _codes = itertools.count()
@@ -205,6 +228,7 @@ def time_steady(
     steps: dict[str, Step] = {}
     results: dict[str, dict[str, Any]] = {}
     firsts: dict[str, Any] = {}
+    built = len(dynajax_backends)
     for peer in peers:
         try:
             step = build_step(w, peer)
@@ -223,6 +247,8 @@ def time_steady(
             if peer != "eager":
                 results[peer]["max_abs_diff_vs_eager"] = max_abs_diff(out, firsts["eager"])
     del firsts
+    if results.get("dynajax", {}).get("status") == "ok":
+        results["dynajax"]["graphs"] = graph_summary(*dynajax_backends[built:])
     order = list(steps)
     shuffle = random.Random(0).shuffle
     start = time.perf_counter()

@@ -274,6 +274,12 @@ def print_report(out: dict[str, Any]) -> None:
     ]
     for name, p, e in errors:
         print(f"error: {name} / {p}: {e}")
+    graphs = {n: r["steady"].get("dynajax", {}).get("graphs") for n, r in rows.items()}
+    if any(graphs.values()):
+        print("\ndynajax's graphs per row:")
+        for name, g in graphs.items():
+            if g:
+                print(f"  {name}: {g}")
 
     if "training geomean" in out["summary"]:
         shown = {

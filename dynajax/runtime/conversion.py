@@ -64,7 +64,26 @@ def dlpack_to_jax(t: torch.Tensor) -> jax.Array:
     contiguous tensor without a lazy conjugate or negative bit (``to_jax`` makes it so):
     DLPack would hand JAX other strides as a layout, and drops the lazy bits.
     """
-    return jax.dlpack.from_dlpack(t)
+    return jax.dlpack.from_dlpack(row_major(t))
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) with the strides of a row-major layout, the same memory.
+
+    PyTorch calls a tensor contiguous whatever the strides of its size-1 dimensions
+    (a ``[None]`` or a transpose leaves them as they were), and DLPack passes strides
+    on: on a GPU, JAX read them as another layout, and an executable compiled for the
+    row-major one refused the array (seen on an H100: ``float32[1,8,1,32]`` with
+    major_to_minor (0, 2, 1, 3), a KV-cache step's key).
+    """
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    strides.reverse()
+    if t.stride() == tuple(strides):
+        return t
+    return t.as_strided(t.shape, strides, t.storage_offset())
 
 
 def dlpack_to_torch(a: jax.Array) -> torch.Tensor:
@@ -110,7 +129,7 @@ def zero_copy_array(t: torch.Tensor) -> jax.Array | None:
             # compiled for; to_jax makes a row-major copy instead.
             return None
         try:
-            arr = jax.dlpack.from_dlpack(t)
+            arr = dlpack_to_jax(t)
         except (RuntimeError, TypeError, ValueError, BufferError):
             return None
     try:

@@ -42,6 +42,12 @@ def test_run_tiniest_workload(tmp_path, capsys) -> None:
         res = row["steady"][peer]
         assert res["status"] == "ok", res
         assert res["median_s"] > 0 and res["n"] == 2 * WORKLOADS["add-one"].inner
+    # dynajax's first output against eager's, and its graphs, recorded per row
+    assert row["steady"]["dynajax"]["max_abs_diff_vs_eager"] == 0.0
+    assert row["steady"]["jax"]["max_abs_diff_vs_eager"] == 0.0
+    assert row["steady"]["dynajax"]["graphs"].startswith("1 graph(s), partitions per graph [1]")
+    assert "dynajax's graphs per row:" in printed
+    assert (tmp_path / "partial.json").exists()
     mem = row["steady"]["dynajax"]["memory"]
     assert mem["calls"] == WORKLOADS["add-one"].memory_calls
     assert {"rss_delta_mib", "live_arrays_before", "live_arrays_after", "flat"} <= set(mem)
@@ -71,6 +77,29 @@ def test_floor_from_the_dynajax_lowered_function(name: str) -> None:
         expected = eager()
     actual = [torch.from_numpy(np.array(a)) for a in jax.tree_util.tree_leaves(floor())]
     assert_same(actual, [expected], model=True)
+
+
+def test_profile_reports_each_peer(capsys) -> None:
+    """benchmarks.profile on the CPU: each peer's wall time per step and its top host
+    operators (no kernels to record), and dynajax's graph summary."""
+    from benchmarks import profile
+
+    assert profile.main(["--workloads", "add-one", "--steps", "2", "--warmup", "1"]) == 0
+    printed = capsys.readouterr().out
+    for peer in ("inductor", "dynajax"):
+        line = next(ln for ln in printed.splitlines() if ln.startswith(f"add-one / {peer}:"))
+        wall = float(line.split("wall ")[1].split(" µs")[0])
+        assert wall > 0, line
+    assert "dynajax: 1 graph(s), partitions per graph [1]" in printed
+
+
+def test_device_setting_places_rows(monkeypatch) -> None:
+    """--device: a row's model and inputs are built on ``workloads.device()``."""
+    from benchmarks import workloads
+
+    monkeypatch.setenv(workloads.DEVICE_ENV, "meta")
+    model, (x,) = workloads.placed(*workloads.mlp_model())
+    assert x.device.type == "meta" and next(model.parameters()).device.type == "meta"
 
 
 # -- decode, model suite, checks on every row (benchmarks/decode.py, suite.py, checks.py) --

@@ -9,7 +9,9 @@ import torch
 
 from dynajax.runtime.conversion import (
     cpu_to_torch,
+    dlpack_to_jax,
     fast_to_jax,
+    row_major,
     to_jax,
     to_torch,
     zero_copy_array,
@@ -86,6 +88,27 @@ def test_cpu_input_is_a_view_not_a_copy() -> None:
     view = fast_to_jax(t)
     assert isinstance(view, np.ndarray)
     assert view.ctypes.data == t.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(8, 1, 32).transpose(0, 1),  # (1, 8, 32), strides (32, 32, 1)
+        lambda: torch.randn(8, 32).as_strided((1, 8, 1, 32), (7, 32, 5, 1)),
+        lambda: torch.randn(1, 4).t(),  # (4, 1), strides (1, 4)
+    ],
+)
+def test_size_one_dimensions_cross_dlpack_row_major(make) -> None:
+    # Contiguous to PyTorch, but DLPack would pass the size-1 dimensions' strides on
+    # as a layout (a GPU executable refused one): the same memory, row-major strides.
+    t = make()
+    assert t.is_contiguous() and t.stride() != row_major(t).stride()
+    r = row_major(t)
+    assert r.data_ptr() == t.data_ptr() and torch.equal(r, t)
+    assert r.stride() == torch.empty(t.shape).stride()
+    a = dlpack_to_jax(t)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
 
 
 def test_output_views_the_xla_buffer() -> None:
