@@ -13,6 +13,9 @@ table lives here:
 * ``CHECKED_KERNELS`` are taken out of the table, because eager's kernel raises on
   argument values that their decompositions accept; their rules check the values
   (``lowering/checks.py``).
+* On a GPU, ``F.scaled_dot_product_attention`` is traced as PyTorch's math attention
+  (``_attention_as_math``), not as the fused GPU kernel it would pick, which has no
+  rule and no decomposition.
 * An op whose eager CPU kernel refuses the call's dtypes (``softplus`` of int64) is
   not decomposed for that call (the decompositions would compute a value); the
   capability stage sends it to eager PyTorch, which raises.
@@ -60,6 +63,7 @@ it becomes ``linalg_cholesky_ex`` (a JAX rule) plus the effectful
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -343,6 +347,36 @@ def _tracing_decompositions() -> dict[Any, Callable[..., Any]]:
     return {op: _unless_eager_refuses(op, fn) for op, fn in table.items()}
 
 
+def on_accelerator(example_inputs: Sequence[Any]) -> bool:
+    """Whether a Dynamo graph's tensors live on an accelerator (a GPU)."""
+    return any(
+        isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta") for t in example_inputs
+    )
+
+
+def _attention_as_math(example_inputs: Sequence[Any]) -> Any:
+    """On an accelerator, ``F.scaled_dot_product_attention`` traced as PyTorch's math
+    attention (matmuls, softmax, dropout: ops with rules), not as the GPU's fused
+    kernel.
+
+    ``scaled_dot_product_attention`` is CompositeImplicitAutograd: it picks its kernel
+    from its inputs before aot_autograd's tracer sees it, and no decomposition table
+    entry overrides that choice. On a GPU it picks ``_scaled_dot_product_efficient_-
+    attention`` (float32) or the flash or cuDNN kernel, with their own backward ops and
+    their own dropout RNG, none of which has a rule or a decomposition: each attention
+    ran in eager PyTorch between JAX partitions (GPT-2 and the encoder training step on
+    an H100). Restricting the choice to the math backend while tracing gives XLA the
+    attention to fuse, with autograd's own formulas and dynajax's dropout. On the CPU
+    the fused kernel's own decomposition (``_scaled_dot_product_flash_attention_for_-
+    cpu``, with the correction above) stays: it follows eager's CPU kernel.
+    """
+    if not on_accelerator(example_inputs):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
 def _partition_without_reading_mutated_inputs(
     joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -600,7 +634,8 @@ def aot_compile(
         # (_partition_without_reading_mutated_inputs).
         partition_fn=_partition_without_reading_mutated_inputs,
     )
-    wrapped = compiler(gm, example_inputs)
+    with _attention_as_math(example_inputs):
+        wrapped = compiler(gm, example_inputs)
     if len(inference) != 1:
         return wrapped
     return inference[0](wrapped)

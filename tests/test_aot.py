@@ -89,3 +89,55 @@ def test_tracing_table_traces_the_graphs_of_the_whole_table(train) -> None:
 
     full = {op: aot._unless_eager_refuses(op, fn) for op, fn in aot.decompositions().items()}
     assert traced(aot._tracing_decompositions()) == traced(full)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 8, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1)
+
+
+@pytest.mark.parametrize("as_on_a_gpu", [False, True])
+def test_attention_on_an_accelerator_is_traced_as_math(monkeypatch, as_on_a_gpu) -> None:
+    """On a GPU, scaled_dot_product_attention would be traced as the fused kernel it
+    picks there (no rule, no decomposition: an eager fallback); dynajax traces the math
+    attention instead. CI has no GPU: the same choice, made on the CPU, runs in one JAX
+    partition, with eager's forward and gradients."""
+    monkeypatch.setattr(aot, "on_accelerator", lambda inputs: as_on_a_gpu)
+    torch.manual_seed(0)
+    model, x = _Attention(), torch.randn(2, 8, 32)
+    backend = dynajax.Backend()
+    got = torch.compile(model, backend=backend)(x)
+    got.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    want = model(x)
+    want.square().sum().backward()
+    torch.testing.assert_close(got, want)
+    for g, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad)
+    report = dynajax.Report(backend.graphs)
+    assert not report.fallbacks
+    assert [len(g.partitions) for g in report.graphs] == [1, 1]
+
+
+def test_math_attention_only_for_accelerator_graphs() -> None:
+    """The restriction applies while tracing a graph of GPU tensors (fake ones here:
+    CI has no GPU), never to a CPU graph, and is lifted afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        on_gpu = [torch.empty(2, 3, device="cuda"), 4]
+    cpu = [torch.empty(2, 3), 4]
+    assert aot.on_accelerator(on_gpu) and not aot.on_accelerator(cpu)
+    backends = torch.backends.cuda
+    with aot._attention_as_math(on_gpu):
+        assert backends.math_sdp_enabled() and not backends.flash_sdp_enabled()
+        assert not backends.mem_efficient_sdp_enabled() and not backends.cudnn_sdp_enabled()
+    assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled()
+    with aot._attention_as_math(cpu):
+        assert backends.flash_sdp_enabled()
