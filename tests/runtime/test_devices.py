@@ -73,10 +73,11 @@ def test_model_forward_backward_and_buffers(device) -> None:
     want.square().mean().backward()
     _same_placed(got, want)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        assert p.grad is not None and p.grad.device == device, name
+        # (device types: torch.device("cuda") != torch.device("cuda:0"))
+        assert p.grad is not None and p.grad.device.type == device.type, name
         assert_same([p.grad], [q.grad])
     for b, c in zip(model.buffers(), ref.buffers(), strict=True):  # running stats
-        assert b.device == device
+        assert b.device.type == device.type
         assert_same([b], [c])
 
 
