@@ -364,9 +364,10 @@ def _attention_as_math(example_inputs: Sequence[Any]) -> Any:
     entry overrides that choice. On a GPU it picks ``_scaled_dot_product_efficient_-
     attention`` (float32) or the flash or cuDNN kernel, with their own backward ops and
     their own dropout RNG, none of which has a rule or a decomposition: each attention
-    ran in eager PyTorch between JAX partitions (GPT-2 and the encoder training step on
-    an H100). Restricting the choice to the math backend while tracing gives XLA the
-    attention to fuse, with autograd's own formulas and dynajax's dropout. On the CPU
+    would run in eager PyTorch between JAX partitions (on an H100 the GPT-2 benchmark
+    row did not lower to one partition). Restricting the choice to the math backend
+    while tracing gives XLA the attention to fuse, with autograd's own formulas and
+    dynajax's dropout. On the CPU
     the fused kernel's own decomposition (``_scaled_dot_product_flash_attention_for_-
     cpu``, with the correction above) stays: it follows eager's CPU kernel.
     """

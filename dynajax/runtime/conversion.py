@@ -73,8 +73,8 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     PyTorch calls a tensor contiguous whatever the strides of its size-1 dimensions
     (a ``[None]`` or a transpose leaves them as they were), and DLPack passes strides
     on: on a GPU, JAX read them as another layout, and an executable compiled for the
-    row-major one refused the array (seen on an H100: ``float32[1,8,1,32]`` with
-    major_to_minor (0, 2, 1, 3), a KV-cache step's key).
+    row-major one refused the array (seen on an H100, in a decode step with a KV cache:
+    ``float32[1,8,1,32]`` with major_to_minor (0, 2, 1, 3)).
     """
     strides, step = [], 1
     for size in reversed(t.shape):
