@@ -15,13 +15,20 @@ are linear in input and weight, so ``jax.vjp`` of them is the exact backward. Ev
 form accumulates in ``acc`` (float32 for half-precision inputs). The forms are public
 (``xla_convolution``, ``matmul_convolution``, ``tap_sum_convolution``, ``xla_transposed``,
 ``col2im_transposed``) so that tests and ``benchmarks/convolutions.py`` compare them.
+
+Their products take the precision of PyTorch's convolutions on the device the program
+is lowered for (``for_convolutions``, set by ``runtime/executables.py``): on a GPU,
+eager's float32 convolutions follow ``torch.backends.cudnn.allow_tf32`` (TF32 by
+default), not ``torch.get_float32_matmul_precision()``, which governs matrix products.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +46,23 @@ COL2IM_ELEMENTS = 1 << 17
 # Grouped convolutions with at most this many input channels per group times kernel
 # taps are summed tap by tap (one fused loop, no patch matrix).
 TAP_SUM_TERMS = 128
+
+
+# JAX's precision name for the convolutions being lowered; None: the ambient default
+# (``jax.default_matmul_precision``, which the matrix products follow).
+_PRECISION: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "dynajax_conv_precision", default=None
+)
+
+
+@contextlib.contextmanager
+def for_convolutions(precision: str | None) -> Iterator[None]:
+    """Convolutions lowered inside take ``precision`` (a JAX precision name)."""
+    token = _PRECISION.set(precision)
+    try:
+        yield
+    finally:
+        _PRECISION.reset(token)
 
 
 def _spec(nd: int) -> tuple[str, str, str]:
@@ -140,6 +164,7 @@ def xla_convolution(x, weight, stride, padding, dilation, groups, acc):
         dimension_numbers=_spec(weight.ndim - 2),
         feature_group_count=groups,
         preferred_element_type=acc,
+        precision=_PRECISION.get(),
     )
 
 
@@ -153,7 +178,11 @@ def matmul_convolution(x, weight, stride, padding, dilation, groups, out, acc):
     patches = jnp.stack(windows, axis=2).reshape((n, groups, per_group) + tuple(out))
     w = weight.reshape(groups, o // groups, per_group)
     res = jax.lax.dot_general(
-        w, patches, (((2,), (2,)), ((0,), (1,))), preferred_element_type=acc
+        w,
+        patches,
+        (((2,), (2,)), ((0,), (1,))),
+        preferred_element_type=acc,
+        precision=_PRECISION.get(),
     )  # (groups, O/groups, N, *out)
     return jnp.moveaxis(res, 2, 0).reshape((n, o) + tuple(out))
 
@@ -231,6 +260,7 @@ def xla_transposed(x, weight, stride, padding, dilation, output_padding, groups,
         dimension_numbers=_spec(nd),
         feature_group_count=groups,
         preferred_element_type=acc,
+        precision=_PRECISION.get(),
     )
 
 
@@ -245,7 +275,11 @@ def col2im_transposed(x, weight, stride, padding, dilation, output_padding, grou
     xs = x.reshape((n, groups, in_group) + tuple(spatial))
     w = weight.reshape(groups, in_group, cout_g * int(np.prod(k)))
     cols = jax.lax.dot_general(
-        w, xs, (((1,), (2,)), ((0,), (1,))), preferred_element_type=acc
+        w,
+        xs,
+        (((1,), (2,)), ((0,), (1,))),
+        preferred_element_type=acc,
+        precision=_PRECISION.get(),
     )  # (groups, cout_g * taps, N, *spatial)
     cols = jnp.moveaxis(cols, 2, 0).reshape((n, groups * cout_g, -1) + tuple(spatial))
     out = _transposed_out_sizes(spatial, k, stride, padding, dilation, output_padding)

@@ -21,12 +21,14 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import torch
 
+from dynajax.lowering import conv_algorithms
 from dynajax.runtime.buckets import (
     SymbolPlan,
     check_padding,
@@ -51,6 +53,23 @@ _MATMUL_PRECISION = {"highest": "highest", "high": "tensorfloat32", "medium": "b
 def matmul_precision() -> str:
     """JAX's name for PyTorch's current float32 matmul precision."""
     return _MATMUL_PRECISION.get(torch.get_float32_matmul_precision(), "highest")
+
+
+def conv_precision(on_cuda: bool) -> str:
+    """JAX's name for the precision of eager's float32 convolutions.
+
+    On an NVIDIA GPU (``on_cuda``: the tensors eager computes on are CUDA tensors)
+    eager's convolutions are cuDNN's, which use TF32 while
+    ``torch.backends.cudnn.allow_tf32`` is set (PyTorch's default), whatever the matmul
+    precision. On the CPU (oneDNN) a float32 convolution is float32, also when dynajax
+    places the program on a GPU: the matmul precision's name is kept, as before.
+    """
+    if not on_cuda:
+        return matmul_precision()
+    with warnings.catch_warnings():  # (a torch release may deprecate the flag's name)
+        warnings.simplefilter("ignore")
+        tf32 = bool(torch.backends.cudnn.allow_tf32)
+    return "tensorfloat32" if tf32 else "highest"
 
 
 class Executables:
@@ -110,6 +129,10 @@ class Executables:
         self.program = program
         self.check_table = check_table
         vals = self.placeholders
+        # Eager computes on CUDA tensors (its convolutions are cuDNN's: conv_precision).
+        self.on_cuda = any(
+            isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in vals + self.outputs
+        )
         self.tensor_pos = tuple(i for i, v in enumerate(vals) if isinstance(v, torch.Tensor))
         self.static_pos = tuple(i for i, v in enumerate(vals) if not isinstance(v, torch.Tensor))
         self.shape_pos = tuple(
@@ -141,9 +164,10 @@ class Executables:
         ]
         fn = with_statics(self.fn, len(self.placeholders), statics, self.needs_seed)
         precision = matmul_precision()
+        conv = conv_precision(self.on_cuda)
 
         def lower() -> jax.stages.Lowered:
-            with jax.default_matmul_precision(precision):
+            with jax.default_matmul_precision(precision), conv_algorithms.for_convolutions(conv):
                 if self.out_sharding is None:
                     return jax.jit(fn).lower(*avals)
                 return jax.jit(fn, out_shardings=self.out_sharding).lower(*avals)
@@ -153,7 +177,7 @@ class Executables:
             self.program,
             avals,
             statics,
-            precision=precision,
+            precision=precision if conv == precision else f"{precision} conv={conv}",
             needs_seed=self.needs_seed,
             checks=table is not None,
             out_sharding=self.out_sharding,

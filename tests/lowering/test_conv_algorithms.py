@@ -257,3 +257,62 @@ def test_a_convolution_over_zero_input_channels_runs_in_pytorch(
         reasons = [f.detail for g in backend.graphs for f in g.fallbacks]
         assert any("zero input channels" in r for r in reasons), reasons
     assert not [r for r in caplog.records if "probably wrong" in r.getMessage()]
+
+
+# -- precision: eager's convolutions on a GPU are cuDNN's, TF32 by default ---------------
+
+
+def _precisions(make, conv: str | None) -> list[str]:
+    """The precision of every product in the program ``make()`` lowers to, with the
+    matmul precision at "highest" and the convolutions at ``conv``. A new function per
+    call: JAX reuses a function's trace, and the setting is not part of its key."""
+    import re
+
+    x = jax.ShapeDtypeStruct((2, 3, 8, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 3, 3, 3), jnp.float32)
+    with jax.default_matmul_precision("highest"), ca.for_convolutions(conv):
+        text = jax.jit(make()).lower(x, w).as_text()
+    return re.findall(r"precision (\w+)>|precision = \[(\w+)", text)
+
+
+FORMS = {
+    "xla": lambda: lambda x, w: ca.xla_convolution(x, w, [1, 1], [1, 1], [1, 1], 1, jnp.float32),
+    "matmul": lambda: lambda x, w: ca.matmul_convolution(
+        x, w, [1, 1], [1, 1], [1, 1], 1, [8, 8], jnp.float32
+    ),
+    "xla-transposed": lambda: lambda x, w: ca.xla_transposed(
+        x, w.transpose(1, 0, 2, 3), [2, 2], [1, 1], [1, 1], [1, 1], 1, jnp.float32
+    ),
+    "col2im": lambda: lambda x, w: ca.col2im_transposed(
+        x, w.transpose(1, 0, 2, 3), [2, 2], [1, 1], [1, 1], [1, 1], 1, jnp.float32
+    ),
+    # the backward of a convolution: JAX's transposes keep the forward's precision
+    "gradients": lambda: lambda x, w: jax.grad(
+        lambda x, w: ca.xla_convolution(x, w, [2, 2], [1, 1], [1, 1], 1, jnp.float32).sum(),
+        argnums=(0, 1),
+    )(x, w),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_convolutions_take_their_own_precision(form) -> None:
+    found = [a or b for a, b in _precisions(FORMS[form], "tensorfloat32")]
+    assert found and set(found) == {"HIGH"}, found  # JAX's name for TF32
+    found = [a or b for a, b in _precisions(FORMS[form], None)]
+    assert found and set(found) == {"HIGHEST"}, found  # the matmul precision
+
+
+def test_conv_precision_follows_cudnn_on_cuda_only() -> None:
+    from dynajax.runtime.executables import conv_precision
+
+    assert torch.backends.cudnn.allow_tf32  # PyTorch's default
+    assert conv_precision(on_cuda=True) == "tensorfloat32"
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        assert conv_precision(on_cuda=True) == "highest"
+    assert conv_precision(on_cuda=False) == "highest"  # oneDNN: float32
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert conv_precision(on_cuda=False) == "tensorfloat32"  # as before: the matmul's
+    finally:
+        torch.set_float32_matmul_precision(saved)
