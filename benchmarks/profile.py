@@ -30,8 +30,12 @@ from benchmarks import harness
 from benchmarks.workloads import DEVICE_ENV, WORKLOADS, device
 
 
-def profile_step(step: harness.Step, steps: int, top: int = 5) -> dict[str, Any]:
-    """``steps`` calls of ``step`` under the profiler: per-step figures and top kernels."""
+def profile_step(
+    step: harness.Step, steps: int, top: int = 5, trace: str | None = None
+) -> dict[str, Any]:
+    """``steps`` calls of ``step`` under the profiler: per-step figures and top kernels;
+    with ``trace``, the profile as a Chrome trace at that path (chrome://tracing,
+    Perfetto)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -42,6 +46,8 @@ def profile_step(step: harness.Step, steps: int, top: int = 5) -> dict[str, Any]
         for _ in range(steps):
             step()
         wall = (time.perf_counter() - t0) / steps
+    if trace:
+        prof.export_chrome_trace(trace)
     events = prof.events()
     on_device = [e for e in events if e.device_type == DeviceType.CUDA]
     copies = [e for e in on_device if "memcpy" in e.name.lower()]
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--steps", type=int, default=10, help="profiled steps per peer")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--trace-dir", help="also write each (row, peer) profile as a Chrome trace here")
     args = p.parse_args(argv)
     os.environ[DEVICE_ENV] = args.device
     names = args.workloads.split(",") if args.workloads else list(WORKLOADS)
@@ -85,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 for _ in range(args.warmup):
                     step()
-                r = profile_step(step, args.steps)
+                trace = None
+                if args.trace_dir:
+                    os.makedirs(args.trace_dir, exist_ok=True)
+                    trace = os.path.join(args.trace_dir, f"{name}.{peer}.json")
+                r = profile_step(step, args.steps, trace=trace)
             except Exception as e:  # a peer failing is a result
                 print(f"\n{name} / {peer}: {type(e).__name__}: {e}"[:500])
                 continue

@@ -277,20 +277,26 @@ def _precisions(make, conv: str | None) -> list[str]:
 
 FORMS = {
     "xla": lambda: lambda x, w: ca.xla_convolution(x, w, [1, 1], [1, 1], [1, 1], 1, jnp.float32),
-    "matmul": lambda: lambda x, w: ca.matmul_convolution(
-        x, w, [1, 1], [1, 1], [1, 1], 1, [8, 8], jnp.float32
+    "matmul": lambda: (
+        lambda x, w: ca.matmul_convolution(x, w, [1, 1], [1, 1], [1, 1], 1, [8, 8], jnp.float32)
     ),
-    "xla-transposed": lambda: lambda x, w: ca.xla_transposed(
-        x, w.transpose(1, 0, 2, 3), [2, 2], [1, 1], [1, 1], [1, 1], 1, jnp.float32
+    "xla-transposed": lambda: (
+        lambda x, w: ca.xla_transposed(
+            x, w.transpose(1, 0, 2, 3), [2, 2], [1, 1], [1, 1], [1, 1], 1, jnp.float32
+        )
     ),
-    "col2im": lambda: lambda x, w: ca.col2im_transposed(
-        x, w.transpose(1, 0, 2, 3), [2, 2], [1, 1], [1, 1], [1, 1], 1, jnp.float32
+    "col2im": lambda: (
+        lambda x, w: ca.col2im_transposed(
+            x, w.transpose(1, 0, 2, 3), [2, 2], [1, 1], [1, 1], [1, 1], 1, jnp.float32
+        )
     ),
     # the backward of a convolution: JAX's transposes keep the forward's precision
-    "gradients": lambda: lambda x, w: jax.grad(
-        lambda x, w: ca.xla_convolution(x, w, [2, 2], [1, 1], [1, 1], 1, jnp.float32).sum(),
-        argnums=(0, 1),
-    )(x, w),
+    "gradients": lambda: (
+        lambda x, w: jax.grad(
+            lambda x, w: ca.xla_convolution(x, w, [2, 2], [1, 1], [1, 1], 1, jnp.float32).sum(),
+            argnums=(0, 1),
+        )(x, w)
+    ),
 }
 
 

@@ -79,12 +79,16 @@ def test_floor_from_the_dynajax_lowered_function(name: str) -> None:
     assert_same(actual, [expected], model=True)
 
 
-def test_profile_reports_each_peer(capsys) -> None:
+def test_profile_reports_each_peer(capsys, tmp_path) -> None:
     """benchmarks.profile on the CPU: each peer's wall time per step and its top host
-    operators (no kernels to record), and dynajax's graph summary."""
+    operators (no kernels to record), dynajax's graph summary, and the traces."""
     from benchmarks import profile
 
-    assert profile.main(["--workloads", "add-one", "--steps", "2", "--warmup", "1"]) == 0
+    argv = ["--workloads", "add-one", "--steps", "2", "--warmup", "1"]
+    assert profile.main([*argv, "--trace-dir", str(tmp_path)]) == 0
+    for peer in ("inductor", "dynajax"):
+        trace = json.loads((tmp_path / f"add-one.{peer}.json").read_text())
+        assert trace["traceEvents"], peer
     printed = capsys.readouterr().out
     for peer in ("inductor", "dynajax"):
         line = next(ln for ln in printed.splitlines() if ln.startswith(f"add-one / {peer}:"))
