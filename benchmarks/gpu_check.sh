@@ -24,7 +24,7 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING \
     | grep -v "^DEBUG" | tail -60 >>"$log"
 step benchmarks.run
 timeout 200 python3 -m benchmarks.run --device cuda --no-first-call --no-memory --no-plot \
-    --repeats 8 --warmup 3 --budget 2 --out "$tmp" 2>&1 | grep -v "^\[bench\]" >>"$log"
+    --repeats 6 --warmup 3 --budget 1.5 --out "$tmp" 2>&1 | grep -v "^\[bench\]" >>"$log"
 cp "$tmp/latest.json" "$out/bench.json" 2>/dev/null || cp "$tmp/partial.json" "$out/bench.json"
 step benchmarks.profile
 timeout 60 python3 -m benchmarks.profile --device cuda --workloads mlp,resnet18 --steps 5 \
