@@ -778,3 +778,62 @@ def test_group_norm_with_an_infinite_weight_is_eagers(dtype: torch.dtype) -> Non
     actual = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(x)
     assert torch.equal(actual.isnan(), expected.isnan()), (actual, expected)
     assert_same(actual, expected)
+
+
+# Was: a float converted to an integer took XLA's conversion, which saturates and takes
+# NaN to 0; eager's CPU kernels on x86 give the type's minimum for NaN and values out of
+# range (through int32 for narrower types, so 0 there), and sum/prod/cumsum/cumprod
+# with dtype= convert each element that way first. Found by seed 2611 (program 2239:
+# sum(acos(x), dtype=int64) of an x past 1, then copysign). On ARM and CUDA eager
+# saturates as XLA does, and so does dynajax (dtypes.float_to_int).
+_CONVERSION_VALUES = [NAN, 1e20, -1e20, INF, -INF, 3.7, -3.7, 300.5, -200.2, 65504.0]
+_CONVERSION_VALUES += [2.0**63, -(2.0**63), 2.0**31, -(2.0**31)]
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("target", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_float_to_integer_conversion_of_nan_and_out_of_range(
+    source: torch.dtype, target: torch.dtype
+) -> None:
+    x = torch.tensor(_CONVERSION_VALUES).to(source)
+    actual = torch.compile(lambda t: t.to(target), backend=dynajax.Backend(cache_dir=""))(x)
+    assert actual.dtype == target and torch.equal(actual, x.to(target)), (actual, x.to(target))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda t: torch.copysign(torch.sum(torch.acos(t[:1] * 100), dtype=torch.int64), t[1]),
+        lambda t: t.sum(0, dtype=torch.int32),
+        lambda t: t[5:7].prod(dtype=torch.int64),
+        lambda t: t.prod(0, dtype=torch.int16),
+        lambda t: t.cumsum(0, dtype=torch.int64),
+        lambda t: t.cumprod(0, dtype=torch.int8),
+        lambda t: t[0].cumsum(0, dtype=torch.int64),
+    ],
+    ids=["fuzz-2611-2239", "sum", "prod", "prod-dim", "cumsum", "cumprod", "scalar-cumsum"],
+)
+def test_reductions_convert_floats_to_their_integer_dtype_as_eager(fn) -> None:
+    x = torch.tensor(_CONVERSION_VALUES, dtype=torch.float32)
+    actual = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(x)
+    expected = fn(x)
+    assert actual.dtype == expected.dtype and torch.equal(actual, expected), (actual, expected)
+
+
+def test_float_to_integer_for_cuda_tensors_saturates_as_cuda_does() -> None:
+    """CUDA's conversions (cvt.rzi) saturate and take NaN to 0, which is XLA's own
+    conversion: for a graph of CUDA tensors dynajax keeps it (CI has no GPU)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dynajax.lowering import dtypes
+
+    with jax.enable_x64(True):  # as dynajax compiles: int64 stays int64
+        x = jnp.asarray([np.nan, 1e20, -1e20, 3.7, -3.7], jnp.float32)
+        with dtypes.eager_on_cuda(True):
+            cuda = dtypes.float_to_int(x, np.int64).tolist()
+        cpu = dtypes.float_to_int(x, np.int64).tolist()
+    assert cuda == [0, 2**63 - 1, -(2**63), 3, -3]
+    if dtypes._X86:
+        assert cpu == [-(2**63)] * 3 + [3, -3]

@@ -7,7 +7,11 @@ at trace time, so our promotion can never drift from the installed torch.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import platform
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -132,6 +136,53 @@ def float_result_type(*args: Any) -> np.dtype:
     return dt if (is_floating(dt) or is_complex(dt)) else default_float()
 
 
+# Whether eager computes the graph being lowered on a CUDA device (set per compile by
+# runtime/executables.py from the partition's tensors): a float's conversion to an
+# integer depends on the processor that converts it (``float_to_int``).
+_EAGER_ON_CUDA: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "dynajax_eager_on_cuda", default=False
+)
+# x86's truncating conversions (cvttss2si, cvttsd2si and their vector forms) give the
+# "integer indefinite", the type's minimum, for NaN and out-of-range values.
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@contextlib.contextmanager
+def eager_on_cuda(on_cuda: bool) -> Iterator[None]:
+    """Rules lowered inside follow eager's arithmetic on CUDA (``on_cuda``) or the CPU."""
+    token = _EAGER_ON_CUDA.set(on_cuda)
+    try:
+        yield
+    finally:
+        _EAGER_ON_CUDA.reset(token)
+
+
+def float_to_int(x: jax.Array, dtype: Any) -> jax.Array:
+    """A floating array converted to an integer dtype as eager converts it.
+
+    Toward zero, as everywhere; to a type narrower than int32 through int32, wrapping
+    (-1.7 -> uint8 255, 300.5 -> int8 44), where XLA would saturate. NaN and values
+    outside the int32 (int64 for int64) range are where processors differ: eager's CPU
+    kernels on x86 give the type's minimum (x86's "integer indefinite": NaN, inf and 1e20
+    -> int64 -9223372036854775808, and through int32 -2147483648, so 0 in int8), where
+    XLA saturates and takes NaN to 0, as ARM processors and CUDA do. Found by the fuzzer
+    (``sum(acos(x), dtype=int64)`` of an x past 1).
+    """
+    dtype = np.dtype(dtype)
+    wide = np.dtype(np.int64 if dtype.itemsize == 8 else np.int32)
+    x = jnp.trunc(x)
+    out = x.astype(wide)
+    if _X86 and not _EAGER_ON_CUDA.get():
+        low = np.iinfo(wide).min
+        if float(jnp.finfo(x.dtype).max) < -float(low):  # float16: only inf and NaN
+            inside = jnp.isfinite(x)
+        else:  # -2**63 and -2**31 are powers of two, exact in the float dtype
+            bound = jnp.asarray(-float(low), x.dtype)
+            inside = (x >= -bound) & (x < bound)  # NaN is outside
+        out = jnp.where(inside, out, jnp.asarray(low, wide))
+    return out if wide == dtype else out.astype(dtype)
+
+
 def as_dtype(x: Any, dtype: Any) -> jax.Array:
     """``x`` (array or scalar) as a JAX array of ``dtype``; no-op when already so.
 
@@ -145,6 +196,8 @@ def as_dtype(x: Any, dtype: Any) -> jax.Array:
         return x
     if x.dtype == np.bool_ and (is_floating(dtype) or is_complex(dtype)):
         return jnp.where(x, jnp.ones((), dtype), jnp.zeros((), dtype))
+    if is_floating(x.dtype) and is_integral(dtype, include_bool=False):
+        return float_to_int(x, dtype)
     return x.astype(dtype)
 
 

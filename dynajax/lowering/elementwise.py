@@ -621,13 +621,8 @@ def _to_copy(
         return x
     if is_complex(x.dtype) and not is_complex(dtype):
         x = jnp.real(x)
-    if is_floating(x.dtype) and is_integral(dtype, include_bool=False):
-        # float -> int truncates toward zero in PyTorch; to a type narrower than int32 it
-        # goes through int32 and wraps (-1.7 -> uint8 255), where XLA would saturate.
-        x = jnp.trunc(x)
-        if np.dtype(dtype).itemsize < 4:
-            x = x.astype(np.int32)
-    return as_dtype(x, dtype)  # bool -> float as a select (see as_dtype)
+    # bool -> float as a select, float -> int as eager converts (see as_dtype)
+    return as_dtype(x, dtype)
 
 
 @lower(prims.convert_element_type.default)

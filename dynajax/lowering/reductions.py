@@ -32,9 +32,20 @@ def _sum_dtype(x, dtype):
     return np.dtype(np.int64) if is_integral(x.dtype) else x.dtype
 
 
+def _eager_input(x, dtype):
+    """The input of a reduction with ``dtype=``: eager converts a float input to an
+    integer dtype element by element first, as ``.to(dtype)`` does
+    (``dtypes.float_to_int``: NaN to the minimum on x86), where ``jnp``'s ``dtype=``
+    would take XLA's conversion."""
+    if dtype is not None and is_floating(x.dtype) and is_integral(dtype, include_bool=False):
+        return as_dtype(x, dtype)
+    return x
+
+
 def _summed(x, dtype, **kw):
     # PyTorch's CPU sum accumulates half types in float32 and rounds once; jnp.sum
     # with an explicit bfloat16 dtype would round after every addition.
+    x = _eager_input(x, dtype)
     out = _sum_dtype(x, dtype)
     half = np.dtype(out) in (np.dtype(jnp.bfloat16), np.dtype(np.float16))
     total = jnp.sum(x, dtype=np.float32 if half else out, **kw).astype(out)
@@ -72,12 +83,13 @@ def _sum_dim(x, dim, keepdim=False, *, dtype=None):
 
 @lower(aten.prod.default)
 def _prod(x, *, dtype=None):
-    return jnp.prod(x, dtype=_sum_dtype(x, dtype))
+    return jnp.prod(_eager_input(x, dtype), dtype=_sum_dtype(x, dtype))
 
 
 @lower(aten.prod.dim_int)
 def _prod_dim(x, dim, keepdim=False, *, dtype=None):
-    return jnp.prod(x, axis=axes(x, dim), keepdims=keepdim, dtype=_sum_dtype(x, dtype))
+    x, out = _eager_input(x, dtype), _sum_dtype(x, dtype)
+    return jnp.prod(x, axis=axes(x, dim), keepdims=keepdim, dtype=out)
 
 
 def _mean_check(x, *args, dtype=None, **_):
@@ -234,6 +246,7 @@ def _all_dim(x, dim, keepdim=False):
 
 @lower(aten.cumsum.default)
 def _cumsum(x, dim, *, dtype=None):
+    x = _eager_input(x, dtype)
     if x.ndim == 0:
         return x.astype(_sum_dtype(x, dtype))
     out = _sum_dtype(x, dtype)
@@ -255,6 +268,7 @@ def _scan_dtype(dtype):
 
 @lower(aten.cumprod.default)
 def _cumprod(x, dim, *, dtype=None):
+    x = _eager_input(x, dtype)
     if x.ndim == 0:
         return x.astype(_sum_dtype(x, dtype))
     out = _sum_dtype(x, dtype)

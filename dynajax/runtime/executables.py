@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import torch
 
-from dynajax.lowering import conv_algorithms
+from dynajax.lowering import conv_algorithms, dtypes
 from dynajax.runtime.buckets import (
     SymbolPlan,
     check_padding,
@@ -129,7 +129,8 @@ class Executables:
         self.program = program
         self.check_table = check_table
         vals = self.placeholders
-        # Eager computes on CUDA tensors (its convolutions are cuDNN's: conv_precision).
+        # Eager computes on CUDA tensors: its convolutions are cuDNN's (conv_precision),
+        # its float-to-integer conversions CUDA's (dtypes.float_to_int).
         self.on_cuda = any(
             isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in vals + self.outputs
         )
@@ -167,7 +168,11 @@ class Executables:
         conv = conv_precision(self.on_cuda)
 
         def lower() -> jax.stages.Lowered:
-            with jax.default_matmul_precision(precision), conv_algorithms.for_convolutions(conv):
+            with (
+                jax.default_matmul_precision(precision),
+                conv_algorithms.for_convolutions(conv),
+                dtypes.eager_on_cuda(self.on_cuda),
+            ):
                 if self.out_sharding is None:
                     return jax.jit(fn).lower(*avals)
                 return jax.jit(fn, out_shardings=self.out_sharding).lower(*avals)
