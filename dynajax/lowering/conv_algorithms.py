@@ -16,8 +16,8 @@ form accumulates in ``acc`` (float32 for half-precision inputs). The forms are p
 (``xla_convolution``, ``matmul_convolution``, ``tap_sum_convolution``, ``xla_transposed``,
 ``col2im_transposed``) so that tests and ``benchmarks/convolutions.py`` compare them.
 
-Their products take the precision of PyTorch's convolutions on the device the program
-is lowered for (``for_convolutions``, set by ``runtime/executables.py``): on a GPU,
+Their products take the precision of eager's convolutions on the partition's tensors
+(``for_convolutions``, set per compile by ``runtime/executables.py``): for CUDA tensors,
 eager's float32 convolutions follow ``torch.backends.cudnn.allow_tf32`` (TF32 by
 default), not ``torch.get_float32_matmul_precision()``, which governs matrix products.
 """
