@@ -837,3 +837,25 @@ def test_float_to_integer_for_cuda_tensors_saturates_as_cuda_does() -> None:
     assert cuda == [0, 2**63 - 1, -(2**63), 3, -3]
     if dtypes._X86:
         assert cpu == [-(2**63)] * 3 + [3, -3]
+
+
+# Was: the value check of an integer division raised ZeroDivisionError for a zero
+# divisor whatever the result's size; eager's kernel raises as it meets the zero, so
+# never when the result is empty. Found by seed 4409 (program 1467: an empty int64
+# tensor divided by 0 with rounding_mode="floor").
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda t, z: torch.div(t, 0, rounding_mode="floor"),
+        lambda t, z: torch.div(t, z, rounding_mode="trunc"),
+        lambda t, z: torch.remainder(t, z),
+        lambda t, z: torch.fmod(t, z),
+    ],
+    ids=["floor-literal", "trunc-tensor", "remainder-tensor", "fmod-tensor"],
+)
+def test_integer_division_by_zero_of_an_empty_tensor(fn) -> None:
+    empty, zero = torch.empty(0, 1, 3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    compiled = torch.compile(fn, backend=dynajax.Backend(cache_dir=""))
+    actual, expected = compiled(empty, zero), fn(empty, zero)
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    _assert_raises_like_eager(fn, torch.ones(2, 3, dtype=torch.int64), zero)  # still raises
