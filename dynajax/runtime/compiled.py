@@ -143,13 +143,14 @@ class CompiledPartition(torch.nn.Module):
         # Where eager runs the graph: its inputs' device; with none, its outputs'. A
         # 0-dim CPU tensor may meet a GPU's tensors in one op (PyTorch takes it as a
         # scalar): the partition runs on the GPU and takes that tensor there per call.
-        devices = _tensor_devices(graph, "placeholder") or _tensor_devices(graph, "output")
+        vals = [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]
+        out_vals = _output_vals(graph)
+        devices = _device_types(vals) or _device_types(out_vals)
         accelerators = devices - {"cpu"}
         self.device_type = (
             accelerators.pop() if len(accelerators) == 1 else "cpu" if devices == {"cpu"} else None
         )
         on_cpu = self.device_type == "cpu"
-        vals = [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]
         if placement is None and device is not None:
             placement = Placement(device=device).for_partition([], vals)
         if placement is not None and on_cpu and placement.device == cpu_device():
@@ -187,7 +188,7 @@ class CompiledPartition(torch.nn.Module):
             if on_cpu or placement is not None
             else [
                 i
-                for i, v in enumerate(_output_vals(graph))
+                for i, v in enumerate(out_vals)
                 if isinstance(v, torch.Tensor) and v.device.type == "cpu"
             ]
         )
@@ -196,7 +197,7 @@ class CompiledPartition(torch.nn.Module):
             name,
             owned,
             vals,
-            _output_vals(graph),
+            out_vals,
             needs_seed,
             cache=cache if cache is not None else ExecutableCache(None),
             stats=self.stats,
@@ -240,10 +241,7 @@ class CompiledPartition(torch.nn.Module):
         self._numpy_outputs = (
             on_cpu
             and placement is None
-            and all(
-                isinstance(v, torch.Tensor) and v.dtype in _NUMPY_DTYPES
-                for v in _output_vals(graph)
-            )
+            and all(isinstance(v, torch.Tensor) and v.dtype in _NUMPY_DTYPES for v in out_vals)
         )
         quiet_readonly_warning()
 
@@ -529,12 +527,8 @@ def _output_vals(graph: torch.fx.GraphModule) -> list[Any]:
     return []
 
 
-def _tensor_devices(graph: torch.fx.GraphModule, op: str) -> set[str]:
-    """The device types of the graph's inputs (``op="placeholder"``) or outputs."""
-    if op == "output":
-        vals = _output_vals(graph)
-    else:
-        vals = [n.meta.get("val") for n in graph.graph.nodes if n.op == op]
+def _device_types(vals: Sequence[Any]) -> set[str]:
+    """The device types of the tensors among ``meta["val"]`` values."""
     return {v.device.type for v in vals if isinstance(v, torch.Tensor)}
 
 
