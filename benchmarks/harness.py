@@ -83,7 +83,10 @@ def graph_summary(*backends: Any) -> str:
 
     report = dynajax.Report([g for b in backends for g in b.graphs])
     parts = [len(g.partitions) for g in report.graphs]
-    fallbacks = sorted({str(f.target) for f in report.fallbacks})
+    why: dict[str, str] = {}  # each op kept out of JAX, with its first node's reason
+    for f in report.fallbacks:
+        why.setdefault(str(f.target), f"{f.reason.name}: {f.detail}"[:80])
+    fallbacks = "; ".join(f"{op} ({reason})" for op, reason in sorted(why.items()))
     return (
         f"{len(report.graphs)} graph(s), partitions per graph {parts}, "
         f"{report.compile_stats.xla_compiles} XLA compile(s), fallbacks {fallbacks or 'none'}"

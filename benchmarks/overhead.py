@@ -2,6 +2,7 @@
 
     python -m benchmarks.overhead
     python -m benchmarks.overhead --calls 5000 --rounds 21
+    python -m benchmarks.overhead --device cuda
 
 Two functions: ``x + 1`` on a 1-element float32 tensor, and the sum of 100 float32[4]
 inputs. Each layer is timed on its own; layers are interleaved round by round (the
@@ -28,6 +29,11 @@ Layers, from the bottom up:
 
 The whole call minus the backend's callable is Dynamo's share, the same code for both
 backends.
+
+On a GPU (``--device cuda``) the tensors live there, the torch<->JAX layer crosses by
+DLPack, and every round ends with a device-wide synchronize (counted in its time): a
+per-call figure is then the host's cost of issuing one call, the number that bounds a
+small graph's speed on a GPU.
 """
 
 from __future__ import annotations
@@ -44,20 +50,32 @@ import torch
 N_INPUTS = 100
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _per_call_us(fn: Callable[[], Any], between: Callable[[], Any] | None, calls: int) -> float:
-    """Microseconds per call of ``fn`` (only ``fn`` is timed)."""
+    """Microseconds per call of ``fn`` (only ``fn`` is timed, and the device's finishing
+    what the calls queued)."""
     clock = time.perf_counter_ns
+    _sync()
     if between is None:
         start = clock()
         for _ in range(calls):
             fn()
+        _sync()
         return (clock() - start) / calls / 1e3
     spent = 0
     for _ in range(calls):
         between()
+        _sync()
         start = clock()
         fn()
         spent += clock() - start
+    start = clock()
+    _sync()
+    spent += clock() - start
     return spent / calls / 1e3
 
 
@@ -82,10 +100,14 @@ def layers(f: Callable[..., torch.Tensor], xs: list[torch.Tensor]) -> dict[str, 
     from dynajax.runtime.compiled import CompiledPartition
 
     jitted = jax.jit(f)
-    xs_jax = [jax.numpy.asarray(x.numpy()) for x in xs]
+    on_cpu = xs[0].device.type == "cpu"
+    platform = "cpu" if on_cpu else "gpu"
+    xs_jax = [jax.device_put(x.cpu().numpy(), jax.devices(platform)[0]) for x in xs]
 
     def jit_torch() -> torch.Tensor:
-        return torch.from_numpy(np.asarray(jitted(*[x.numpy() for x in xs])))
+        if on_cpu:
+            return torch.from_numpy(np.asarray(jitted(*[x.numpy() for x in xs])))
+        return torch.from_dlpack(jitted(*[jax.dlpack.from_dlpack(x) for x in xs]))
 
     def jit_jax() -> Any:
         return jitted(*xs_jax)
@@ -103,8 +125,18 @@ def layers(f: Callable[..., torch.Tensor], xs: list[torch.Tensor]) -> dict[str, 
     inductor(*xs)
     jit_torch()
     [dj_fn], [ind_fn] = dj_fns, ind_fns
+    boundary: dict[str, Callable[[], Any]] = {}
+    if not on_cpu:  # the two crossings of the per-call path, one tensor each
+        from dynajax.runtime.conversion import dlpack_to_jax, to_torch
+
+        out = jit_jax()
+        boundary = {
+            "one input to JAX (DLPack)": lambda: dlpack_to_jax(xs[0]),
+            "one output to torch (DLPack)": lambda: to_torch(out),
+        }
     return {
         "jax.jit, jax.Array in/out": jit_jax,
+        **boundary,
         "jax.jit, torch in/out": jit_torch,
         "dynajax partition": lambda: part.run(xs),
         "dynajax, backend's callable": lambda: dj_fn(*xs),
@@ -144,24 +176,54 @@ def measure(
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
+def _cprofile(fn: Callable[[], Any], calls: int, title: str, top: int = 14) -> None:
+    """The Python functions that take the most time over ``calls`` calls of ``fn``
+    (cProfile's own time per call inflates each frame alike; read the ranking, and the
+    C functions it names, not the absolute figures)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    _sync()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    print(f"\ncProfile, {title}: µs per call (own time), {calls} calls")
+    for (file, line, name), (_, ncalls, tottime, _, _) in rows:
+        where = f"{file.rsplit('/', 2)[-1]}:{line}" if line else ""
+        print(f"  {tottime / calls * 1e6:8.2f}  {ncalls / calls:5.1f}x  {name} {where}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=3000, help="calls per round")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
     parser.add_argument("--no-context", action="store_true", help="skip the in-context mode")
+    parser.add_argument("--device", default="cpu", help="torch device of the tensors (cuda)")
+    parser.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="CALLS",
+        help="also profile this many whole dynajax and inductor calls with cProfile",
+    )
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     import os
     import warnings
 
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     other = torch.compile(lambda t: t * 2 - 1)  # the unrelated work between calls
-    y = torch.zeros(1)
+    y = torch.zeros(1, device=device)
     other(y)
     cases = {
-        "x + 1": (_add_one, [torch.zeros(1)]),
+        "x + 1": (_add_one, [torch.zeros(1, device=device)]),
         f"{N_INPUTS} inputs": (
             _sum_inputs,
-            [torch.full((4,), float(i)) for i in range(N_INPUTS)],
+            [torch.full((4,), float(i), device=device) for i in range(N_INPUTS)],
         ),
     }
     modes: list[tuple[str, Callable[[], Any] | None]] = [("alone", None)]
@@ -170,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"µs per call: median of {args.rounds} interleaved rounds of {args.calls} calls "
         f"(best round); load average at start {os.getloadavg()[0]:.1f}, "
-        f"{os.cpu_count()} cpus"
+        f"{os.cpu_count()} cpus; tensors on {device}"
     )
     for case, (f, xs) in cases.items():
         steps = layers(f, xs)
@@ -183,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"  {results[m][name][0]:>12.1f} ({results[m][name][1]:>6.1f})" for m, _ in modes
             )
             print(f"{name:<{width}}{cells}")
+        if args.cprofile:
+            for peer in ("dynajax", "inductor"):
+                _cprofile(steps[f"{peer}, whole call"], args.cprofile, f"{case}, {peer}")
         for mode, _ in modes:
             r = results[mode]
             dj, ind = r["dynajax, whole call"][0], r["inductor, whole call"][0]

@@ -36,7 +36,7 @@ from dynajax.capability.verdict import (
     source_line,
     target_name,
 )
-from dynajax.lowering.dtypes import TORCH_TO_JAX
+from dynajax.lowering.dtypes import TORCH_TO_JAX, eager_on_cuda
 from dynajax.lowering.interpreter import jax_literal
 from dynajax.lowering.registry import LAYOUT_KEY, Rule, get_rule
 
@@ -234,8 +234,16 @@ class CapabilityChecker:
             # Rules that address storage see eager's layout; lowering reads it back.
             node.meta[LAYOUT_KEY] = kwargs["layout"] = node_layout(node)
         expected = _abstract(out)
-        key = (node.target, _freeze(args), _freeze(kwargs), _freeze(expected))
-        found = self._evaluations.get(key, rule, lambda: _evaluate(rule, args, kwargs, expected))
+        # A few kernels differ by device (dtypes.eager_on_cuda): the rule is evaluated
+        # as the one for the device the node's outputs are on.
+        on_cuda = any(t.device.type == "cuda" for t in _tensors(out))
+        key = (node.target, _freeze(args), _freeze(kwargs), _freeze(expected), on_cuda)
+
+        def evaluate() -> tuple[Reason, str] | None:
+            with eager_on_cuda(on_cuda):
+                return _evaluate(rule, args, kwargs, expected)
+
+        found = self._evaluations.get(key, rule, evaluate)
         if found is None:
             return Supported(name)
         return self._refuse(node, *found)

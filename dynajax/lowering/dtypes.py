@@ -137,8 +137,10 @@ def float_result_type(*args: Any) -> np.dtype:
 
 
 # Whether eager computes the graph being lowered on a CUDA device (set per compile by
-# runtime/executables.py from the partition's tensors): a float's conversion to an
-# integer depends on the processor that converts it (``float_to_int``).
+# runtime/executables.py from the partition's tensors, and per node by the capability
+# checker): a float's conversion to an integer depends on the processor that converts
+# it (``float_to_int``), and a few kernels' outputs differ in shape (batch norm's saved
+# statistics, lowering/nn.py).
 _EAGER_ON_CUDA: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "dynajax_eager_on_cuda", default=False
 )
@@ -157,6 +159,12 @@ def eager_on_cuda(on_cuda: bool) -> Iterator[None]:
         _EAGER_ON_CUDA.reset(token)
 
 
+def eager_is_on_cuda() -> bool:
+    """Whether the rule being lowered (or abstractly evaluated) stands for eager's CUDA
+    kernel rather than its CPU kernel (``eager_on_cuda``)."""
+    return _EAGER_ON_CUDA.get()
+
+
 def float_to_int(x: jax.Array, dtype: Any) -> jax.Array:
     """A floating array converted to an integer dtype as eager converts it.
 
@@ -172,7 +180,7 @@ def float_to_int(x: jax.Array, dtype: Any) -> jax.Array:
     wide = np.dtype(np.int64 if dtype.itemsize == 8 else np.int32)
     x = jnp.trunc(x)
     out = x.astype(wide)
-    if _X86 and not _EAGER_ON_CUDA.get():
+    if _X86 and not eager_is_on_cuda():
         low = np.iinfo(wide).min
         if float(jnp.finfo(x.dtype).max) < -float(low):  # float16: only inf and NaN
             inside = jnp.isfinite(x)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from dynajax.lowering import checks
-from dynajax.lowering.dtypes import as_dtype, opmath
+from dynajax.lowering.dtypes import as_dtype, eager_is_on_cuda, opmath
 from dynajax.lowering.elementwise import eager_maximum, eager_minimum
 from dynajax.lowering.linalg.products import pnorm
 from dynajax.lowering.registry import lower
@@ -126,17 +126,28 @@ def _bn_apply(x, mean, invstd, weight, bias):
     return out.astype(x.dtype)
 
 
+def _running_invstd(running_var, eps):
+    # Eager's: 1 / sqrt(var + eps) in the opmath type (rsqrt is an ulp off on some).
+    return 1 / jnp.sqrt(running_var.astype(opmath(running_var.dtype)) + eps)
+
+
 @lower(aten._native_batch_norm_legit_no_training.default)
 def _batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
-    # Eager's: 1 / sqrt(var + eps) in the opmath type (rsqrt is an ulp off on some).
-    invstd = 1 / jnp.sqrt(running_var.astype(opmath(running_var.dtype)) + eps)
-    empty = jnp.zeros((0,), x.dtype)
-    return _bn_apply(x, running_mean, invstd, weight, bias), empty, empty
+    invstd = _running_invstd(running_var, eps)
+    out = _bn_apply(x, running_mean, invstd, weight, bias)
+    return out, *_saved_stats(x, None, None, False, (running_mean, invstd))
 
 
-def _saved_stats(x, mean, invstd, training):
-    # As PyTorch's CPU kernels: the saved mean/invstd in the input's dtype, and empty
-    # (shape (0,)) in evaluation mode.
+def _saved_stats(x, mean, invstd, training, running=None):
+    """The saved mean/invstd as eager's kernel for the device returns them. The CPU's:
+    in the input's dtype, and empty (shape (0,)) in evaluation mode. CUDA's: in float32
+    for half-precision inputs, and in evaluation mode one per channel too (``running``:
+    the running mean and its invstd, which is what PyTorch's decomposition gives; the
+    kernel leaves them unwritten, and nothing reads them)."""
+    if eager_is_on_cuda():
+        if not training:
+            mean, invstd = running
+        return mean.astype(_stat_dtype(x)), invstd.astype(_stat_dtype(x))
     if not training:
         return jnp.zeros((0,), x.dtype), jnp.zeros((0,), x.dtype)
     return mean.astype(x.dtype), invstd.astype(x.dtype)
@@ -170,8 +181,9 @@ def _bn_inplace_check(x, weight, bias, running_mean, running_var, training, *_):
 def _batch_norm_legit(x, weight, bias, running_mean, running_var, training, momentum, eps):
     mean, var, invstd, n = _batch_stats(x, eps)
     if not training:
-        out = _bn_apply(x, running_mean, jax.lax.rsqrt(running_var + eps), weight, bias)
-        return out, *_saved_stats(x, mean, invstd, training)
+        invstd_r = _running_invstd(running_var, eps)
+        out = _bn_apply(x, running_mean, invstd_r, weight, bias)
+        return out, *_saved_stats(x, mean, invstd, training, (running_mean, invstd_r))
     return _bn_apply(x, mean, invstd, weight, bias), *_saved_stats(x, mean, invstd, training)
 
 
@@ -180,9 +192,9 @@ def _batch_norm_functional(x, weight, bias, running_mean, running_var, training,
     mean, var, invstd, n = _batch_stats(x, eps)
     rd = _running_dtype(x, running_mean)
     if not training:
-        invstd_r = jax.lax.rsqrt(running_var + eps)
+        invstd_r = _running_invstd(running_var, eps)
         out = _bn_apply(x, running_mean, invstd_r, weight, bias)
-        saved = _saved_stats(x, mean, invstd, training)
+        saved = _saved_stats(x, mean, invstd, training, (running_mean, invstd_r))
         return out, *saved, running_mean.astype(rd), running_var.astype(rd)
     out = _bn_apply(x, mean, invstd, weight, bias)
     unbiased = var * (n / max(n - 1, 1))

@@ -430,3 +430,61 @@ def test_linalg_error_check_runs_on_the_host_after_jax() -> None:
     with pytest.raises(torch.linalg.LinAlgError, match="singular") as got:
         compiled(torch.zeros(3, 3))
     assert str(got.value) == str(eager.value)
+
+
+# ---------------------------------------------------------------------------------
+# Kernels whose outputs differ by device
+# ---------------------------------------------------------------------------------
+
+
+def _batch_norms() -> dict[str, object]:
+    return {
+        "no_training": lambda x, *p: aten._native_batch_norm_legit_no_training(*(x, *p), 0.1, 1e-5),
+        "legit eval": lambda x, *p: aten._native_batch_norm_legit(x, *p, False, 0.1, 1e-5),
+        "functional train": lambda x, *p: aten._native_batch_norm_legit_functional(
+            x, *p, True, 0.1, 1e-5
+        ),
+        "functional eval": lambda x, *p: aten._native_batch_norm_legit_functional(
+            x, *p, False, 0.1, 1e-5
+        ),
+        "with_update": lambda x, *p: aten._batch_norm_with_update_functional(x, *p, 0.1, 1e-5),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("form", list(_batch_norms()))
+def test_batch_norm_saved_stats_follow_the_device(form: str, device: str, dtype) -> None:
+    """Eager's CUDA batch norm saves one statistic per channel in evaluation mode too
+    (the CPU's are empty), in float32 for half inputs (the CPU's in the input's dtype).
+    The rule follows the device of the node it is checked for: on an H100, ResNet-18
+    was cut into 18 partitions when it did not (fake CUDA tensors here: CI has no GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dynajax.capability.support import CapabilityChecker
+
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 4, 4, device=device, dtype=dtype)
+        params = [torch.empty(3, device=device) for _ in range(4)]
+    gm = make_fx(_batch_norms()[form])(x, *params)
+    [node] = [n for n in gm.graph.nodes if n.op == "call_function" and "norm" in str(n.target)]
+    saved = node.meta["val"][1]
+    training = form in ("functional train", "with_update")
+    assert saved.shape == ((3,) if device == "cuda" or training else (0,))
+    assert CapabilityChecker().decide(node) == Supported(str(node.target))
+
+
+def test_batch_norm_eval_saved_stats_on_cuda_are_the_running_ones() -> None:
+    """What PyTorch's decomposition gives for CUDA (the kernel leaves them unwritten)."""
+    from dynajax.lowering.dtypes import eager_on_cuda
+
+    rule = registry.get_rule(aten._native_batch_norm_legit_no_training.default)
+    x = jnp.ones((2, 3, 4, 4), jnp.float16)
+    mean, var = jnp.array([0.5, 1.0, 2.0]), jnp.array([1.0, 4.0, 0.25])
+    with eager_on_cuda(True):
+        _, saved_mean, saved_invstd = rule.fn(x, None, None, mean, var, 0.1, 0.0)
+    assert saved_mean.dtype == jnp.float32 and saved_invstd.dtype == jnp.float32
+    assert saved_mean.tolist() == [0.5, 1.0, 2.0] and saved_invstd.tolist() == [1.0, 0.5, 2.0]
+    _, cpu_mean, _ = rule.fn(x, None, None, mean, var, 0.1, 0.0)
+    assert cpu_mean.shape == (0,) and cpu_mean.dtype == jnp.float16

@@ -18,6 +18,16 @@ from dynajax.runtime.conversion import (
 )
 from tests.tolerances import assert_same
 
+
+@pytest.fixture(autouse=True)
+def _jax_on_the_cpu():
+    """These tests convert CPU tensors, and build JAX arrays from NumPy: on a machine with
+    a GPU, JAX would put those on the GPU (its default device), and a round trip would
+    come back as a CUDA tensor. tests/runtime/test_devices.py covers the devices."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 DTYPES = [
     torch.bool,
     torch.uint8,
