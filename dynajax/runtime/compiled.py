@@ -45,9 +45,11 @@ from dynajax.runtime.conversion import (
     cpu_device,
     cpu_to_torch,
     fast_to_jax,
+    from_source_or,
     quiet_readonly_warning,
     to_jax,
     to_torch,
+    to_torch_remembering,
     zero_copy_array,
 )
 from dynajax.runtime.executables import Executables
@@ -243,7 +245,35 @@ class CompiledPartition(torch.nn.Module):
             and placement is None
             and all(isinstance(v, torch.Tensor) and v.dtype in _NUMPY_DTYPES for v in out_vals)
         )
+        # Inputs converted per call reach the direct entry point through a putter.
+        self._fresh_by_putter = on_cpu and placement is None
+        if not on_cpu and placement is None:
+            self.cross_as_on_an_accelerator(convert, make_cached)
         quiet_readonly_warning()
+
+    def cross_as_on_an_accelerator(self, convert: Any, make_cached: Any) -> None:
+        """The torch/JAX crossings of a partition on an accelerator, where a tensor
+        enters JAX by a DLPack import (~100 µs on an H100) and torch writes on its own
+        stream. Results remember the arrays they view, and come back into a partition
+        as those arrays while untouched (``conversion.from_source_or``: a forward's
+        saved activations into its backward); cached inputs written in place cost one
+        import per call, which orders the call after torch's stream (``InputCache``'s
+        ``fence_writes``); inputs converted per call never take the direct entry point.
+
+        ``__init__`` calls it for partitions on accelerators; tests call it on CPU
+        partitions (``convert``, ``make_cached``: the per-call and cached conversions),
+        where CI, which has no GPU, can run the same bookkeeping.
+        """
+        self.inputs = InputCache(
+            len(self.executables.tensor_pos),
+            from_source_or(convert),
+            make_cached,
+            same_layout_reuse=False,
+            fence_writes=True,
+        )
+        self._to_torch = to_torch_remembering
+        self._numpy_outputs = False
+        self._fresh_by_putter = False
 
     def run_guarded(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``run`` for a caller whose inputs passed Dynamo's guards just before (the
@@ -374,7 +404,7 @@ class CompiledPartition(torch.nn.Module):
         """How each per-call input reaches the direct entry point (``_build_direct``):
         its slot among XLA's arguments, its input position and its putter; None where
         it cannot (not on the CPU, or no putter in this JAX release)."""
-        if self.device_type != "cpu" or self.placement is not None:
+        if not self._fresh_by_putter:
             return None
         avals = list(compiled.in_avals[0])
         slot_of = {pos: slot for slot, pos in enumerate(kept)}

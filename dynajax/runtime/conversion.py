@@ -23,6 +23,7 @@ views itself.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -158,6 +159,59 @@ def to_torch(a: jax.Array) -> torch.Tensor:
     if not _warned:
         quiet_readonly_warning()
     return cpu_to_torch(a)
+
+
+# Tensors made by ``to_torch_remembering``, by id: (weak reference, array, version,
+# pointer). A side table, not an attribute: ``torch.save`` and ``copy.deepcopy`` carry a
+# tensor's ``__dict__``, and would carry the array with it.
+_SOURCES: dict[int, tuple[weakref.ref, jax.Array, int, int]] = {}
+
+
+def to_torch_remembering(a: jax.Array) -> torch.Tensor:
+    """``to_torch``, remembering which array the tensor views (``from_source_or``).
+
+    For partitions on accelerators, where a tensor crosses into JAX by a DLPack import
+    (~100 µs on an H100, most of it Python in torch and JAX): a result handed back to a
+    partition unchanged (a forward's saved activations into its backward, a value
+    between two partitions) crosses as the very array it came from. The entry goes when
+    the tensor does (autograd keeps a saved tensor's Python object alive with it).
+    """
+    t = to_torch(a)
+    key = id(t)
+
+    def forget(ref: weakref.ref) -> None:
+        entry = _SOURCES.get(key)
+        if entry is not None and entry[0] is ref:
+            del _SOURCES[key]
+
+    _SOURCES[key] = (weakref.ref(t, forget), a, t._version, t.data_ptr())
+    return t
+
+
+def from_source_or(convert: Any) -> Any:
+    """``convert``, except for a tensor made by ``to_torch_remembering`` and untouched
+    since (same version, pointer, shape, row-major strides): that one is its array.
+
+    Safe on any device: the array is the tensor's memory and torch has not written to
+    it (a write bumps the version counter, which views share); JAX orders its own
+    reads after the computation that defined the array.
+    """
+
+    def cross(t: torch.Tensor) -> Any:
+        entry = _SOURCES.get(id(t))
+        if entry is not None:
+            ref, a, version, ptr = entry
+            if (
+                ref() is t
+                and t._version == version
+                and t.data_ptr() == ptr
+                and a.shape == t.shape
+                and t.is_contiguous()
+            ):
+                return a
+        return convert(t)
+
+    return cross
 
 
 def cpu_to_torch(a: jax.Array) -> torch.Tensor:

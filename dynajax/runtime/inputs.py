@@ -15,7 +15,9 @@ so in-place updates between calls (an optimizer step, ``.data.add_``, a NumPy wr
 are seen by the next call as eager PyTorch sees them. Versions and pointers guard the
 metadata: ``set_``/``resize_``/in-place view ops bump the version, ``p.data = q``
 changes the pointer. A changed version with the same pointer, shape and strides (the
-usual in-place update) keeps the array.
+usual in-place update) keeps the array. On an accelerator torch writes on its own
+stream, after the call that wrote returned: there one of the updated tensors is
+imported afresh for that call (``fence``), and the call waits for torch's stream.
 
 Lifetimes: the cache holds a weak reference to each tensor and an array over a
 *detached* alias of its storage, so it never keeps a caller's tensor object alive; when
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 _version = operator.attrgetter("_version")
+_RIGHT = True  # InputCache._still_right: the snapshot's arrays are right as they are
 _data_ptr = torch.Tensor.data_ptr
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -101,8 +104,18 @@ class InputCache:
             per position (under ``device=``/``mesh=``: the resident copy on the device
             or mesh).
         same_layout_reuse: keep an array across a version bump when pointer, shape and
-            strides are unchanged. Right for CPU, where torch's writes are synchronous;
-            on accelerators a re-import through DLPack orders JAX after torch's stream.
+            strides are unchanged. Right where the arrays are the tensors' memory and
+            torch's writes are synchronous (the CPU); False for resident copies on
+            another device (``device=``, ``mesh=``), which a write makes stale.
+        fence_writes: the arrays are the tensors' memory on an accelerator, where
+            torch's writes are queued on its stream: a call after a version bump keeps
+            the arrays but imports one of the bumped tensors afresh (``make_cached``, a
+            DLPack import, which orders JAX after torch's current stream) and passes
+            that array in its slot. An XLA execution waits for every argument's
+            definition event, so it then starts after all of torch's writes queued so
+            far, however many tensors they touched: one import per such call, where
+            every bumped tensor used to be imported and the snapshot rebuilt (~100 µs
+            per tensor on an H100; an optimizer step bumps every parameter).
     """
 
     def __init__(
@@ -112,11 +125,13 @@ class InputCache:
         make_cached: Callable[[torch.Tensor], Any] | Sequence[Callable[[torch.Tensor], Any]],
         *,
         same_layout_reuse: bool = True,
+        fence_writes: bool = False,
     ) -> None:
         self._n = n
         self._convert = _per_position(convert, n)
         self._make_cached = _per_position(make_cached, n)
         self._same_layout_reuse = same_layout_reuse
+        self._fence_writes = fence_writes
         self._candidates: list[int] = list(range(n))
         self._snap: _Snapshot | None = None
         self._prev: _Snapshot | None = None  # the last snapshot, also once invalidated
@@ -147,34 +162,48 @@ class InputCache:
         except at ``snapshot.volatile``, the positions converted per call.
         """
         snap = self._snap
-        if snap is not None and self._still_right(snap, ts):
+        if snap is not None and self._still_right(snap, ts, fence=False) is _RIGHT:
             return snap
         return None
 
-    def _still_right(self, snap: _Snapshot, ts: Sequence[torch.Tensor]) -> bool:
+    def _still_right(self, snap: _Snapshot, ts: Sequence[torch.Tensor], fence: bool = True) -> Any:
         """Whether ``snap``'s arrays are right for ``ts``: the same objects at the same
         pointers, and the same versions or, where arrays are the tensors' own memory,
-        the same sizes and strides."""
+        the same sizes and strides. ``_RIGHT``, or ``None`` (not right), or, on an
+        accelerator after in-place updates, ``(position, array)``: the arrays are right
+        once the one in that slot is replaced by ``array`` for this call (``fence``;
+        without it, such a call is not right, and the snapshot is left as it was)."""
         if tuple(map(id, c := snap.get(ts))) != snap.ids or tuple(map(_data_ptr, c)) != snap.ptrs:
-            return False
+            return None
         versions = tuple(map(_version, c))
-        if versions != snap.versions:
-            # In-place updates since the last call (a KV cache written every decode step,
-            # an optimizer step): the arrays are the tensors' memory, so they stay right
-            # while sizes and strides are unchanged. The snapshot then records the new
-            # versions, so the next call with no update takes the first test.
-            # Only the inputs whose versions moved are read (C-level selection: a decode
-            # step's 8 KV buffers among 50 inputs).
-            if not self._same_layout_reuse:
-                return False
-            moved = list(map(operator.ne, versions, snap.versions))
-            for t, (_, _, shape, stride) in zip(
-                compress(c, moved), compress(snap.meta.values(), moved), strict=True
-            ):
-                if t.shape != shape or t.stride() != stride:
-                    return False
-            snap.versions = versions
-        return True
+        if versions == snap.versions:
+            return _RIGHT
+        if not (self._same_layout_reuse or self._fence_writes):
+            return None  # resident copies: a write made them stale
+        # In-place updates since the last call (a KV cache written every decode step, an
+        # optimizer step): the arrays are the tensors' memory, so they stay right while
+        # sizes and strides are unchanged. The snapshot then records the new versions,
+        # so the next call with no update takes the first test. Only the inputs whose
+        # versions moved are read (C-level selection: a decode step's 8 KV buffers
+        # among 50 inputs).
+        moved = list(map(operator.ne, versions, snap.versions))
+        for t, (_, _, shape, stride) in zip(
+            compress(c, moved), compress(snap.meta.values(), moved), strict=True
+        ):
+            if t.shape != shape or t.stride() != stride:
+                return None
+        verdict: Any = _RIGHT
+        if self._fence_writes:
+            # Accelerator: torch's writes may still be queued on its stream.
+            if not fence:
+                return None
+            i = list(snap.meta)[moved.index(True)]
+            fresh = self._make_cached[i](ts[i])
+            if fresh is None:
+                return None
+            verdict = (i, fresh)
+        snap.versions = versions
+        return verdict
 
     def hit_guarded(self, ts: Sequence[torch.Tensor]) -> _Snapshot | None:
         """``hit`` for inputs whose sizes and strides the caller has checked (Dynamo's
@@ -182,7 +211,8 @@ class InputCache:
         runs): the same objects at the same data pointers suffice, versions are not
         read. Where arrays are the tensors' own memory (``same_layout_reuse``), a
         version bump with the same pointer, sizes and strides keeps the array anyway;
-        elsewhere (resident copies on another device) this is ``hit``.
+        elsewhere (resident copies on another device, and an accelerator's arrays,
+        which need a fence after a write) this is ``hit``.
         """
         if not self._same_layout_reuse:
             return self.hit(ts)
@@ -203,9 +233,12 @@ class InputCache:
     def arrays(self, ts: Sequence[torch.Tensor]) -> list[Any]:
         """The JAX arguments for the tensors ``ts``, one per input."""
         snap = self._snap
-        if snap is not None and self._still_right(snap, ts):
-            out = snap.arrays.copy()
-            volatile = snap.volatile
+        right = self._still_right(snap, ts) if snap is not None else None
+        if right is not None:
+            out = snap.arrays.copy()  # type: ignore[union-attr]
+            volatile = snap.volatile  # type: ignore[union-attr]
+            if right is not _RIGHT:
+                i, out[i] = right
         else:
             out, volatile = self._refresh(ts)
         convert = self._convert
