@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, sized for a short lease of a GPU machine (at most
-# 9 minutes: every step has a time limit): dynajax's device tests, the per-call layers of
+# 9.5 minutes: every step has a time limit): dynajax's device tests, the per-call layers of
 # two tiny graphs, the per-step profile of four rows (with Chrome traces of two), the
 # decode benchmark and the benchmark table.
 #
@@ -24,28 +24,28 @@ step versions
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$log" 2>&1
 python3 -c "import torch, jax; print(torch.__version__, jax.__version__, jax.devices())" >>"$log" 2>&1
 if want tests; then
-timeout 90 python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING \
+timeout 60 python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING \
     tests/runtime/test_devices.py tests/runtime/test_conversion.py \
     tests/capability/test_verdicts.py 2>&1 \
     | grep -v "^DEBUG" | tail -60 >>"$log"
 fi
 if want overhead; then
-timeout 100 python3 -m benchmarks.overhead --device cuda --calls 1000 --rounds 5 \
+timeout 80 python3 -m benchmarks.overhead --device cuda --calls 1000 --rounds 5 \
     --no-context --cprofile 300 >>"$log" 2>&1
 fi
 if want table; then
-timeout 200 python3 -m benchmarks.run --device cuda --no-first-call --no-memory --no-plot \
+timeout 260 python3 -m benchmarks.run --device cuda --no-first-call --no-memory --no-plot \
     --repeats 6 --warmup 3 --budget 1.5 --out "$tmp" 2>&1 | grep -v "^\[bench\]" >>"$log"
 cp "$tmp/latest.json" "$out/bench.json" 2>/dev/null || cp "$tmp/partial.json" "$out/bench.json"
 fi
 if want profile; then
-timeout 60 python3 -m benchmarks.profile --device cuda --workloads mlp,resnet18 --steps 5 \
+timeout 50 python3 -m benchmarks.profile --device cuda --workloads mlp,resnet18 --steps 5 \
     --trace-dir "$out/traces" >>"$log" 2>&1
-timeout 40 python3 -m benchmarks.profile --device cuda --workloads add-one,gpt2 --steps 10 \
+timeout 30 python3 -m benchmarks.profile --device cuda --workloads add-one,gpt2 --steps 10 \
     >>"$log" 2>&1
 fi
 if want decode; then
-timeout 80 python3 -m benchmarks.decode --device cuda --rounds 3 --new-tokens 32 2>&1 \
+timeout 70 python3 -m benchmarks.decode --device cuda --rounds 3 --new-tokens 32 2>&1 \
     | grep -v "^\[decode\]" >>"$log"
 fi
 step done

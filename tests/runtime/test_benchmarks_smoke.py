@@ -218,3 +218,18 @@ def test_checks_on_and_off_compute_the_eager_row(name: str) -> None:
         assert_same(checks._workload(name)(on)(), expected, model=True)
     med = checks.measure(f"workload:{name}", rounds=1, scale=0.01)
     assert med["on"] > 0 and med["off"] > 0
+
+
+def test_overhead_layers_and_cprofile(capsys, monkeypatch) -> None:
+    """``benchmarks.overhead`` times every layer of both tiny functions and ranks the
+    Python functions of each peer's whole call (tiny counts: nothing is timed here)."""
+    from benchmarks import overhead
+
+    monkeypatch.setattr(overhead, "N_INPUTS", 3)
+    overhead.main(["--calls", "5", "--rounds", "1", "--no-context", "--cprofile", "5"])
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    for layer in ("jax.jit, jax.Array in/out", "dynajax partition", "inductor, whole call"):
+        assert sum(ln.startswith(layer) for ln in lines) == 2, layer
+    assert "cProfile, x + 1, dynajax" in printed and "cProfile, 3 inputs, inductor" in printed
+    assert "dynajax / inductor, whole call" in printed
