@@ -47,9 +47,10 @@ from dynajax.runtime.conversion import (
     fast_to_jax,
     from_source_or,
     quiet_readonly_warning,
+    remembering,
     to_jax,
     to_torch,
-    to_torch_remembering,
+    torch_importer,
     zero_copy_array,
 )
 from dynajax.runtime.executables import Executables
@@ -271,7 +272,7 @@ class CompiledPartition(torch.nn.Module):
             same_layout_reuse=False,
             fence_writes=True,
         )
-        self._to_torch = to_torch_remembering
+        self._to_torch = remembering(self._results_importer())
         self._numpy_outputs = False
         self._fresh_by_putter = False
 
@@ -334,6 +335,19 @@ class CompiledPartition(torch.nn.Module):
                 else:
                     self._direct = self._build_direct(snap, tensors, outs)
         return outs
+
+    def _results_importer(self) -> Callable[[jax.Array], torch.Tensor]:
+        """The results' way into torch: ``conversion.torch_importer`` for the device
+        the partition runs on (its one accelerator, else the CPU; results eager gives on
+        the CPU are moved there afterwards), ``to_torch`` if its tensors span several."""
+        gm: torch.fx.GraphModule = self.__dict__["graph_module"]
+        vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        devices = {
+            v.device
+            for v in [*vals, *_output_vals(gm)]
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+        } or {torch.device("cpu")}
+        return torch_importer(devices.pop()) if len(devices) == 1 else to_torch
 
     def _build_direct(
         self, snap: Any, tensors: Sequence[torch.Tensor], outs: list[torch.Tensor]

@@ -22,8 +22,10 @@ views itself.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,6 +34,7 @@ import torch
 
 from dynajax.errors import ConversionError
 from dynajax.lowering.dtypes import TORCH_TO_JAX
+from dynajax.runtime import jax_internals
 
 _BF16 = np.dtype(TORCH_TO_JAX[torch.bfloat16])
 
@@ -91,6 +94,58 @@ def dlpack_to_torch(a: jax.Array) -> torch.Tensor:
     """A tensor sharing the buffer of ``a`` through DLPack, on ``a``'s device (the
     DLPack protocol synchronizes the producer's stream). Works on CPU arrays too."""
     return torch.from_dlpack(a)
+
+
+@functools.cache
+def torch_importer(device: torch.device) -> Callable[[jax.Array], torch.Tensor]:
+    """``dlpack_to_torch`` for arrays known to be on ``device`` (a partition's results).
+
+    ``torch.from_dlpack`` spends ~20 µs per array on an H100 in Python (the array's
+    device, torch's current stream as an object, JAX's checks) before two C calls; here
+    the stream is the one it would pass (torch's current stream on ``device``, 1 for the
+    legacy default stream, none on the CPU), read by the C call inductor's own code
+    uses, and the capsule comes from JAX's exporter (``jax_internals.dlpack_exporter``).
+    ``dlpack_to_torch`` itself where an internal is missing, on ROCm (other stream
+    conventions), or where a probe of both paths on ``device`` disagrees.
+    """
+    export = jax_internals.dlpack_exporter()
+    from_capsule = getattr(torch._C, "_from_dlpack", None)
+    if export is None or from_capsule is None:
+        return dlpack_to_torch
+    if device.type == "cpu":
+        jax_device = cpu_device()
+
+        def to_torch_on_cpu(a: jax.Array) -> torch.Tensor:
+            return from_capsule(export(a, None))  # type: ignore[no-any-return]
+
+        importer = to_torch_on_cpu
+    elif device.type == "cuda" and torch.version.hip is None:
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gpus = [d for d in jax.devices() if d.platform == "gpu" and d.id == index]
+        if raw_stream is None or not gpus:
+            return dlpack_to_torch
+        jax_device = gpus[0]
+
+        def to_torch_on_cuda(a: jax.Array) -> torch.Tensor:
+            return from_capsule(export(a, raw_stream(index) or 1))  # type: ignore[no-any-return]
+
+        importer = to_torch_on_cuda
+    else:
+        return dlpack_to_torch
+    try:
+        probe = jax.device_put(np.arange(6, dtype=np.float32).reshape(2, 3), jax_device)
+        got, want = importer(probe), dlpack_to_torch(probe)
+        same = (got.device, got.dtype, got.shape, got.stride(), got.data_ptr()) == (
+            want.device,
+            want.dtype,
+            want.shape,
+            want.stride(),
+            want.data_ptr(),
+        )
+    except Exception:  # an internal that changed its contract: the public path
+        same = False
+    return importer if same else dlpack_to_torch
 
 
 def fast_to_jax(t: torch.Tensor) -> Any:
@@ -161,14 +216,16 @@ def to_torch(a: jax.Array) -> torch.Tensor:
     return cpu_to_torch(a)
 
 
-# Tensors made by ``to_torch_remembering``, by id: (weak reference, array, version,
+# Tensors made by ``remembering(...)``, by id: (weak reference, array, version,
 # pointer). A side table, not an attribute: ``torch.save`` and ``copy.deepcopy`` carry a
 # tensor's ``__dict__``, and would carry the array with it.
 _SOURCES: dict[int, tuple[weakref.ref, jax.Array, int, int]] = {}
 
 
-def to_torch_remembering(a: jax.Array) -> torch.Tensor:
-    """``to_torch``, remembering which array the tensor views (``from_source_or``).
+def remembering(
+    to_torch: Callable[[jax.Array], torch.Tensor],
+) -> Callable[[jax.Array], torch.Tensor]:
+    """``to_torch``, remembering which array each tensor views (``from_source_or``).
 
     For partitions on accelerators, where a tensor crosses into JAX by a DLPack import
     (~100 µs on an H100, most of it Python in torch and JAX): a result handed back to a
@@ -176,20 +233,24 @@ def to_torch_remembering(a: jax.Array) -> torch.Tensor:
     between two partitions) crosses as the very array it came from. The entry goes when
     the tensor does (autograd keeps a saved tensor's Python object alive with it).
     """
-    t = to_torch(a)
-    key = id(t)
 
-    def forget(ref: weakref.ref) -> None:
-        entry = _SOURCES.get(key)
-        if entry is not None and entry[0] is ref:
-            del _SOURCES[key]
+    def to_torch_remembered(a: jax.Array) -> torch.Tensor:
+        t = to_torch(a)
+        key = id(t)
 
-    _SOURCES[key] = (weakref.ref(t, forget), a, t._version, t.data_ptr())
-    return t
+        def forget(ref: weakref.ref) -> None:
+            entry = _SOURCES.get(key)
+            if entry is not None and entry[0] is ref:
+                del _SOURCES[key]
+
+        _SOURCES[key] = (weakref.ref(t, forget), a, t._version, t.data_ptr())
+        return t
+
+    return to_torch_remembered
 
 
 def from_source_or(convert: Any) -> Any:
-    """``convert``, except for a tensor made by ``to_torch_remembering`` and untouched
+    """``convert``, except for a tensor made by ``remembering(...)`` and untouched
     since (same version, pointer, shape, row-major strides): that one is its array.
 
     Safe on any device: the array is the tensor's memory and torch has not written to

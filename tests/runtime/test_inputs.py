@@ -93,6 +93,8 @@ def test_on_the_cpu_in_place_updates_import_nothing() -> None:
 
 # -- results crossing back -------------------------------------------------------------
 
+_remembered = conversion.remembering(conversion.to_torch)
+
 
 def _convert_counted() -> tuple[list[torch.Tensor], object]:
     seen: list[torch.Tensor] = []
@@ -107,7 +109,7 @@ def _convert_counted() -> tuple[list[torch.Tensor], object]:
 def test_a_result_crosses_back_as_its_array_while_untouched() -> None:
     seen, cross = _convert_counted()
     a = jnp.arange(12.0).reshape(3, 4) * 2
-    t = conversion.to_torch_remembering(a)
+    t = _remembered(a)
     assert cross(t) is a and not seen
     view = t[1:]  # another tensor object, not a result: converted
     cross(view)
@@ -120,11 +122,11 @@ def test_a_result_crosses_back_as_its_array_while_untouched() -> None:
 
 def test_a_result_with_other_metadata_converts() -> None:
     seen, cross = _convert_counted()
-    square = conversion.to_torch_remembering(jnp.arange(16.0).reshape(4, 4) + 1)
+    square = _remembered(jnp.arange(16.0).reshape(4, 4) + 1)
     square.t_()  # same shape, other strides
     cross(square)
     assert seen == [square]
-    flat = conversion.to_torch_remembering(jnp.arange(6.0) + 1)
+    flat = _remembered(jnp.arange(6.0) + 1)
     flat.resize_(2, 3)
     np.testing.assert_array_equal(np.asarray(cross(flat)), flat.numpy())
 
@@ -132,7 +134,7 @@ def test_a_result_with_other_metadata_converts() -> None:
 def test_the_entry_goes_with_the_tensor() -> None:
     gc.collect()
     before = len(conversion._SOURCES)
-    t = conversion.to_torch_remembering(jnp.ones(3) * 3)
+    t = _remembered(jnp.ones(3) * 3)
     assert len(conversion._SOURCES) == before + 1
     del t
     gc.collect()
@@ -149,7 +151,7 @@ def test_a_saved_activation_crosses_into_the_backward_as_its_array() -> None:
     class Square(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            doubled = conversion.to_torch_remembering(jnp.asarray(x.detach().numpy()) * 2)
+            doubled = _remembered(jnp.asarray(x.detach().numpy()) * 2)
             ctx.save_for_backward(doubled)
             return x * x
 
@@ -252,3 +254,34 @@ def test_values_between_partitions_with_an_accelerators_crossings(crossings) -> 
         w.mul_(1.5)  # a write between calls: the next call must see it
         w_eager.mul_(1.5)
         got.add_(100)  # the caller owns its result
+
+
+# -- results into torch, the lean way ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.bool_])
+def test_results_importer_gives_what_from_dlpack_gives(dtype) -> None:
+    importer = conversion.torch_importer(torch.device("cpu"))
+    assert importer is not conversion.dlpack_to_torch  # the internal is there: lean path
+    with jax.enable_x64(True):
+        a = jax.device_put(np.arange(12).reshape(3, 4).astype(dtype), jax.devices("cpu")[0])
+        got, want = importer(a), torch.from_dlpack(a)
+    assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+    assert got.data_ptr() == want.data_ptr() == a.unsafe_buffer_pointer()
+    assert torch.equal(got, want)
+
+
+def test_results_importer_falls_back_to_the_public_path(monkeypatch) -> None:
+    from dynajax.runtime import jax_internals
+
+    conversion.torch_importer.cache_clear()
+    try:
+        monkeypatch.setattr(jax_internals, "dlpack_exporter", lambda: None)
+        assert conversion.torch_importer(torch.device("cpu")) is conversion.dlpack_to_torch
+        monkeypatch.undo()
+        conversion.torch_importer.cache_clear()
+        if not torch.cuda.is_available():  # no GPU for JAX or torch: nothing to probe
+            importer = conversion.torch_importer(torch.device("cuda", 0))
+            assert importer is conversion.dlpack_to_torch
+    finally:
+        conversion.torch_importer.cache_clear()
