@@ -259,7 +259,9 @@ class CompiledPartition(torch.nn.Module):
         as those arrays while untouched (``conversion.from_source_or``: a forward's
         saved activations into its backward); cached inputs written in place cost one
         import per call, which orders the call after torch's stream (``InputCache``'s
-        ``fence_writes``); inputs converted per call never take the direct entry point.
+        ``fence_writes``: the executables keep every input as an argument, read or not,
+        so that the fence is one); inputs converted per call never take the direct
+        entry point.
 
         ``__init__`` calls it for partitions on accelerators; tests call it on CPU
         partitions (``convert``, ``make_cached``: the per-call and cached conversions),
@@ -272,6 +274,7 @@ class CompiledPartition(torch.nn.Module):
             same_layout_reuse=False,
             fence_writes=True,
         )
+        self.executables.keep_unused = True  # the fence must be an argument XLA waits on
         self._to_torch = remembering(self._results_importer())
         self._numpy_outputs = False
         self._fresh_by_putter = False

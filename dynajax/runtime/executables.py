@@ -128,6 +128,10 @@ class Executables:
         self.out_sharding = out_sharding
         self.program = program
         self.check_table = check_table
+        # Every input stays an argument of the executables, also one the program never
+        # reads (jax.jit drops those by default): on an accelerator an input may be the
+        # fence whose definition event orders the call after torch's stream (InputCache).
+        self.keep_unused = False
         vals = self.placeholders
         # Eager computes on CUDA tensors: its convolutions are cuDNN's (conv_precision),
         # its float-to-integer conversions CUDA's (dtypes.float_to_int).
@@ -174,8 +178,10 @@ class Executables:
                 dtypes.eager_on_cuda(self.on_cuda),
             ):
                 if self.out_sharding is None:
-                    return jax.jit(fn).lower(*avals)
-                return jax.jit(fn, out_shardings=self.out_sharding).lower(*avals)
+                    return jax.jit(fn, keep_unused=self.keep_unused).lower(*avals)
+                return jax.jit(
+                    fn, out_shardings=self.out_sharding, keep_unused=self.keep_unused
+                ).lower(*avals)
 
         table = self.check_table
         program = self.program and describe_call(
@@ -186,6 +192,7 @@ class Executables:
             needs_seed=self.needs_seed,
             checks=table is not None,
             out_sharding=self.out_sharding,
+            keep_unused=self.keep_unused,
         )
         shapes = ", ".join(str(list(a.shape)) for a in avals)
         compiled, checks = self.cache.compile_traced(

@@ -83,14 +83,16 @@ def describe_call(
     needs_seed: bool,
     checks: bool,
     out_sharding: Any,
+    keep_unused: bool = False,
 ) -> str:
     """One executable of the partition ``partition`` (``describe_partition``'s text):
     its abstract inputs and static sizes, and the settings its trace reads."""
     h = hashlib.sha256(partition.encode())
+    settings = f"precision={precision} seed={needs_seed} checks={checks} out={out_sharding!r}"
     for part in (
         repr([(tuple(a.shape), str(a.dtype), repr(a.sharding)) for a in avals]),
         repr(sorted(statics.items())),
-        f"precision={precision} seed={needs_seed} checks={checks} out={out_sharding!r}",
+        settings + (" keep_unused" if keep_unused else ""),
         f"default_dtype={torch.get_default_dtype()}",
         f"mkldnn={torch.backends.mkldnn.is_available()},{torch.backends.mkldnn.enabled}",
         repr([(s, getattr(jax.config, s, None)) for s in _JAX_SETTINGS]),

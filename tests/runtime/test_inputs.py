@@ -285,3 +285,38 @@ def test_results_importer_falls_back_to_the_public_path(monkeypatch) -> None:
             assert importer is conversion.dlpack_to_torch
     finally:
         conversion.torch_importer.cache_clear()
+
+
+@torch.library.custom_op("dynajax_inputs_test::first_of", mutates_args=())
+def first_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@first_of.register_fake
+def _(x, y):
+    return torch.empty_like(x)
+
+
+def test_an_input_the_program_never_reads_stays_an_argument(crossings) -> None:
+    """The fence may be any input written in place, also one the program does not read
+    (here ``y``, which the rule ignores): jax.jit would drop it, and XLA would not wait
+    for it. On an accelerator the executables keep every input."""
+    import dynajax
+    from dynajax.runtime import jax_internals
+    from dynajax.runtime.compiled import CompiledPartition
+    from tests.helpers import compile_with
+
+    dynajax.register_rule("dynajax_inputs_test::first_of")(lambda x, y: x * 2)
+    try:
+        x, y = torch.randn(4), torch.zeros(4)
+        compiled, backend = compile_with(lambda x, y: first_of(x, y) + 1)
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x, y), x * 2 + 1)
+            y.add_(1)  # only y moved: y is the fence
+        gm = backend.graphs[0].graph_module
+        [part] = [m for m in gm.children() if isinstance(m, CompiledPartition)]
+        assert part.executables.keep_unused
+        found = jax_internals.direct_executor(part._compiled)
+        assert found is not None and found.kept == [0, 1]
+    finally:
+        dynajax.unregister_rule("dynajax_inputs_test::first_of")
