@@ -185,3 +185,39 @@ class TestZeroCopyArray:
         gc.collect()
         assert ref() is None
         assert float(a[0]) == 0.0  # the storage itself stays valid while the array lives
+
+
+@pytest.mark.parametrize("x64", [True, False], ids=["x64", "x32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_lean_dlpack_import_gives_what_from_dlpack_gives(dtype: torch.dtype, x64: bool) -> None:
+    """``jax_importer`` (JAX's importer without the Python of ``jax.dlpack.from_dlpack``)
+    returns the same array: the tensor's memory, its dtype (64-bit types canonicalized
+    when x64 is off, as from_dlpack does), on its device."""
+    from dynajax.runtime.conversion import jax_importer
+
+    importer = jax_importer(torch.device("cpu"))
+    assert importer is not jax.dlpack.from_dlpack  # the internals are there: lean path
+    t = _sample(dtype, (5, 6))
+    with jax.enable_x64(x64):
+        got, want = importer(t), jax.dlpack.from_dlpack(t)
+    assert (got.shape, got.dtype, got.devices()) == (want.shape, want.dtype, want.devices())
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if got.dtype.itemsize == t.element_size():
+        assert got.unsafe_buffer_pointer() == want.unsafe_buffer_pointer() == t.data_ptr()
+
+
+def test_lean_dlpack_import_falls_back_to_the_public_path(monkeypatch) -> None:
+    from dynajax.runtime import jax_internals
+    from dynajax.runtime.conversion import jax_importer
+
+    jax_importer.cache_clear()
+    try:
+        monkeypatch.setattr(jax_internals, "dlpack_importer", lambda: None)
+        assert jax_importer(torch.device("cpu")) is jax.dlpack.from_dlpack
+        monkeypatch.undo()
+        jax_importer.cache_clear()
+        if not torch.cuda.is_available():
+            assert jax_importer(torch.device("cuda", 0)) is jax.dlpack.from_dlpack
+        assert jax_importer(torch.device("meta")) is jax.dlpack.from_dlpack
+    finally:
+        jax_importer.cache_clear()
