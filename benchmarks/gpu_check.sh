@@ -24,13 +24,13 @@ step versions
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$log" 2>&1
 python3 -c "import torch, jax; print(torch.__version__, jax.__version__, jax.devices())" >>"$log" 2>&1
 if want tests; then
-timeout 60 python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING \
+timeout 75 python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING \
     tests/runtime/test_devices.py tests/runtime/test_conversion.py \
-    tests/capability/test_verdicts.py 2>&1 \
+    tests/capability/test_verdicts.py tests/runtime/test_inputs.py 2>&1 \
     | grep -v "^DEBUG" | tail -60 >>"$log"
 fi
 if want overhead; then
-timeout 80 python3 -m benchmarks.overhead --device cuda --calls 1000 --rounds 5 \
+timeout 65 python3 -m benchmarks.overhead --device cuda --calls 1000 --rounds 5 \
     --no-context --cprofile 300 >>"$log" 2>&1
 fi
 if want table; then

@@ -91,3 +91,49 @@ def test_exact_dtypes_on_device(device) -> None:
     got, want, _ = _both(f, a, b)
     _same_placed(got, want)
     assert torch.equal(got[0], want[0])
+
+
+def test_training_steps_see_the_optimizers_writes(device) -> None:
+    """Steps of a compiled model with an eager optimizer between them: on a GPU, the
+    parameters written in place by the optimizer (on torch's stream) are kept as arrays
+    and fenced, and the forward's activations reach the backward as JAX's own arrays.
+    Every step's loss, gradients, parameters and buffers are eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model).to(device)
+    model = model.to(device)
+    compiled = torch.compile(model, backend="dynajax")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+    for step in range(4):
+        x = torch.randn(16, 8, device=device)
+        losses = []
+        for fn, opt in zip((compiled, ref), opts, strict=True):
+            opt.zero_grad()
+            loss = fn(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        assert_same([losses[0]], [losses[1]])
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert_same([p], [q])
+        with torch.no_grad():  # a write of the user's between steps
+            model[0].bias.add_(0.01 * step)
+            ref[0].bias.add_(0.01 * step)
+    for b, c in zip(model.buffers(), ref.buffers(), strict=True):
+        assert_same([b], [c])
+
+
+def test_lean_crossings_are_taken(device) -> None:
+    """JAX's own DLPack importer and exporter, not the public functions' Python, on
+    every device present: a fallback here would be silent (only slower)."""
+    import jax
+
+    from dynajax.runtime import conversion
+
+    assert conversion.jax_importer(device) is not jax.dlpack.from_dlpack
+    assert conversion.torch_importer(device) is not conversion.dlpack_to_torch
+    t = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4)
+    a = conversion.jax_importer(device)(t)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    back = conversion.torch_importer(device)(a * 2)
+    assert back.device.type == device.type and torch.equal(back, t * 2)
