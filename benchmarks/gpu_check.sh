@@ -30,22 +30,22 @@ timeout 75 python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING \
     | grep -v "^DEBUG" | tail -60 >>"$log"
 fi
 if want overhead; then
-timeout 65 python3 -m benchmarks.overhead --device cuda --calls 1000 --rounds 5 \
+timeout 95 python3 -m benchmarks.overhead --device cuda --calls 1000 --rounds 5 \
     --no-context --cprofile 300 >>"$log" 2>&1
 fi
 if want table; then
-timeout 260 python3 -m benchmarks.run --device cuda --no-first-call --no-memory --no-plot \
+timeout 240 python3 -m benchmarks.run --device cuda --no-first-call --no-memory --no-plot \
     --repeats 6 --warmup 3 --budget 1.5 --out "$tmp" 2>&1 | grep -v "^\[bench\]" >>"$log"
 cp "$tmp/latest.json" "$out/bench.json" 2>/dev/null || cp "$tmp/partial.json" "$out/bench.json"
 fi
 if want profile; then
-timeout 50 python3 -m benchmarks.profile --device cuda --workloads mlp,resnet18 --steps 5 \
+timeout 45 python3 -m benchmarks.profile --device cuda --workloads mlp,resnet18 --steps 5 \
     --trace-dir "$out/traces" >>"$log" 2>&1
-timeout 30 python3 -m benchmarks.profile --device cuda --workloads add-one,gpt2 --steps 10 \
+timeout 25 python3 -m benchmarks.profile --device cuda --workloads add-one,gpt2 --steps 10 \
     >>"$log" 2>&1
 fi
 if want decode; then
-timeout 70 python3 -m benchmarks.decode --device cuda --rounds 3 --new-tokens 32 2>&1 \
+timeout 65 python3 -m benchmarks.decode --device cuda --rounds 3 --new-tokens 32 2>&1 \
     | grep -v "^\[decode\]" >>"$log"
 fi
 step done
