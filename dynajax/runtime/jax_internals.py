@@ -173,15 +173,20 @@ def array_putter(
     return put
 
 
-def dlpack_exporter() -> Callable[[jax.Array, int | None], Any] | None:
-    """``export(array, stream)`` -> a DLPack capsule of a single-device ``array``, the
-    consumer's ``stream`` (a CUDA stream pointer, 1 for the legacy default stream, or
-    None on the CPU) made to wait for it; None where this JAX release lacks it."""
+def _jaxlib_function(name: str) -> Any | None:
+    """A function of jaxlib's extension module, or None where it has no such name."""
     try:
         from jax._src.lib import _jax
     except ImportError:
         return None
-    export = getattr(_jax, "buffer_to_dlpack_managed_tensor", None)
+    return getattr(_jax, name, None)
+
+
+def dlpack_exporter() -> Callable[[jax.Array, int | None], Any] | None:
+    """``export(array, stream)`` -> a DLPack capsule of a single-device ``array``, the
+    consumer's ``stream`` (a CUDA stream pointer, 1 for the legacy default stream, or
+    None on the CPU) made to wait for it; None where this JAX release lacks it."""
+    export = _jaxlib_function("buffer_to_dlpack_managed_tensor")
     if export is None:
         return None
 
@@ -195,22 +200,17 @@ def dlpack_importer() -> Callable[[Any, jax.Device, int | None, int], jax.Array]
     """``import_(capsule, device, stream, kind)`` -> the ``jax.Array`` over a DLPack
     capsule's memory on ``device`` (``kind``: the DLPack device type; ``stream``: the
     stream the producer made wait, or None); None where this JAX release lacks it."""
-    try:
-        from jax._src.lib import _jax, jaxlib_extension_version
-    except ImportError:
-        return None
-    make = getattr(_jax, "dlpack_managed_tensor_to_buffer", None)
+    make = _jaxlib_function("dlpack_managed_tensor_to_buffer")
     if make is None:
         return None
-    if jaxlib_extension_version >= 467:
+    from jax._src.lib import jaxlib_extension_version
 
-        def import_(capsule: Any, device: jax.Device, stream: int | None, kind: int) -> Any:
+    takes_kind = jaxlib_extension_version >= 467  # the DLPack device type, since then
+
+    def import_(capsule: Any, device: jax.Device, stream: int | None, kind: int) -> Any:
+        if takes_kind:
             return make(capsule, device, stream, None, kind)
-
-    else:
-
-        def import_(capsule: Any, device: jax.Device, stream: int | None, kind: int) -> Any:
-            return make(capsule, device, stream, None)
+        return make(capsule, device, stream, None)
 
     return import_
 
