@@ -230,15 +230,9 @@ class CompiledPartition(torch.nn.Module):
         n_inputs = len(self.executables.tensor_pos)  # static sizes are not converted
         if self.executables.dynamic:
             self._run = self._run_dynamic  # type: ignore[method-assign,assignment]
-        # A resident copy on another device is stale after any in-place update; a
-        # zero-copy array on the CPU is the tensor's memory and sees it.
-        self.inputs = InputCache(
-            n_inputs, convert, make_cached, same_layout_reuse=on_cpu and placement is None
-        )
-        if placement is not None and placement.multi_device:
-            self._to_torch = placement.placement.to_torch()  # this process's whole copy
-        else:
-            self._to_torch = cpu_to_torch if on_cpu else to_torch
+        # The device the partition's results come from (its one accelerator, else the
+        # CPU; results eager gives on the CPU are moved there afterwards).
+        self._results_device = _results_device([*vals, *out_vals])
         # Outputs that NumPy can view and torch.from_numpy can wrap as they are (CPU,
         # no bfloat16 or float8): wrapped by two C-level maps, no Python frame per output.
         self._numpy_outputs = (
@@ -250,6 +244,16 @@ class CompiledPartition(torch.nn.Module):
         self._fresh_by_putter = on_cpu and placement is None
         if not on_cpu and placement is None:
             self.cross_as_on_an_accelerator(convert, make_cached)
+        else:
+            # A resident copy on another device is stale after any in-place update; a
+            # zero-copy array on the CPU is the tensor's memory and sees it.
+            self.inputs = InputCache(
+                n_inputs, convert, make_cached, same_layout_reuse=on_cpu and placement is None
+            )
+            if placement is not None and placement.multi_device:
+                self._to_torch = placement.placement.to_torch()  # this process's whole copy
+            else:
+                self._to_torch = cpu_to_torch if on_cpu else to_torch
         quiet_readonly_warning()
 
     def cross_as_on_an_accelerator(self, convert: Any, make_cached: Any) -> None:
@@ -275,7 +279,8 @@ class CompiledPartition(torch.nn.Module):
             fence_writes=True,
         )
         self.executables.keep_unused = True  # the fence must be an argument XLA waits on
-        self._to_torch = remembering(self._results_importer())
+        device = self._results_device
+        self._to_torch = remembering(torch_importer(device) if device is not None else to_torch)
         self._numpy_outputs = False
         self._fresh_by_putter = False
 
@@ -338,19 +343,6 @@ class CompiledPartition(torch.nn.Module):
                 else:
                     self._direct = self._build_direct(snap, tensors, outs)
         return outs
-
-    def _results_importer(self) -> Callable[[jax.Array], torch.Tensor]:
-        """The results' way into torch: ``conversion.torch_importer`` for the device
-        the partition runs on (its one accelerator, else the CPU; results eager gives on
-        the CPU are moved there afterwards), ``to_torch`` if its tensors span several."""
-        gm: torch.fx.GraphModule = self.__dict__["graph_module"]
-        vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        devices = {
-            v.device
-            for v in [*vals, *_output_vals(gm)]
-            if isinstance(v, torch.Tensor) and v.device.type != "cpu"
-        } or {torch.device("cpu")}
-        return torch_importer(devices.pop()) if len(devices) == 1 else to_torch
 
     def _build_direct(
         self, snap: Any, tensors: Sequence[torch.Tensor], outs: list[torch.Tensor]
@@ -577,6 +569,15 @@ def _output_vals(graph: torch.fx.GraphModule) -> list[Any]:
 def _device_types(vals: Sequence[Any]) -> set[str]:
     """The device types of the tensors among ``meta["val"]`` values."""
     return {v.device.type for v in vals if isinstance(v, torch.Tensor)}
+
+
+def _results_device(vals: Sequence[Any]) -> torch.device | None:
+    """The one accelerator among the tensors of ``vals``, the CPU if they have none,
+    None if they span several."""
+    devices = {
+        v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+    } or {torch.device("cpu")}
+    return devices.pop() if len(devices) == 1 else None
 
 
 def _accelerator_array(t: torch.Tensor) -> jax.Array | None:

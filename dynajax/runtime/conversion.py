@@ -75,6 +75,19 @@ def dlpack_to_jax(t: torch.Tensor) -> jax.Array:
 _DL_KIND = {"cpu": 1, "cuda": 2}  # DLPack's device types: kDLCPU, kDLCUDA
 
 
+def _jax_device_of(device: torch.device) -> tuple[jax.Device, int] | None:
+    """The JAX device holding ``device``'s memory and the CUDA ordinal (0 on the CPU),
+    for the lean DLPack crossings; None where they do not apply (ROCm, whose streams
+    follow other conventions; a device JAX does not have; other device types)."""
+    if device.type == "cpu":
+        return cpu_device(), 0
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gpus = [d for d in jax.devices() if d.platform == "gpu" and d.id == index]
+    return (gpus[0], index) if gpus else None
+
+
 @functools.cache
 def jax_importer(device: torch.device) -> Callable[[torch.Tensor], jax.Array]:
     """``jax.dlpack.from_dlpack`` for tensors on ``device``, without its Python.
@@ -90,20 +103,14 @@ def jax_importer(device: torch.device) -> Callable[[torch.Tensor], jax.Array]:
     """
     import_ = jax_internals.dlpack_importer()
     to_capsule = getattr(torch._C, "_to_dlpack", None)
-    if import_ is None or to_capsule is None or device.type not in _DL_KIND:
+    found = _jax_device_of(device)
+    if import_ is None or to_capsule is None or found is None:
         return jax.dlpack.from_dlpack
+    jax_device, index = found
     kind = _DL_KIND[device.type]
     fence: Callable[[], Any] | None = None
-    if device.type == "cpu":
-        jax_device, stream = cpu_device(), None
-    else:
-        if torch.version.hip is not None:
-            return jax.dlpack.from_dlpack
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        gpus = [d for d in jax.devices() if d.platform == "gpu" and d.id == index]
-        if not gpus:
-            return jax.dlpack.from_dlpack
-        jax_device = gpus[0]
+    stream = None
+    if device.type == "cuda":
         try:
             stream = jax_device.get_stream_for_external_ready_events()
         except Exception:  # UNIMPLEMENTED on some clients: the public path knows
@@ -173,29 +180,24 @@ def torch_importer(device: torch.device) -> Callable[[jax.Array], torch.Tensor]:
     """
     export = jax_internals.dlpack_exporter()
     from_capsule = getattr(torch._C, "_from_dlpack", None)
-    if export is None or from_capsule is None:
+    found = _jax_device_of(device)
+    if export is None or from_capsule is None or found is None:
         return dlpack_to_torch
+    jax_device, index = found
+    importer: Callable[[jax.Array], torch.Tensor]
     if device.type == "cpu":
-        jax_device = cpu_device()
 
-        def to_torch_on_cpu(a: jax.Array) -> torch.Tensor:
+        def importer(a: jax.Array) -> torch.Tensor:
             return from_capsule(export(a, None))  # type: ignore[no-any-return]
 
-        importer = to_torch_on_cpu
-    elif device.type == "cuda" and torch.version.hip is None:
+    else:
         raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        gpus = [d for d in jax.devices() if d.platform == "gpu" and d.id == index]
-        if raw_stream is None or not gpus:
+        if raw_stream is None:
             return dlpack_to_torch
-        jax_device = gpus[0]
 
-        def to_torch_on_cuda(a: jax.Array) -> torch.Tensor:
+        def importer(a: jax.Array) -> torch.Tensor:
             return from_capsule(export(a, raw_stream(index) or 1))  # type: ignore[no-any-return]
 
-        importer = to_torch_on_cuda
-    else:
-        return dlpack_to_torch
     try:
         probe = jax.device_put(np.arange(6, dtype=np.float32).reshape(2, 3), jax_device)
         got, want = importer(probe), dlpack_to_torch(probe)

@@ -186,14 +186,7 @@ def dlpack_exporter() -> Callable[[jax.Array, int | None], Any] | None:
     """``export(array, stream)`` -> a DLPack capsule of a single-device ``array``, the
     consumer's ``stream`` (a CUDA stream pointer, 1 for the legacy default stream, or
     None on the CPU) made to wait for it; None where this JAX release lacks it."""
-    export = _jaxlib_function("buffer_to_dlpack_managed_tensor")
-    if export is None:
-        return None
-
-    def to_capsule(array: jax.Array, stream: int | None) -> Any:
-        return export(array, stream=stream)
-
-    return to_capsule
+    return _jaxlib_function("buffer_to_dlpack_managed_tensor")  # type: ignore[no-any-return]
 
 
 def dlpack_importer() -> Callable[[Any, jax.Device, int | None, int], jax.Array] | None:
