@@ -82,7 +82,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from dynajax.capability.eager_kernel import eager_refusal
-from dynajax.runtime import aot_cache
+from dynajax.runtime import aot_cache, aot_rebuild
 from dynajax.runtime.cache import ExecutableCache
 
 aten = torch.ops.aten
@@ -590,14 +590,31 @@ def aot_compile(
     goes through the chain, which checks custom ops' aliasing on first calls. Such a
     graph is stored in ``cache``, and a later process loads it instead of running
     aot_autograd (a graph with custom ops, which that check is for, is not stored).
+
+    A training graph is stored with the structures ``runtime/aot_rebuild.py`` records
+    while aot_autograd traces it, and a later process rebuilds aot_autograd's
+    autograd.Function around its two loaded graphs with aot_autograd's own code. An
+    entry that cannot be rebuilt (another torch's structures) is traced and replaced.
     """
     entry = aot_cache.lookup(cache, gm, example_inputs)
     found = entry.load()
-    if found is not None:
-        graph, plan = found
-        compiled = compile_aten_graph(graph, example_inputs, kind="inference", aot=entry.status)
+    if found is not None and found.kind == "inference":
+        assert found.graph is not None
+        compiled = compile_aten_graph(found.graph, example_inputs, kind="inference", aot=entry)
         unboxed: Callable[..., Any] = compiled.unboxed  # type: ignore[attr-defined]
-        return unboxed(None, _writing_back(plan))
+        return unboxed(None, _writing_back(found.plan))
+    if found is not None:
+        try:
+            return aot_rebuild.rebuild(
+                found.record,
+                example_inputs,
+                aot_cache.load_aten_graph,
+                lambda graph, kind: compile_aten_graph(
+                    graph, aot_rebuild.placeholder_values(graph), kind=kind, aot=entry
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 - an entry this torch cannot rebuild: trace
+            entry.unloadable(e)
 
     inference: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
 
@@ -606,19 +623,24 @@ def aot_compile(
         if plan is None:
             entry.not_stored("aot_autograd's runtime wrapper has work to do for it")
         elif (data := entry.serialize(graph)) is not None:
-            entry.store(data, plan)
-        compiled = compile_aten_graph(graph, inputs, kind="inference", aot=entry.status)
+            entry.store("inference", (data, plan))
+        compiled = compile_aten_graph(graph, inputs, kind="inference", aot=entry)
         unboxed = getattr(compiled, "unboxed", None)
         if unboxed is not None and plan is not None:
             inference.append(lambda first: unboxed(first, _writing_back(plan)))
         return compiled
 
+    recorder = aot_rebuild.Recorder()
+
     def compile_training(kind: str) -> GraphCompiler:
         def compile(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
-            entry.not_stored(
-                "a training graph; aot_autograd's autograd wrapper is rebuilt only by tracing"
-            )
-            return compile_aten_graph(graph, inputs, kind=kind, aot=entry.status)
+            if kind == "forward" and entry.key is not None:
+                recorder.training = True
+                try:
+                    recorder.forward = aot_cache.serialize_aten_graph(graph)
+                except aot_cache.Uncacheable as e:
+                    recorder.refuse(str(e))
+            return compile_aten_graph(graph, inputs, kind=kind, aot=entry)
 
         return compile
 
@@ -635,8 +657,12 @@ def aot_compile(
         # (_partition_without_reading_mutated_inputs).
         partition_fn=_partition_without_reading_mutated_inputs,
     )
-    with _attention_as_math(example_inputs):
+    with _attention_as_math(example_inputs), aot_rebuild.recording(recorder if entry.key else None):
         wrapped = compiler(gm, example_inputs)
+    if recorder.record is not None and entry.key is not None:
+        entry.store("training", recorder.record)
+    elif recorder.training:
+        entry.not_stored(recorder.refusal or "aot_autograd's structures were not recorded")
     if len(inference) != 1:
         return wrapped
     return inference[0](wrapped)

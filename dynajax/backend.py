@@ -32,7 +32,7 @@ from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitched_callable
 from dynajax.passes import run_passes
 from dynajax.passes.user import RewriteRecord, apply_rewrites, passes_at, run_pass_list
-from dynajax.runtime import cpu_client
+from dynajax.runtime import aot_cache, cpu_client
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import compile_partition
 from dynajax.sharding import GraphSharding, Placement, StateName, dynamo_input_names
@@ -125,15 +125,16 @@ class Backend:
         kind: str,
         input_names: Sequence[StateName | None] = (),
         rewrites: Sequence[RewriteRecord] = (),
-        aot: str = "traced",
+        aot: str | aot_cache.Lookup = "traced",
     ) -> Callable[..., Any]:
         """Compiles one ATen graph: JAX partitions for what JAX can run, eager for the rest.
 
         ``input_names``: the parameter or buffer each input of Dynamo's graph is (None
         for other inputs), which the sharding rules match. ``rewrites``: what the
         user's rewrites did to Dynamo's graph (shown by the forward's report). ``aot``:
-        whether aot_autograd traced the graph or it was loaded from the cache
-        (``runtime/aot_cache.py``), for the report.
+        whether aot_autograd traced the graph or it was loaded from the cache, for the
+        report: a string, or the graph's ``aot_cache.Lookup``, whose status the report
+        follows (a training graph's entry is stored after its forward compiled).
         """
         gm = run_passes(
             gm,
@@ -192,7 +193,10 @@ class Backend:
                 self.options.min_block_size,
             )
             report.compile_stats = stats
-            report.aot = aot
+            if isinstance(aot, aot_cache.Lookup):
+                aot.follow(report)  # its status may change after this graph compiled
+            else:
+                report.aot = aot
             report.sharding = sharding
             if kind != "backward":  # (the forward's report shows its Dynamo graph's rewrites)
                 report.rewrites = list(rewrites)

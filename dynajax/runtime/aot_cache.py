@@ -1,23 +1,28 @@
-"""aot_autograd's result, cached across processes, for inference graphs.
+"""aot_autograd's result, cached across processes: its inference graphs, and its training
+graphs with the structures that rebuild their autograd wrapper (``aot_rebuild.py``).
 
 A warm process finds each partition's executable by its program (``cache.py``), so
 what its first call still repeats is Dynamo's trace and aot_autograd's: functionalizing
-and decomposing Dynamo's graph into the ATen graph that dynajax partitions. This module
-keeps that ATen graph, the way inductor's AOT-autograd cache keeps its own, in the same
-authenticated directory as the executables:
+and decomposing Dynamo's graph into the ATen graphs that dynajax partitions (and, for
+training, the joint trace and the min-cut partition). This module keeps those graphs,
+the way inductor's AOT-autograd cache keeps its own, in the same authenticated
+directory as the executables:
 
     key   = sha256(kind "aot", format, the description below)
     entry = <dir>/<key>.aot: authenticated as executables are, body (versions(),
-            pickle((GraphPickler bytes of the ATen inference graph, the positions of
-            the inputs its first outputs write back)))
+            pickle((kind, body))), kind "inference": (GraphPickler bytes of the ATen
+            inference graph, the positions of the inputs its first outputs write
+            back); kind "training": aot_rebuild.TrainingRecord (both graphs, and
+            aot_autograd's metadata and wrappers)
 
-    description = Python version | the modes that change what aot_autograd traces
-                  (grad mode, inference mode, default dtype, deterministic algorithms,
-                  functorch's config) | every node of Dynamo's graph: op, name, target
-                  by qualified name, arguments, and the source line it came from (the
-                  ATen nodes keep it for the report) | every example input: type, dtype,
-                  shape, stride, offset, device, requires_grad, leaf, which inputs
-                  share a storage | the values of tensor constants
+    description = entry format | Python version | the modes that change what
+                  aot_autograd traces (grad mode, inference mode, default dtype,
+                  deterministic algorithms, functorch's config) | every node of
+                  Dynamo's graph: op, name, target by qualified name, arguments, and
+                  the source line it came from (the ATen nodes keep it for the report)
+                  | every example input: type, dtype, shape, stride, offset, device,
+                  requires_grad, leaf, which inputs share a storage | the values of
+                  tensor constants
 
 What is known only by name must be code the versions cover: a graph whose targets lie
 outside torch, ``operator``, ``builtins`` and ``math`` (a function the user allowed in
@@ -27,13 +32,13 @@ with ops other than ATen's (a custom op's fake kernel is the user's code). Versi
 torch, jax, dynajax and a digest of dynajax's sources are compared when an entry loads
 (``stale entry (torch changed)``).
 
-Only inference graphs whose aot_autograd runtime wrapper would do nothing but write
-inputs back (``aot._runtime_wrapper_plan``) are stored: for them dynajax already calls
-the compiled graph without that wrapper, so a loaded graph runs exactly as a traced
-one. A training graph's wrapper (autograd.Function, saved tensors, the lazy backward)
-is rebuilt only by tracing; it is not cached, and the report says so.
+Inference graphs are stored where aot_autograd's runtime wrapper would do nothing but
+write inputs back (``aot._runtime_wrapper_plan``): for them dynajax already calls the
+compiled graph without that wrapper, so a loaded graph runs exactly as a traced one.
+Training graphs are stored with what aot_rebuild.py records while aot_autograd traces
+them, and a hit rebuilds aot_autograd's autograd.Function with its own code.
 
-On a hit the ATen graph (with its fake-tensor metadata, under Dynamo's fake mode) goes
+On a hit each ATen graph (with its fake-tensor metadata, under Dynamo's fake mode) goes
 through dynajax's passes, verdicts and partitions as a traced one does, and its
 partitions' executables load by their programs: nothing is traced.
 """
@@ -62,29 +67,31 @@ log = logging.getLogger("dynajax.cache")
 _KNOWN_MODULES = frozenset({"torch", "operator", "_operator", "builtins", "math"})
 _LITERALS = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout)
 _CONSTANT_BYTES = 1 << 22  # tensor constants up to 4 MiB are hashed into the key
+_ENTRY_FORMAT = 2  # 2: (kind, body) payloads, training graphs among them
 
 
 class Uncacheable(Exception):
     """The graph cannot be keyed; the message says why (a miss reason)."""
 
 
-@dataclasses.dataclass
 class Lookup:
     """One Dynamo graph's entry: its key (None where it cannot have one), and what
-    became of it (``status``: shown in the graph's report)."""
+    became of it (``status``: shown in the reports of the graphs that ``follow`` it)."""
 
-    cache: ExecutableCache | None
-    key: str | None
-    status: str
-    miss: str = ""
+    def __init__(self, cache: ExecutableCache | None, key: str | None, status: str) -> None:
+        self.cache = cache
+        self.key = key
+        self.miss = ""
+        self.reports: list[Any] = []
+        self._status = status
 
     def _missed(self, why: str) -> None:
         self.miss = why
         self.status = f"traced (cache miss: {why})"
 
-    def load(self) -> tuple[torch.fx.GraphModule, list[int]] | None:
-        """The stored ATen inference graph and its write-back plan, or None (a miss,
-        whose reason becomes ``status``)."""
+    def load(self) -> Stored | None:
+        """The stored entry (an inference graph and its write-back plan, or a training
+        graph's record), or None (a miss, whose reason becomes ``status``)."""
         if self.key is None or self.cache is None:
             return None
         payload, why = self.cache.load_value("aot", self.key)
@@ -92,56 +99,109 @@ class Lookup:
             self._missed(why)
             return None
         try:
-            data, plan = pickle.loads(payload)
-            graph = _graph_pickler().loads(data, _fake_mode())
+            kind, body = pickle.loads(payload)
+            if kind == "inference":
+                data, plan = body
+                stored = Stored(kind, graph=load_aten_graph(data), plan=list(plan))
+            elif kind == "training":
+                stored = Stored(kind, record=body)
+            else:
+                raise ValueError(f"an entry of kind {kind!r}")
         except Exception as e:  # noqa: BLE001 - an authentic entry this torch cannot read
             self._missed(f"unloadable entry, {type(e).__name__}")
             log.info("cannot load aot_autograd's graph %s: %s", self.key[:16], e)
             return None
-        if not isinstance(graph, torch.fx.GraphModule):
-            self._missed("unloadable entry")
-            return None
         self.status = "loaded from the cache (not traced)"
         log.debug("aot cache hit: %s", self.key[:16])
-        return graph, list(plan)
+        return stored
+
+    def unloadable(self, error: Exception) -> None:
+        """A loaded entry that could not be used (its graphs rebuilt): traced instead."""
+        self._missed(f"unloadable entry, {type(error).__name__}")
+        log.info("cannot rebuild aot_autograd's result %s: %s", (self.key or "")[:16], error)
 
     def serialize(self, graph: torch.fx.GraphModule) -> bytes | None:
         """The ATen graph as stored, or None where it cannot be (``status`` says why).
         Called before dynajax's passes change the graph."""
         if self.key is None:
             return None
-        foreign = sorted(
-            {
-                str(n.target)
-                for n in graph.graph.nodes
-                if n.op == "call_function"
-                and not (
-                    n.target is operator.getitem
-                    or (
-                        isinstance(n.target, torch._ops.OpOverload)
-                        and n.target.namespace in ("aten", "prims")
-                    )
-                )
-            }
-        )
-        if foreign:
-            self.not_stored(f"the ATen graph calls {', '.join(foreign[:3])}")
-            return None
         try:
-            return _graph_pickler().dumps(graph, _pickle_options())
-        except Exception as e:  # noqa: BLE001 - whatever the pickler refuses: not cached
-            self.not_stored(f"the ATen graph cannot be serialized: {type(e).__name__}: {e}")
+            return serialize_aten_graph(graph)
+        except Uncacheable as e:
+            self.not_stored(str(e))
             return None
 
-    def store(self, data: bytes, plan: list[int]) -> None:
+    def store(self, kind: str, body: Any) -> None:
+        """Stores an inference graph (``body``: its bytes and write-back plan) or a
+        training graph's record (``aot_rebuild.TrainingRecord``)."""
         assert self.key is not None and self.cache is not None
-        payload = pickle.dumps((data, plan))
-        if self.cache.store_value("aot", self.key, payload, "aot_autograd's graph"):
+        payload = pickle.dumps((kind, body))
+        if self.cache.store_value("aot", self.key, payload, f"aot_autograd's {kind} graph"):
             self.status = f"traced and stored in the cache (cache miss: {self.miss})"
 
     def not_stored(self, why: str) -> None:
         if self.key is not None:
             self.status = f"traced (not cached: {why})"
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    @status.setter
+    def status(self, text: str) -> None:
+        # The reports of graphs compiled before the entry was stored follow it.
+        self._status = text
+        for report in self.reports:
+            report.aot = text
+
+    def follow(self, report: Any) -> None:
+        """``report.aot`` shows this entry's status from now on."""
+        report.aot = self._status
+        self.reports.append(report)
+
+
+@dataclasses.dataclass
+class Stored:
+    """A loaded entry: ``inference`` (``graph``, ``plan``) or ``training`` (``record``)."""
+
+    kind: str
+    graph: torch.fx.GraphModule | None = None
+    plan: list[int] = dataclasses.field(default_factory=list)
+    record: Any = None
+
+
+def serialize_aten_graph(graph: torch.fx.GraphModule) -> bytes:
+    """An ATen graph as GraphPickler bytes (fake-tensor metadata kept). Raises
+    Uncacheable for a graph with ops other than ATen's (a custom op's fake kernel is the
+    user's code) or one the pickler refuses."""
+    foreign = sorted(
+        {
+            str(n.target)
+            for n in graph.graph.nodes
+            if n.op == "call_function"
+            and not (
+                n.target is operator.getitem
+                or (
+                    isinstance(n.target, torch._ops.OpOverload)
+                    and n.target.namespace in ("aten", "prims")
+                )
+            )
+        }
+    )
+    if foreign:
+        raise Uncacheable(f"the ATen graph calls {', '.join(foreign[:3])}")
+    try:
+        return _graph_pickler().dumps(graph, _pickle_options())
+    except Exception as e:  # noqa: BLE001 - whatever the pickler refuses: not cached
+        raise Uncacheable(f"the ATen graph cannot be serialized: {type(e).__name__}: {e}") from e
+
+
+def load_aten_graph(data: bytes) -> torch.fx.GraphModule:
+    """A graph ``serialize_aten_graph`` stored, its fake tensors in Dynamo's fake mode."""
+    graph = _graph_pickler().loads(data, _fake_mode())
+    if not isinstance(graph, torch.fx.GraphModule):
+        raise TypeError(f"a stored graph loaded as {type(graph).__name__}")
+    return graph
 
 
 def lookup(
@@ -165,7 +225,11 @@ def describe(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
 
     Raises Uncacheable where the graph or its inputs hold something the text could
     not cover."""
-    lines = [f"python{sys.version_info[0]}.{sys.version_info[1]}", _modes()]
+    lines = [
+        f"entry format {_ENTRY_FORMAT}",
+        f"python{sys.version_info[0]}.{sys.version_info[1]}",
+        _modes(),
+    ]
     lines.extend(_describe_graph(gm, "", set()))
     storages: dict[Any, int] = {}
     for i, x in enumerate(example_inputs):

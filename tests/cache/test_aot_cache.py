@@ -1,4 +1,5 @@
-"""aot_autograd's inference graphs, cached across processes (runtime/aot_cache.py).
+"""aot_autograd's inference graphs, cached across processes (runtime/aot_cache.py;
+training graphs: test_aot_training_cache.py).
 
 A second compile of the same Dynamo graph with the same inputs' metadata loads the
 ATen graph instead of running aot_autograd, and must give eager's answers all the same
@@ -131,24 +132,6 @@ def test_constants_are_part_of_the_key(tmp_path, aot_runs) -> None:
     assert_same(f(x), _other_offset(x))
     assert aot_runs[0] == 2
     assert "cache miss: not cached yet" in backend.graphs[0].aot
-
-
-def test_training_graphs_are_traced_and_say_why(tmp_path, aot_runs) -> None:
-    torch.manual_seed(0)
-    model = mlp()
-    x = torch.randn(4, 32)
-    for _ in range(2):
-        f, backend = _compile(tmp_path, model)
-        f(x).sum().backward()
-    assert aot_runs[0] == 2
-    assert (
-        _aot(backend)
-        == [
-            "traced (not cached: a training graph; aot_autograd's autograd wrapper is rebuilt "
-            "only by tracing)"
-        ]
-        * 2
-    )
 
 
 def test_dynamic_shapes_are_traced_and_say_why(tmp_path) -> None:
