@@ -82,6 +82,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from dynajax.capability.eager_kernel import eager_refusal
+from dynajax.passes.writes import Write, new_values, rewrite_writes, writing_back, written_outputs
 from dynajax.runtime import aot_cache, aot_rebuild
 from dynajax.runtime.cache import ExecutableCache
 
@@ -509,10 +510,11 @@ def _runtime_wrapper_plan(n_graph_inputs: int, example_inputs: Sequence[Any]) ->
     and RNG state, turns autocast off around the call and grad mode off (which changes
     nothing when no input requires grad). When all it does is write new data into
     inputs that do not require grad (a KV cache updated in place, a counter), the graph
-    returns their new values first and ``_writing_back`` does the same ``copy_``es
-    (``runtime_wrappers._create_runtime_wrapper``'s mutation epilogue) without the
-    wrapper's layers; when it does nothing, its only effect is its cost (about 1.5 µs
-    per call: ``benchmarks/overhead.py``).
+    returns their new values first and ``passes/writes.py`` writes them as the wrapper's
+    ``copy_``es would (``runtime_wrappers._create_runtime_wrapper``'s mutation epilogue)
+    without the wrapper's layers, an indexed update only where it wrote; when it does
+    nothing, its only effect is its cost (about 1.5 µs per call:
+    ``benchmarks/overhead.py``).
     """
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
@@ -548,28 +550,22 @@ def _runtime_wrapper_plan(n_graph_inputs: int, example_inputs: Sequence[Any]) ->
     return mutated
 
 
-def _writing_back(mutated: list[int]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Wraps ``call(inputs)`` (the tuple of a stitched graph's inputs), whose first
-    outputs are the new values of the inputs at ``mutated``, as aot_autograd's runtime
-    wrapper would call it: each such input gets its new value with ``copy_`` (after the
-    whole graph ran, so a value check that raises leaves every input as it was), and the
-    rest of the outputs are returned."""
+def _in_aot_convention(compiled: Callable[..., Any], writes: list[Write]) -> Callable[..., Any]:
+    """``compiled`` as aot_autograd's runtime wrapper calls it (a graph's first call, or
+    every call where dynajax does not bypass the wrapper): the mutated inputs' whole new
+    values first, where ``rewrite_writes`` made the graph return indexed updates' values
+    instead."""
+    if all(w.kind == "copy" for w in writes):
+        return compiled
+    n = written_outputs(writes)
 
-    def around(call: Callable[..., Any]) -> Callable[..., Any]:
-        if not mutated:
-            return call
-        n = len(mutated)
-        pairs = list(enumerate(mutated))
+    def boxed(args: list[Any]) -> list[Any]:
+        inputs = list(args)
+        outs = compiled(args)
+        return [*new_values(writes, inputs, outs), *outs[n:]]
 
-        def run(args: tuple[Any, ...]) -> Any:
-            outs = call(args)
-            for k, i in pairs:
-                args[i].copy_(outs[k])
-            return outs[n:]
-
-        return run
-
-    return around
+    boxed._boxed_call = True  # type: ignore[attr-defined]
+    return boxed
 
 
 def aot_compile(
@@ -586,7 +582,7 @@ def aot_compile(
     For an inference graph whose runtime wrapper would do nothing but write new data
     into inputs (``_runtime_wrapper_plan``), Dynamo gets the compiled graph's own
     unboxed callable (``unboxed`` of ``stitched_callable``'s result), with those writes
-    (``_writing_back``), instead of aot_autograd's wrapper chain; its first call still
+    (``passes/writes.py``), instead of aot_autograd's wrapper chain; its first call still
     goes through the chain, which checks custom ops' aliasing on first calls. Such a
     graph is stored in ``cache``, and a later process loads it instead of running
     aot_autograd (a graph with custom ops, which that check is for, is not stored).
@@ -600,9 +596,10 @@ def aot_compile(
     found = entry.load()
     if found is not None and found.kind == "inference":
         assert found.graph is not None
+        writes = rewrite_writes(found.graph, found.plan)
         compiled = compile_aten_graph(found.graph, example_inputs, kind="inference", aot=entry)
         unboxed: Callable[..., Any] = compiled.unboxed  # type: ignore[attr-defined]
-        return unboxed(None, _writing_back(found.plan))
+        return unboxed(None, writing_back(writes))
     if found is not None:
         try:
             return aot_rebuild.rebuild(
@@ -624,11 +621,13 @@ def aot_compile(
             entry.not_stored("aot_autograd's runtime wrapper has work to do for it")
         elif (data := entry.serialize(graph)) is not None:
             entry.store("inference", (data, plan))
+        # (the graph is stored as aot_autograd made it: a hit rewrites it the same way)
+        writes = rewrite_writes(graph, plan) if plan else []
         compiled = compile_aten_graph(graph, inputs, kind="inference", aot=entry)
         unboxed = getattr(compiled, "unboxed", None)
         if unboxed is not None and plan is not None:
-            inference.append(lambda first: unboxed(first, _writing_back(plan)))
-        return compiled
+            inference.append(lambda first: unboxed(first, writing_back(writes)))
+        return _in_aot_convention(compiled, writes)
 
     recorder = aot_rebuild.Recorder()
 

@@ -14,8 +14,9 @@ entry point (``_build_direct``): the cached arrays as they are, each new tensor 
 an array of its own (~3.5 µs), no per-argument checks of the dispatch.
 
 Mutation and aliasing are aot_autograd's: it hands us a functional graph, writes the new
-values of mutated inputs back with ``copy_`` (or ``aot._writing_back`` does, where that
-is all its runtime wrapper would do), and regenerates outputs that alias inputs as views
+values of mutated inputs back with ``copy_`` (or ``passes/writes.py`` does, where that
+is all its runtime wrapper would do: an indexed update only where it wrote), and
+regenerates outputs that alias inputs as views
 of those inputs. A value check that fails (``lowering/checks.py``: an index out
 of range, an integer division by zero) raises eager's error here, before any output is
 handed back, so aot_autograd writes nothing back. What this module guarantees is that

@@ -79,7 +79,7 @@ def _writes_two_inputs(cache, pos, x, counter):
 def test_input_mutations_are_written_back_without_the_wrapper() -> None:
     """An inference graph that writes into inputs (a KV cache, a counter) is handed to
     Dynamo without aot_autograd's runtime wrapper: dynajax's own write-back
-    (``aot._writing_back``) copies the new values in, on every call."""
+    (``passes/writes.py``) writes the new values in, on every call."""
     compiled, handed = _compile(_writes_two_inputs)
     cache, counter = torch.zeros(4, 3), torch.zeros(())
     cache_eager, counter_eager = cache.clone(), counter.clone()
