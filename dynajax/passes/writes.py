@@ -190,45 +190,40 @@ def writing_back(writes: list[Write]) -> Callable[[Callable[..., Any]], Callable
 
 def apply(writes: Sequence[Write], inputs: Sequence[Any], outs: Sequence[Any]) -> None:
     """Writes each input in place from the outputs that carry its write."""
-    k = 0
-    for w in writes:
-        target = inputs[w.input]
-        if w.kind == "copy":
-            target.copy_(outs[k])
-        elif w.kind == "index_copy":
-            target.index_copy_(w.args[0], *_indices(w, inputs, outs, k), outs[k + w.n_outputs - 1])
-        elif w.kind == "index_put":
-            aten.index_put_.default(target, _indices(w, inputs, outs, k), outs[k + w.n_outputs - 1])
-        else:
-            dim, start, end, step = w.args
-            aten.slice.Tensor(target, dim, start, end, step).copy_(outs[k])
-        k += w.n_outputs
+    _each(writes, inputs, outs, in_place=True)
 
 
 def new_values(writes: Sequence[Write], inputs: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
     """The inputs' whole new values (without writing them), what the graph returned
     before ``rewrite_writes``: for a caller that copies them itself (aot_autograd's
     runtime wrapper, at a graph's first call)."""
-    values = []
+    return _each(writes, inputs, outs, in_place=False)
+
+
+def _each(
+    writes: Sequence[Write], inputs: Sequence[Any], outs: Sequence[Any], *, in_place: bool
+) -> list[Any]:
+    done = []
     k = 0
     for w in writes:
-        target = inputs[w.input]
+        target, value = inputs[w.input], outs[k + w.n_outputs - 1]
         if w.kind == "copy":
-            values.append(outs[k])
+            done.append(target.copy_(value) if in_place else value)
         elif w.kind == "index_copy":
-            index, value = _indices(w, inputs, outs, k)[0], outs[k + w.n_outputs - 1]
-            values.append(target.index_copy(w.args[0], index, value))
+            (index,) = _indices(w, inputs, outs, k)
+            update = target.index_copy_ if in_place else target.index_copy
+            done.append(update(w.args[0], index, value))
         elif w.kind == "index_put":
-            values.append(
-                aten.index_put.default(
-                    target, _indices(w, inputs, outs, k), outs[k + w.n_outputs - 1]
-                )
-            )
+            put = aten.index_put_ if in_place else aten.index_put
+            done.append(put.default(target, _indices(w, inputs, outs, k), value))
         else:
             dim, start, end, step = w.args
-            values.append(target.slice_scatter(outs[k], dim, start, end, step))
+            if in_place:
+                done.append(aten.slice.Tensor(target, dim, start, end, step).copy_(value))
+            else:
+                done.append(target.slice_scatter(value, dim, start, end, step))
         k += w.n_outputs
-    return values
+    return done
 
 
 def _indices(w: Write, inputs: Sequence[Any], outs: Sequence[Any], k: int) -> list[Any]:

@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.backends import common
 
 import dynajax
 from dynajax.runtime import aot_cache, cache
-from tests.helpers import count_calls, run_python
+from tests.helpers import run_python
 from tests.models import mlp
 from tests.tolerances import assert_same
-
-
-@pytest.fixture
-def aot_runs(monkeypatch):
-    """Counts aot_autograd's runs (``[n]``)."""
-    return count_calls(monkeypatch, common, "aot_module_simplified")
 
 
 def _compile(cache_dir, fn, **options):

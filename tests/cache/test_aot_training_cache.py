@@ -16,11 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._dynamo.backends import common
 
 import dynajax
 from dynajax.runtime import aot_rebuild
-from tests.helpers import count_calls, run_python
+from tests.helpers import compile_with, run_python
 from tests.models import cnn, mlp
 from tests.tolerances import assert_same
 
@@ -28,16 +27,9 @@ STORED = "traced and stored in the cache (cache miss: not cached yet)"
 LOADED = "loaded from the cache (not traced)"
 
 
-@pytest.fixture
-def aot_runs(monkeypatch):
-    """Counts aot_autograd's runs (``[n]``)."""
-    return count_calls(monkeypatch, common, "aot_module_simplified")
-
-
-def _compile(cache_dir, fn, **options):
+def _compile(cache_dir, fn):
     torch._dynamo.reset()
-    backend = dynajax.Backend(cache_dir=str(cache_dir), **options)
-    return torch.compile(fn, backend=backend), backend
+    return compile_with(fn, cache_dir=str(cache_dir))
 
 
 def _aot(backend) -> list[tuple[str, str]]:
