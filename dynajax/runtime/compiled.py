@@ -227,6 +227,8 @@ class CompiledPartition(torch.nn.Module):
         self._direct_failed = placement is not None and placement.multi_device
         # A snapshot whose per-call inputs cannot take the direct entry point.
         self._no_direct: Any = None
+        # The executable whose direct entry point gave the regular path's outputs.
+        self._direct_checked: Any = None
         self._compile_lock = threading.Lock()
         n_inputs = len(self.executables.tensor_pos)  # static sizes are not converted
         if self.executables.dynamic:
@@ -387,13 +389,18 @@ class CompiledPartition(torch.nn.Module):
                 return None
         else:
             args_now = args
+        checks = self.value_checks
+        checked = checks if checks is not None and checks.checks else None
+        if self._direct_checked is compiled:
+            # Checked already with other arrays in its slots (the snapshot changed: an
+            # input re-promoted to the cache, a parameter replaced); what the check
+            # covers is the entry point and the handlers, the same for this executable.
+            return _Direct(snap, found.execute, args, found.kept, found.handlers, checked, fresh)
         try:
             results = found.execute(args_now).consume_with_handlers(found.handlers)
         except (TypeError, ValueError, RuntimeError):  # XLA refused the arguments
             self._direct_failed = True
             return None
-        checks = self.value_checks
-        checked = checks if checks is not None and checks.checks else None
         if checked is not None:
             results = results[:-1]  # the regular path just passed the same inputs
         check = [self._to_torch(r) for r in results]
@@ -406,6 +413,7 @@ class CompiledPartition(torch.nn.Module):
         ):
             self._direct_failed = True
             return None
+        self._direct_checked = compiled
         return _Direct(snap, found.execute, args, found.kept, found.handlers, checked, fresh)
 
     def _fresh_slots(

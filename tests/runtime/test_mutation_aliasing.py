@@ -325,3 +325,46 @@ def test_many_cached_inputs_take_the_direct_path_and_see_updates() -> None:
     assert_same(cf(*xs), f(*xs))
     xs[5] = torch.randn(4)  # a new object at one position
     assert_same(cf(*xs), f(*xs))
+
+
+def test_input_demoted_by_a_new_object_is_cached_again_once_it_stays() -> None:
+    """``generate()`` makes a new KV cache per call: its first step demotes the cache's
+    positions (a new object where the last call had another), and the cache then comes
+    back, the same object, for the whole generation. It is cached again within two
+    probes (``InputCache._probe``), and every call still sees its in-place writes."""
+    from dynajax.runtime.inputs import _PROBE_EVERY
+
+    def step(cache, x, pos, w):
+        cache.index_copy_(0, pos, x * w)
+        return cache.sum(0)
+
+    backend = dynajax.Backend()
+    cf = torch.compile(step, backend=backend)
+    calls = 2 * _PROBE_EVERY + 2
+    w = torch.randn(3)  # a parameter: the same object in every call
+    for generation in range(3):
+        cache, eager = torch.zeros(calls, 3), torch.zeros(calls, 3)
+        for i in range(calls):
+            x, pos = torch.full((1, 3), float(generation * 100 + i)), torch.tensor([i])
+            assert_same(cf(cache, x, pos, w), step(eager, x, pos, w))
+            assert_same(cache, eager)
+        part = backend.graphs[-1].graph_module.jax_0
+        arrays = part.inputs.resident
+        held = [i for i, a in arrays.items() if a.unsafe_buffer_pointer() == cache.data_ptr()]
+        # the cache and w, not the x and pos made anew each call
+        assert len(held) == 1 and len(arrays) == 2, (generation, arrays)
+
+
+def test_temporary_made_anew_each_call_is_not_cached() -> None:
+    """A tensor made anew for every call may get the last one's id (its memory reused):
+    the probe's weak reference tells it is another object, and it stays per call."""
+    from dynajax.runtime.inputs import _PROBE_EVERY
+
+    w = torch.randn(4)
+    backend = dynajax.Backend()
+    cf = torch.compile(lambda x, w: x * w, backend=backend)
+    base = torch.randn(4)
+    for _ in range(3 * _PROBE_EVERY):
+        assert_same(cf(base.clone(), w), base * w)
+    part = backend.graphs[-1].graph_module.jax_0
+    assert len(part.inputs.cached_positions) == 1  # w only
