@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, sized for a short lease of a GPU machine (at most
-# 9.5 minutes: every step has a time limit): dynajax's device tests, the per-call layers of
+# 9.5 minutes, 570 s of step limits: every step has one): dynajax's device tests, the per-call layers of
 # two tiny graphs, the per-step profile of four rows (with Chrome traces of two), the
 # decode benchmark and the benchmark table.
 #
@@ -24,9 +24,11 @@ step versions
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$log" 2>&1
 python3 -c "import torch, jax; print(torch.__version__, jax.__version__, jax.devices())" >>"$log" 2>&1
 if want tests; then
-timeout 75 python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING \
+# (the training cache's tests: whether this torch release has what aot_rebuild records)
+timeout 100 python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING \
     tests/runtime/test_devices.py tests/runtime/test_conversion.py \
-    tests/capability/test_verdicts.py tests/runtime/test_inputs.py 2>&1 \
+    tests/capability/test_verdicts.py tests/runtime/test_inputs.py \
+    tests/cache/test_aot_training_cache.py 2>&1 \
     | grep -v "^DEBUG" | tail -60 >>"$log"
 fi
 if want overhead; then

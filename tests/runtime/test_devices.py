@@ -137,3 +137,31 @@ def test_lean_crossings_are_taken(device) -> None:
     assert a.unsafe_buffer_pointer() == t.data_ptr()
     back = conversion.torch_importer(device)(a * 2)
     assert back.device.type == device.type and torch.equal(back, t * 2)
+
+
+def test_kv_cache_rows_written_back_on_device(device) -> None:
+    """A decode step's cache update, written back as the rows it changed
+    (``passes/writes.py``): on a GPU the rows and the computed index are results of the
+    partition, and the in-place ``index_copy_`` runs on torch's stream after them; a new
+    cache object per generation is cached again once it stays (``InputCache._probe``)."""
+
+    def step(cache, counter, x, w):
+        pos = torch.arange(x.shape[0], device=x.device) + counter
+        counter.add_(x.shape[0])
+        cache.index_copy_(0, pos, x @ w)
+        return cache.sum(0)
+
+    backend = dynajax.Backend()
+    compiled = torch.compile(step, backend=backend)
+    w = torch.randn(4, 4, device=device)
+    for generation in range(2):
+        states = [
+            (torch.zeros(40, 4, device=device), torch.zeros((), dtype=torch.int64, device=device))
+            for _ in range(2)
+        ]
+        for i in range(36):
+            x = torch.full((1, 4), float(generation * 50 + i), device=device)
+            got, want = compiled(*states[0], x, w), step(*states[1], x, w)
+            assert_same(got, want)
+            assert_same(list(states[0]), list(states[1]))
+    assert not dynajax.Report(backend.graphs).fallbacks
