@@ -142,6 +142,7 @@ class InputCache:
         self._self_ref = weakref.ref(self)
         self._countdown = _PROBE_EVERY
         self._watched: list[tuple[int, weakref.ref]] | None = None
+        self._refused: set[int] = set()  # positions whose tensor had no cached array
 
     @property
     def cached_positions(self) -> list[int]:
@@ -239,20 +240,25 @@ class InputCache:
         return snap
 
     def _probe(self, snap: _Snapshot, ts: Sequence[torch.Tensor]) -> None:
-        """Every ``_PROBE_EVERY`` calls, a look at the positions converted per call (a
-        position is demoted for good by one new object): their tensors are remembered
+        """Every ``_PROBE_EVERY`` calls, a look at the positions converted per call (one
+        new object demotes a position): their tensors are remembered
         weakly, and at the next call a position whose tensor is the very same live
         object again goes back to the candidates, and the snapshot is rebuilt at the
         call after, with that tensor's array cached. ``generate()`` makes a new KV cache
         per call, which then comes back call after call for the whole generation: 14 of
         a LLaMA decode step's inputs were put into arrays on every step (175 µs a step).
         A temporary made anew each call is a new object or a dead one (its id may be
-        reused; the weak reference tells). Probes run on the cached path only: a graph
-        none of whose inputs is cached has no snapshot, and converts every input."""
+        reused; the weak reference tells). A position whose tensor could not be cached
+        (not zero-copy, made in inference mode) is not probed: it would be refreshed for
+        nothing every 17 calls. Probes run on the cached path only: a graph none of
+        whose inputs is cached has no snapshot, and converts every input."""
         watched = self._watched
         if watched is None:
+            refused = self._refused
             self._watched = [
-                (i, weakref.ref(t)) for i in snap.volatile if type(t := ts[i]) in _PLAIN
+                (i, weakref.ref(t))
+                for i in snap.volatile
+                if i not in refused and type(t := ts[i]) in _PLAIN
             ]
             self._countdown = 1
             return
@@ -305,6 +311,7 @@ class InputCache:
             if arr is None:
                 arr = self._make_cached[i](t)
             if arr is None:
+                self._refused.add(i)  # (not zero-copy, inference mode: never probed)
                 continue
             keep.append(i)
             arrays[i] = arr

@@ -368,3 +368,20 @@ def test_temporary_made_anew_each_call_is_not_cached() -> None:
         assert_same(cf(base.clone(), w), base * w)
     part = backend.graphs[-1].graph_module.jax_0
     assert len(part.inputs.cached_positions) == 1  # w only
+
+
+def test_input_that_cannot_be_cached_is_not_probed_again() -> None:
+    """A tensor with no zero-copy array (its storage offset is misaligned) comes back
+    call after call: the probe must not rebuild the snapshot for it every 17 calls."""
+    from dynajax.runtime.inputs import _PROBE_EVERY
+
+    backend = dynajax.Backend()
+    cf = torch.compile(lambda x, w: x * w, backend=backend)
+    x, w = torch.randn(65)[1:], torch.randn(64)  # x: 4 bytes past an aligned address
+    assert_same(cf(x, w), x * w)
+    part = backend.graphs[-1].graph_module.jax_0
+    snap = part.inputs.current
+    for _ in range(3 * _PROBE_EVERY):
+        assert_same(cf(x, w), x * w)
+    assert part.inputs.current is snap  # never rebuilt
+    assert len(part.inputs.cached_positions) == 1  # w only
