@@ -80,6 +80,7 @@ from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch._functorch._aot_autograd.schemas import OutputType, SubclassCreationMeta
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+from torch.fx.experimental.symbolic_shapes import fx_placeholder_vals
 
 from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.passes.writes import Write, new_values, rewrite_writes, writing_back, written_outputs
@@ -607,7 +608,7 @@ def aot_compile(
                 example_inputs,
                 aot_cache.load_aten_graph,
                 lambda graph, kind: compile_aten_graph(
-                    graph, aot_rebuild.placeholder_values(graph), kind=kind, aot=entry
+                    graph, fx_placeholder_vals(graph), kind=kind, aot=entry
                 ),
             )
         except Exception as e:  # noqa: BLE001 - an entry this torch cannot rebuild: trace

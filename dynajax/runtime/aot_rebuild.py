@@ -184,11 +184,6 @@ def recording(recorder: Recorder | None) -> Iterator[None]:
         _RECORDING.reset(token)
 
 
-def placeholder_values(graph: torch.fx.GraphModule) -> list[Any]:
-    """A loaded graph's example inputs: its placeholders' fake values."""
-    return [n.meta.get("val") for n in graph.graph.find_nodes(op="placeholder")]
-
-
 # -- rebuilding ---------------------------------------------------------------------------
 
 
