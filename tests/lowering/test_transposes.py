@@ -1,11 +1,13 @@
-"""Products read transposed operands in place (``dynajax/lowering/transposes.py``).
+"""Products read transposed and batch-broadcast operands in place
+(``dynajax/lowering/transposes.py``).
 
 Each case traces a function to an ATen graph, lowers it with ``to_jax_function`` and
 checks two things: the answer is eager's (within the tolerance table), and the traced
 JAX program's ``dot_general`` contracts the untransposed operand (no ``transpose``
 feeding it) where the folding should apply, and is a plain matmul where it should not:
 a swap that is not of the last two dimensions, a view that moves them, an integer op
-on the transpose.
+on the transpose. A batch that repeats one matrix (``bmm(x, expand(w))``) is read as
+that matrix: the dot has no batch dimension and no broadcast feeds it.
 
     pytest -q tests/lowering/test_transposes.py
 """
@@ -53,6 +55,34 @@ def _moved_by_a_view(a, b):
     return a.t().reshape(8, 3) @ b
 
 
+def _batch_times_matrix(x, w):
+    # A non-contiguous batch @ a matrix: expand(w, [4, 6, 5]), view, bmm.
+    return x.transpose(0, 1) @ w
+
+
+def _batch_times_transposed_matrix(x, w):
+    return torch.bmm(x, w.t().unsqueeze(0).expand(3, 8, 5))
+
+
+def _matrix_times_batch(w, x):
+    return torch.bmm(w.expand(3, 5, 8), x)
+
+
+def _transposed_matrix_times_transposed_batch(w, x, bias):
+    # Leading views of the expand (as attention's repeated keys), then baddbmm.
+    left = w.t().expand(2, 3, 5, 8).reshape(6, 5, 8)
+    return torch.baddbmm(bias, left, x.transpose(1, 2), alpha=0.5)
+
+
+def _partly_broadcast(a, b):
+    # b's leading dims are (1, 2): expanded along the first only, not one matrix.
+    return torch.bmm(a, b.expand(3, 2, 8, 5).reshape(6, 8, 5))
+
+
+def _both_broadcast(a, b):
+    return torch.bmm(a.expand(3, 4, 8), b.expand(3, 8, 5))
+
+
 CASES = {
     "linear": (_linear, [(1, 16), (32, 16)], True),
     "linear-batch": (_linear, [(6, 16), (32, 16)], True),
@@ -61,6 +91,19 @@ CASES = {
     "bmm-transposed": (_batched_transpose, [(3, 4, 8), (3, 5, 8)], True),
     "permute-not-a-swap": (_not_a_swap, [(4, 3, 8), (3, 8, 5)], False),
     "view-moves-dims": (_moved_by_a_view, [(6, 4), (3, 5)], False),
+}
+
+BROADCAST_CASES = {
+    "batch-times-matrix": (_batch_times_matrix, [(8, 4, 6), (6, 5)], True),
+    "batch-times-transposed-matrix": (_batch_times_transposed_matrix, [(3, 4, 8), (5, 8)], True),
+    "matrix-times-batch": (_matrix_times_batch, [(5, 8), (3, 8, 4)], True),
+    "transposed-matrix-times-transposed-batch": (
+        _transposed_matrix_times_transposed_batch,
+        [(8, 5), (6, 4, 8), (6, 5, 4)],
+        True,
+    ),
+    "partly-broadcast": (_partly_broadcast, [(6, 4, 8), (1, 2, 8, 5)], False),
+    "both-broadcast": (_both_broadcast, [(4, 8), (8, 5)], False),
 }
 
 
@@ -76,16 +119,40 @@ def _folded_dots(jaxpr) -> int:
     return count
 
 
-def _transposes_into_dots(jaxpr) -> int:
-    """How many dot_general equations read the output of a transpose equation."""
+def _into_dots(jaxpr, primitive: str = "transpose", ndim: int | None = None) -> int:
+    """How many dot_general operands (of ``ndim`` dimensions, if given) are the output
+    of a ``primitive`` equation."""
     made_by = {}
     count = 0
     for eqn in jaxpr.eqns:
         for v in eqn.outvars:
             made_by[v] = eqn.primitive.name
         if eqn.primitive.name == "dot_general":
-            count += sum(made_by.get(v) == "transpose" for v in eqn.invars)
+            count += sum(
+                made_by.get(v) == primitive and ndim in (None, len(v.aval.shape))
+                for v in eqn.invars
+            )
     return count
+
+
+def _batched_dots(jaxpr) -> int:
+    """How many dot_general equations have batch dimensions."""
+    return sum(
+        bool(eqn.params["dimension_numbers"][1][0])
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "dot_general"
+    )
+
+
+def _lowered(fn, args):
+    """``fn``'s answer on ``args`` through the lowering, and its jaxpr."""
+    gm = make_fx(lambda *a: (fn(*a),))(*args)  # graphs return tuples, as aot's do
+    lowered = to_jax_function(gm)
+    arrays = [a.numpy() for a in args]
+    with jax.enable_x64(True):
+        out = jax.jit(lowered)(*arrays)
+        jaxpr = jax.make_jaxpr(lowered)(*arrays).jaxpr
+    return torch.from_numpy(np.array(out[0])), jaxpr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
@@ -94,17 +161,27 @@ def test_products_fold_transposes(name: str, dtype: torch.dtype) -> None:
     fn, shapes, folded = CASES[name]
     torch.manual_seed(0)
     args = [torch.randn(s, dtype=dtype) for s in shapes]
-    gm = make_fx(lambda *a: (fn(*a),))(*args)  # graphs return tuples, as aot's do
-    lowered = to_jax_function(gm)
-    arrays = [a.numpy() for a in args]
-    with jax.enable_x64(True):
-        out = jax.jit(lowered)(*arrays)
-        jaxpr = jax.make_jaxpr(lowered)(*arrays).jaxpr
-    assert_same(torch.from_numpy(np.asarray(out[0])), fn(*args))
+    out, jaxpr = _lowered(fn, args)
+    assert_same(out, fn(*args))
     if folded:
-        assert _transposes_into_dots(jaxpr) == 0 and _folded_dots(jaxpr) > 0, jaxpr
+        assert _into_dots(jaxpr) == 0 and _folded_dots(jaxpr) > 0, jaxpr
     else:
         assert _folded_dots(jaxpr) == 0, jaxpr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", list(BROADCAST_CASES))
+def test_products_read_one_matrix_of_a_batch(name: str, dtype: torch.dtype) -> None:
+    fn, shapes, one_matrix = BROADCAST_CASES[name]
+    torch.manual_seed(0)
+    args = [torch.randn(s, dtype=dtype) for s in shapes]
+    out, jaxpr = _lowered(fn, args)
+    assert_same(out, fn(*args))
+    if one_matrix:
+        assert _batched_dots(jaxpr) == 0 and _into_dots(jaxpr, "broadcast_in_dim") == 0, jaxpr
+        assert _into_dots(jaxpr, ndim=2) == 0, jaxpr  # a transposed matrix read in place
+    else:
+        assert _batched_dots(jaxpr) > 0, jaxpr
 
 
 def test_nothing_is_noted_outside_a_trace() -> None:
@@ -134,10 +211,6 @@ def test_a_rule_handing_back_its_input_is_not_a_transpose() -> None:
 def test_integer_products(name, fn, folded) -> None:
     g = torch.randint(-5, 5, (6, 4))
     x = torch.randint(-5, 5, (6, 3))
-    gm = make_fx(lambda *a: (fn(*a),))(g, x)
-    lowered = to_jax_function(gm)
-    with jax.enable_x64(True):
-        out = jax.jit(lowered)(g.numpy(), x.numpy())
-        jaxpr = jax.make_jaxpr(lowered)(g.numpy(), x.numpy()).jaxpr
-    assert_same(torch.from_numpy(np.asarray(out[0])), fn(g, x))  # integers: exact
+    out, jaxpr = _lowered(fn, [g, x])
+    assert_same(out, fn(g, x))  # integers: exact
     assert (_folded_dots(jaxpr) > 0) == folded, jaxpr
