@@ -12,7 +12,7 @@ per call; peers interleaved round by round, as in ``benchmarks/harness.py``):
   callback (``fallback_ops=["aten.tanh"]``): the difference is what one callback costs
   per call, forward only and forward + backward (``jax.value_and_grad``, whose backward
   is a second callback running ``torch.autograd.grad``).
-* **mlp**, **gpt2**: the rows of ``benchmarks/workloads.py`` (eval, no_grad):
+* **mlp**, **encoder**, **gpt2**: the rows of ``benchmarks/workloads.py`` (eval, no_grad):
   ``jax.jit(jax_function(model))`` on ``jax.Array``s against eager,
   ``torch.compile`` (inductor) and ``torch.compile(backend="dynajax")`` on tensors.
 """
@@ -94,10 +94,10 @@ def callback_rows(calls: int, rounds: int) -> dict[str, float]:
 
 def model_rows(name: str, calls: int, rounds: int) -> dict[str, float]:
     from benchmarks.harness import compile_fn
-    from benchmarks.workloads import gpt2_model, mlp_model
+    from benchmarks.workloads import encoder_model, gpt2_model, mlp_model
 
     torch.manual_seed(0)
-    model, args = {"mlp": mlp_model, "gpt2": gpt2_model}[name]()
+    model, args = {"mlp": mlp_model, "encoder": encoder_model, "gpt2": gpt2_model}[name]()
     model.eval()
     steps: dict[str, Step] = {}
     for peer in ("eager", "inductor", "dynajax"):
@@ -117,7 +117,7 @@ def model_rows(name: str, calls: int, rounds: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="callback,mlp,gpt2")
+    parser.add_argument("--rows", default="callback,mlp,encoder,gpt2")
     parser.add_argument("--calls", type=int, default=0, help="calls per round (0: per row)")
     parser.add_argument("--rounds", type=int, default=7)
     options = parser.parse_args()
@@ -125,7 +125,7 @@ def main() -> None:
         if row == "callback":
             results = callback_rows(options.calls or 2000, options.rounds)
         else:
-            default = {"mlp": 200, "gpt2": 20}[row]
+            default = {"mlp": 200, "encoder": 40, "gpt2": 20}[row]
             results = model_rows(row, options.calls or default, options.rounds)
         print(f"{row}:")
         for peer, us in results.items():
