@@ -222,6 +222,30 @@ def encoder_model() -> tuple[nn.Module, tuple[Any, ...]]:
     return model, (torch.randn(8, 128, 256),)
 
 
+class _CausalSelfAttention(nn.Module):
+    """A causal self-attention block as transformers write it: one input projection,
+    ``F.scaled_dot_product_attention`` over (batch, heads, tokens, head dim), an output
+    projection."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, e // self.heads).unbind(2)
+        o = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.out(o.transpose(1, 2).reshape(b, t, e))
+
+
+def attention_model() -> tuple[nn.Module, tuple[Any, ...]]:
+    return _CausalSelfAttention(256, 4), (torch.randn(8, 512, 256),)
+
+
 def gpt2_model() -> tuple[nn.Module, tuple[Any, ...]]:
     from tests.models import gpt2, tokens
 
@@ -301,6 +325,14 @@ register(
         "model",
         _model_step(gpt2_model),
         description="transformers GPT-2 LM, 4 layers, width 256, vocab 1024, (4, 128)",
+    )
+)
+register(
+    Workload(
+        "attention-512",
+        "model",
+        _model_step(attention_model),
+        description="causal self-attention (SDPA), width 256, 4 heads, on (8, 512, 256)",
     )
 )
 register(

@@ -83,6 +83,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 from torch.fx.experimental.symbolic_shapes import fx_placeholder_vals
 
 from dynajax.capability.eager_kernel import eager_refusal
+from dynajax.lowering import attention
 from dynajax.passes.writes import Write, new_values, rewrite_writes, writing_back, written_outputs
 from dynajax.runtime import aot_cache, aot_rebuild
 from dynajax.runtime.cache import ExecutableCache
@@ -228,6 +229,26 @@ def _huber_loss(
     return loss
 
 
+def _flash_attention_for_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> Any:
+    """PyTorch's decomposition of the fused CPU attention, except for the large ones
+    its JAX rule computes in slices of the batch (``lowering/attention.py``,
+    ``attention.whole``): those stay whole (NotImplemented)."""
+    if query.device.type == "cpu" and attention.whole(query, key, dropout_p):
+        return NotImplemented
+    return _decomposition(aten._scaled_dot_product_flash_attention_for_cpu.default)(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+
+
 def _gelu_backward(
     grad_output: torch.Tensor, self: torch.Tensor, *, approximate: str = "none"
 ) -> torch.Tensor:
@@ -271,6 +292,7 @@ def _nll_loss_forward(
 def corrections() -> dict[Any, Callable[..., Any]]:
     """Entries that replace or extend PyTorch's core ATen decompositions."""
     table: dict[Any, Callable[..., Any]] = {
+        aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention_for_cpu,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
             _flash_attention_for_cpu_backward
         ),

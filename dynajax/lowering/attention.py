@@ -2,17 +2,53 @@
 
 ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` take a fused "fast path"
 in eval mode under no_grad; these ops have no decomposition, so they get rules here.
+
+``F.scaled_dot_product_attention`` on the CPU is ``_scaled_dot_product_flash_attention_-
+for_cpu``. Small ones (a decode step, the test models) are decomposed by aot_autograd
+into PyTorch's math attention, as before; large ones (``whole``) are kept whole and get
+the rule below. The decomposition cost 2.9x eager's fused kernel on a causal attention
+of 8 x 4 heads x 512 tokens x 64 (``benchmarks`` row ``attention-512``): XLA's CPU
+runtime runs each batched product on one thread, and the decomposition's softmax makes
+several passes over the (N, H, L, S) scores for its fully-masked-row handling and its
+eager-order sums. The rule computes the attention in slices of the batch, one product
+chain each, which XLA's thread pool runs side by side, with one softmax pass per slice,
+and handles fully masked rows only where a mask is given.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
+
+# An attention is kept whole (and sliced) from this many floating-point operations in
+# its two products: below, one slice's thread hand-off costs more than it saves.
+WHOLE_FLOPS = 1 << 27
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def whole(query: Any, key: Any, dropout_p: float) -> bool:
+    """Whether the fused CPU attention of ``query`` (N, H, L, E) over ``key`` is kept
+    whole for ``_flash_attention_for_cpu`` (else decomposed): float32 or float64,
+    static sizes, no dropout, and at least ``WHOLE_FLOPS`` of work in its products."""
+    sizes = (*query.shape, key.shape[-2])
+    if dropout_p != 0.0 or not all(isinstance(d, int) for d in sizes):
+        return False
+    if query.dtype not in (torch.float32, torch.float64) or query.dim() != 4:
+        return False
+    n, h, length, e, source = sizes
+    return 4 * n * h * length * source * e >= WHOLE_FLOPS
 
 
 def _layer_norm(x, weight, bias, eps):
@@ -82,3 +118,69 @@ def _transformer_encoder_layer_fwd(
     if not norm_first:
         x = _layer_norm(x, norm_weight_2, norm_bias_2, eps)
     return x.astype(src.dtype)
+
+
+def _flash_check(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    if dropout_p != 0.0:
+        return "dropout in the fused CPU attention (eager's kernel refuses it too)"
+    if query.ndim != 4 or query.shape[1] % key.shape[1]:
+        return "not (batch, heads, tokens, dim) with key heads dividing query heads"
+    return None
+
+
+@lower(aten._scaled_dot_product_flash_attention_for_cpu.default, check=_flash_check)
+def _flash_attention_for_cpu(
+    query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
+):
+    """``softmax(q k^T * scale + mask) v`` and the log-sum-exp of each row's scores, in
+    slices of the batch (one per CPU, at most one per row). As eager's kernel: the scale
+    (``1/sqrt(E)`` unless given) multiplies the queries, ``is_causal`` keeps key ``j``
+    for query ``i`` where ``j <= i``, a boolean mask keeps where True, a float mask is
+    added, a row with every key masked gives zeros and a log-sum-exp of 0, and key and
+    value heads repeat for grouped queries."""
+    n, heads, length, e = query.shape
+    scale = float(1.0 / np.sqrt(e) if scale is None else scale)  # a Python float: weak type
+    groups = heads // key.shape[1]
+    if groups > 1:
+        key, value = jnp.repeat(key, groups, axis=1), jnp.repeat(value, groups, axis=1)
+    pieces = max(1, min(_cpus(), n))
+    bounds = np.linspace(0, n, pieces + 1).astype(int)
+    outs, lses = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        mask = attn_mask
+        if mask is not None and mask.ndim == 4 and mask.shape[0] == n and n > 1:
+            mask = mask[lo:hi]
+        out, lse = _attention(query[lo:hi], key[lo:hi], value[lo:hi], mask, is_causal, scale)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return jnp.concatenate(outs, axis=0), jnp.concatenate(lses, axis=0)
+
+
+def _attention(q, k, v, mask, is_causal, scale):
+    # The scale on the queries (L x E products, not L x S; XLA made the latter a
+    # broadcast operand of its dot fusion).
+    scores = jnp.einsum("nhle,nhse->nhls", q * jnp.asarray(scale, q.dtype), k)
+    length, source = scores.shape[-2:]
+    if is_causal:
+        keep = jnp.arange(source)[None, :] <= jnp.arange(length)[:, None]
+        scores = jnp.where(keep, scores, -jnp.inf)
+    if mask is not None:
+        if mask.dtype == jnp.bool_:
+            scores = jnp.where(mask, scores, -jnp.inf)
+        else:
+            scores = scores + mask.astype(scores.dtype)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    if mask is not None:  # a row with every key masked: max -inf, zeros out
+        top = jnp.where(top == -jnp.inf, 0.0, top)
+    weights = jnp.exp(scores - top)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    if mask is not None:
+        empty = total == 0
+        out = jnp.einsum("nhls,nhse->nhle", weights, v) / jnp.where(empty, 1.0, total)
+        lse = jnp.where(empty, 0.0, top + jnp.log(total))
+    else:
+        out = jnp.einsum("nhls,nhse->nhle", weights, v) / total
+        lse = top + jnp.log(total)
+    return out.astype(q.dtype), lse[..., 0].astype(q.dtype)

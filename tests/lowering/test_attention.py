@@ -1,0 +1,142 @@
+"""The fused CPU attention's rule (``dynajax/lowering/attention.py``): its outputs are
+eager's kernel's (the attention and each row's log-sum-exp), large attentions reach it
+whole through the backend and small ones are decomposed as before, and gradients
+through a whole one are eager's.
+
+    pytest -q tests/lowering/test_attention.py
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dynajax
+from dynajax.lowering import attention
+from dynajax.lowering.registry import get_rule
+from tests.tolerances import assert_same
+
+aten = torch.ops.aten
+FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _masked_rows(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An additive mask (as SDPA hands the kernel a boolean one) with one fully masked
+    query row and some masked keys elsewhere."""
+    mask = torch.where(torch.rand(shape) > 0.3, 0.0, float("-inf")).to(dtype)
+    mask[..., 0] = 0.0
+    mask[..., 1, :] = float("-inf")  # every key of query 1 masked
+    return mask
+
+
+CASES = {  # id -> (q shape, k/v shape, is_causal, mask kind, scale)
+    "full": ((2, 3, 6, 8), (2, 3, 6, 8), False, None, None),
+    "causal": ((2, 3, 6, 8), (2, 3, 6, 8), True, None, None),
+    "causal-fewer-queries": ((2, 3, 4, 8), (2, 3, 6, 8), True, None, 0.3),
+    "float-mask": ((2, 3, 6, 8), (2, 3, 6, 8), False, "float", None),
+    "masked-row": ((3, 2, 5, 8), (3, 2, 7, 8), False, "rows", 0.5),
+    "masked-row-per-batch": ((3, 2, 5, 8), (3, 2, 7, 8), False, "rows-batch", None),
+    "grouped-queries": ((2, 4, 5, 8), (2, 2, 6, 8), True, None, None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_rule_matches_the_eager_kernel(case: str, dtype: torch.dtype) -> None:
+    q_shape, kv_shape, causal, mask_kind, scale = CASES[case]
+    torch.manual_seed(0)
+    q = torch.randn(q_shape, dtype=dtype)
+    k, v = torch.randn(kv_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype)
+    mask = None
+    if mask_kind == "float":
+        mask = torch.randn(q_shape[-2], kv_shape[-2], dtype=dtype)
+    elif mask_kind == "rows":
+        mask = _masked_rows((1, 1, q_shape[-2], kv_shape[-2]), dtype)
+    elif mask_kind == "rows-batch":
+        mask = _masked_rows((q_shape[0], 1, q_shape[-2], kv_shape[-2]), dtype)
+    out, lse = FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    with jax.enable_x64(True):
+        arrays = [jnp.asarray(t.numpy()) for t in (q, k, v)]
+        ours = get_rule(FLASH).fn(
+            *arrays,
+            0.0,
+            causal,
+            attn_mask=None if mask is None else jnp.asarray(mask.numpy()),
+            scale=scale,
+        )
+        ours = [torch.from_numpy(np.array(a)) for a in ours]
+    assert_same(ours[0], out)
+    assert_same(ours[1], lse)
+
+
+def _whole_in_jax(backend: dynajax.Backend) -> bool:
+    """Whether a JAX partition of the backend's graphs runs the fused op whole."""
+    name = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    return any(name in p.ops for g in backend.graphs for p in g.partitions)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, width: int, heads: int, causal: bool) -> None:
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, e // self.heads).unbind(2)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=self.causal,
+        )
+        return self.out(o.transpose(1, 2).reshape(b, t, e))
+
+
+@pytest.mark.parametrize(
+    "tokens, causal, masked, whole",
+    [(512, True, False, True), (512, False, True, True), (16, True, False, False)],
+    ids=["large-causal", "large-masked", "small-decomposed"],
+)
+def test_backend_keeps_large_attention_whole(tokens, causal, masked, whole) -> None:
+    torch.manual_seed(0)
+    model = _Attention(128, 2, causal).eval()
+    x = torch.randn(2, tokens, 128)
+    mask = None
+    if masked:  # a boolean mask with query 3 fully masked: its output row is the bias
+        mask = torch.rand(tokens, tokens) > 0.2
+        mask[:, 0] = True
+        mask[3] = False
+    # 4 * N * H * L * S * E flops against the threshold
+    assert (4 * 2 * 2 * tokens * tokens * 64 >= attention.WHOLE_FLOPS) == whole
+    backend = dynajax.Backend()
+    with torch.no_grad():
+        expected = model(x, mask)
+        actual = torch.compile(model, backend=backend)(x, mask)
+    assert_same(actual, expected)
+    report = dynajax.Report(list(backend.graphs))
+    assert not report.fallbacks, report
+    assert _whole_in_jax(backend) == whole, report
+
+
+def test_gradients_through_a_whole_attention() -> None:
+    torch.manual_seed(0)
+    model = _Attention(128, 2, True)
+    x = torch.randn(2, 512, 128, requires_grad=True)
+    twin = _Attention(128, 2, True)
+    twin.load_state_dict(model.state_dict())
+    x_twin = x.detach().clone().requires_grad_(True)
+    backend = dynajax.Backend()
+    compiled = torch.compile(model, backend=backend)
+    compiled(x).square().mean().backward()
+    twin(x_twin).square().mean().backward()
+    assert _whole_in_jax(backend)
+    assert_same(x.grad, x_twin.grad)
+    for (name, p), p_twin in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert_same(p.grad, p_twin.grad, path=name)
