@@ -155,14 +155,21 @@ def _lowered(fn, args):
     return torch.from_numpy(np.array(out[0])), jaxpr
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_products_fold_transposes(name: str, dtype: torch.dtype) -> None:
-    fn, shapes, folded = CASES[name]
+def _lowered_as_eager(fn, shapes, dtype):
+    """The jaxpr of ``fn`` lowered on random inputs of ``shapes``, after checking that
+    its answer is eager's."""
     torch.manual_seed(0)
     args = [torch.randn(s, dtype=dtype) for s in shapes]
     out, jaxpr = _lowered(fn, args)
     assert_same(out, fn(*args))
+    return jaxpr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_products_fold_transposes(name: str, dtype: torch.dtype) -> None:
+    fn, shapes, folded = CASES[name]
+    jaxpr = _lowered_as_eager(fn, shapes, dtype)
     if folded:
         assert _into_dots(jaxpr) == 0 and _folded_dots(jaxpr) > 0, jaxpr
     else:
@@ -173,10 +180,7 @@ def test_products_fold_transposes(name: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", list(BROADCAST_CASES))
 def test_products_read_one_matrix_of_a_batch(name: str, dtype: torch.dtype) -> None:
     fn, shapes, one_matrix = BROADCAST_CASES[name]
-    torch.manual_seed(0)
-    args = [torch.randn(s, dtype=dtype) for s in shapes]
-    out, jaxpr = _lowered(fn, args)
-    assert_same(out, fn(*args))
+    jaxpr = _lowered_as_eager(fn, shapes, dtype)
     if one_matrix:
         assert _batched_dots(jaxpr) == 0 and _into_dots(jaxpr, "broadcast_in_dim") == 0, jaxpr
         assert _into_dots(jaxpr, ndim=2) == 0, jaxpr  # a transposed matrix read in place
