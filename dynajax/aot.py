@@ -245,7 +245,7 @@ def _flash_attention_for_cpu(
     """PyTorch's decomposition of the fused CPU attention, except for the large ones
     its JAX rule computes in slices of the batch (``lowering/attention.py``,
     ``attention.whole``): those stay whole (NotImplemented)."""
-    if query.device.type == "cpu" and attention.whole(query, key, dropout_p):
+    if attention.whole(query, key, dropout_p):  # the op is CPU-only
         return NotImplemented
     return _decomposition(aten._scaled_dot_product_flash_attention_for_cpu.default)(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale

@@ -148,13 +148,11 @@ def _flash_attention_for_cpu(
     outs, lses = [], []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         mask = attn_mask
-        if mask is not None and mask.ndim == 4 and mask.shape[0] == n and n > 1:
+        if mask is not None and mask.ndim == 4 and mask.shape[0] == n:
             mask = mask[lo:hi]
         out, lse = _attention(query[lo:hi], key[lo:hi], value[lo:hi], mask, is_causal, scale)
         outs.append(out)
         lses.append(lse)
-    if len(outs) == 1:
-        return outs[0], lses[0]
     return jnp.concatenate(outs, axis=0), jnp.concatenate(lses, axis=0)
 
 
@@ -172,15 +170,12 @@ def _attention(q, k, v, mask, is_causal, scale):
         else:
             scores = scores + mask.astype(scores.dtype)
     top = jnp.max(scores, axis=-1, keepdims=True)
-    if mask is not None:  # a row with every key masked: max -inf, zeros out
+    if mask is not None:  # a row with every key masked: max 0, weights 0, total 1
         top = jnp.where(top == -jnp.inf, 0.0, top)
     weights = jnp.exp(scores - top)
     total = jnp.sum(weights, axis=-1, keepdims=True)
-    if mask is not None:
-        empty = total == 0
-        out = jnp.einsum("nhls,nhse->nhle", weights, v) / jnp.where(empty, 1.0, total)
-        lse = jnp.where(empty, 0.0, top + jnp.log(total))
-    else:
-        out = jnp.einsum("nhls,nhse->nhle", weights, v) / total
-        lse = top + jnp.log(total)
+    if mask is not None:  # so its output is 0 and its log-sum-exp 0 + log(1)
+        total = jnp.where(total == 0, 1.0, total)
+    out = jnp.einsum("nhls,nhse->nhle", weights, v) / total
+    lse = top + jnp.log(total)
     return out.astype(q.dtype), lse[..., 0].astype(q.dtype)

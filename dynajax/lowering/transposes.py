@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,27 +56,39 @@ _SCALAR_ELEMENTWISE = frozenset(
     {aten.mul.Scalar, aten.div.Scalar, aten.mul.Tensor, aten.div.Tensor}
 )
 
-# id(value) -> (value, its source): the values of one trace known to be transposes.
-_NOTED: contextvars.ContextVar[dict[int, tuple[Any, Any]] | None] = contextvars.ContextVar(
+
+@dataclasses.dataclass
+class _Notes:
+    """One trace's notes, each keyed by ``id(value)`` and holding the value (alive for
+    the trace, so that its id stays its own)."""
+
+    # id -> (value, its source): values known to be transposes.
+    transposes: dict[int, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    # id -> (value, matrix, transposed): every matrix of the value's last two
+    # dimensions is ``matrix`` (2-D), or its transpose where ``transposed``.
+    broadcasts: dict[int, tuple[Any, Any, bool]] = dataclasses.field(default_factory=dict)
+
+
+_NOTES: contextvars.ContextVar[_Notes | None] = contextvars.ContextVar(
     "dynajax_transposes", default=None
 )
-# id(value) -> (value, matrix, transposed): every matrix of ``value``'s last two
-# dimensions is ``matrix`` (2-D), or its transpose where ``transposed``.
-_BROADCASTS: contextvars.ContextVar[dict[int, tuple[Any, Any, bool]] | None] = (
-    contextvars.ContextVar("dynajax_broadcasts", default=None)
-)
+
+
+def _entry(table: dict[int, Any], x: Any) -> Any:
+    """``x``'s entry in ``table``, or None (an id reused by another value is not it)."""
+    entry = table.get(id(x))
+    return entry if entry is not None and entry[0] is x else None
 
 
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
     """Within: ``note`` records transposes and broadcasts, ``source`` and ``broadcast``
     find them (one trace)."""
-    token, token_b = _NOTED.set({}), _BROADCASTS.set({})
+    token = _NOTES.set(_Notes())
     try:
         yield
     finally:
-        _NOTED.reset(token)
-        _BROADCASTS.reset(token_b)
+        _NOTES.reset(token)
 
 
 def note(target: Any, args: tuple[Any, ...], result: Any, rule: Any = None) -> None:
@@ -85,10 +98,11 @@ def note(target: Any, args: tuple[Any, ...], result: Any, rule: Any = None) -> N
     to a noted transpose: a copy (``clone``), an expand or view that changes only the
     leading dimensions, an elementwise op with a Python scalar (``rule``, the node's
     rule, applied to the source instead)."""
-    noted = _NOTED.get()
-    if noted is None or not args or not hasattr(args[0], "ndim") or args[0].ndim < 2:
+    notes = _NOTES.get()
+    if notes is None or not args or not hasattr(args[0], "ndim") or args[0].ndim < 2:
         return
-    _note_broadcast(target, args[0], result)
+    _note_broadcast(notes.broadcasts, target, args[0], result)
+    noted = notes.transposes
     x, n = args[0], args[0].ndim
     if target is aten.t.default:
         swap = n == 2
@@ -102,8 +116,8 @@ def note(target: Any, args: tuple[Any, ...], result: Any, rule: Any = None) -> N
         if result is not x:  # a rule may hand back its input for a no-op
             noted[id(result)] = (result, x)
         return
-    entry = noted.get(id(x))
-    if entry is None or entry[0] is not x or not hasattr(result, "shape"):
+    entry = _entry(noted, x)
+    if entry is None or not hasattr(result, "shape"):
         return
     src = entry[1]
     if target in _COPIES:
@@ -123,22 +137,22 @@ def note(target: Any, args: tuple[Any, ...], result: Any, rule: Any = None) -> N
             noted[id(result)] = (result, rule(src, *args[1:]))
 
 
-def _note_broadcast(target: Any, x: Any, result: Any) -> None:
+def _note_broadcast(
+    broadcasts: dict[int, tuple[Any, Any, bool]], target: Any, x: Any, result: Any
+) -> None:
     """Records ``result`` as a batch of one matrix when ``target(x, ...)`` makes it one:
     an ``expand`` of a matrix (or of a batch of it whose leading sizes are all 1) to
     new leading dimensions, or a copy, or a view that changes only the leading
     dimensions, of a recorded batch."""
-    broadcasts = _BROADCASTS.get()
     if (
-        broadcasts is None
-        or result is x
+        result is x
         or not hasattr(result, "ndim")
         or result.ndim < 3
         or tuple(result.shape[-2:]) != tuple(x.shape[-2:])
     ):
         return
-    entry = broadcasts.get(id(x))
-    if entry is not None and entry[0] is x:
+    entry = _entry(broadcasts, x)
+    if entry is not None:
         if target in _COPIES or target in _LEADING_RESHAPES:
             broadcasts[id(result)] = (result, entry[1], entry[2])
         return
@@ -151,18 +165,14 @@ def _note_broadcast(target: Any, x: Any, result: Any) -> None:
 def broadcast(x: Any) -> tuple[Any, bool] | None:
     """``(matrix, transposed)`` where every matrix of ``x``'s last two dimensions is
     ``matrix`` (or its transpose, where ``transposed``), else None."""
-    broadcasts = _BROADCASTS.get()
-    entry = broadcasts.get(id(x)) if broadcasts is not None else None
-    if entry is not None and entry[0] is x:
-        return entry[1], entry[2]
-    return None
+    notes = _NOTES.get()
+    entry = _entry(notes.broadcasts, x) if notes is not None else None
+    return None if entry is None else (entry[1], entry[2])
 
 
 def source(x: Any) -> tuple[Any, bool]:
     """``(s, True)`` where ``x`` is ``s`` with its last two dimensions swapped, else
     ``(x, False)``."""
-    noted = _NOTED.get()
-    entry = noted.get(id(x)) if noted is not None else None
-    if entry is not None and entry[0] is x:
-        return entry[1], True
-    return x, False
+    notes = _NOTES.get()
+    entry = _entry(notes.transposes, x) if notes is not None else None
+    return (x, False) if entry is None else (entry[1], True)

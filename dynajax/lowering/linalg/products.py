@@ -53,18 +53,17 @@ def product(a, b, **kwargs):
         return jnp.matmul(a, b, **kwargs)
     # K's dimension in each operand as it is stored.
     k_a, k_b = n - 2 if trans_a else n - 1, n - 1 if trans_b else n - 2
-    if n >= 3:
-        matrix_a, matrix_b = transposes.broadcast(a), transposes.broadcast(b)
-        no_batch = ((), ())
-        if matrix_b is not None and matrix_a is None:  # a batch times one matrix
-            w, w_trans = matrix_b
-            k_w = 1 if w_trans else 0
-            return jax.lax.dot_general(src_a, w, (((k_a,), (k_w,)), no_batch), **kwargs)
-        if matrix_a is not None and matrix_b is None:  # one matrix times a batch
-            w, w_trans = matrix_a
-            k_w = 0 if w_trans else 1
-            out = jax.lax.dot_general(w, src_b, (((k_w,), (k_b,)), no_batch), **kwargs)
-            return jnp.moveaxis(out, 0, n - 2)  # (M, *batch, N) -> (*batch, M, N)
+    matrix_a, matrix_b = transposes.broadcast(a), transposes.broadcast(b)  # 3-D and up
+    no_batch = ((), ())
+    if matrix_b is not None and matrix_a is None:  # a batch times one matrix
+        w, w_trans = matrix_b
+        k_w = 1 if w_trans else 0
+        return jax.lax.dot_general(src_a, w, (((k_a,), (k_w,)), no_batch), **kwargs)
+    if matrix_a is not None and matrix_b is None:  # one matrix times a batch
+        w, w_trans = matrix_a
+        k_w = 0 if w_trans else 1
+        out = jax.lax.dot_general(w, src_b, (((k_w,), (k_b,)), no_batch), **kwargs)
+        return jnp.moveaxis(out, 0, n - 2)  # (M, *batch, N) -> (*batch, M, N)
     if not (trans_a or trans_b):
         return jnp.matmul(a, b, **kwargs)
     batch = tuple(range(n - 2))
