@@ -141,7 +141,13 @@ class Backend:
             before=passes_at(self.options.passes, "post_aot"),
             after=passes_at(self.options.passes, "post_passes"),
         )
-        checker = CapabilityChecker(self.options.fallback_ops, Evaluations(self.cache))
+        checker = CapabilityChecker(
+            self.options.fallback_ops,
+            Evaluations(self.cache),
+            # Ops measured faster in PyTorch stay there where the partitions run where the
+            # tensors are; a device or mesh asks for the work on JAX's devices.
+            perf=self.options.perf_fallbacks and self.placement is None,
+        )
         refused = checker.annotate(gm)
         if self.options.strict:
             # fallback_ops are the user's own choice; strict objects to the rest.

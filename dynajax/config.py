@@ -66,6 +66,12 @@ class Options:
             output or in-place update reaches the user. Costs one small device-to-host
             read per call of a partition with checks. False: no checks (invalid values
             give unspecified numbers, as in ``jax.jit``). Env: ``DYNAJAX_CHECKS``.
+        perf_fallbacks: keep in PyTorch the ops whose PyTorch kernel was measured faster
+            than XLA's, boundary included (reason PERF, listed in
+            ``dynajax/capability/cost.py``: today the large fused CPU attentions). Only
+            where the JAX partitions run where the tensors are (not with ``device`` or
+            ``mesh``, which ask for JAX-resident work). False: every op with a rule runs
+            in JAX. Env: ``DYNAJAX_PERF_FALLBACKS``.
         device: the JAX device the JAX partitions run on: a ``jax.Device`` or
             ``"platform[:index]"`` (``"cpu:1"``, ``"gpu:0"``, ``"tpu"``). Parameters and
             buffers are copied there once and stay resident between calls, refreshed
@@ -110,6 +116,7 @@ class Options:
     max_executables: int = 16
     pad_to_buckets: bool = False
     checks: bool = True
+    perf_fallbacks: bool = True
     device: Any = None
     mesh: Any = None
     sharding: Any = None
@@ -131,6 +138,10 @@ class Options:
             raise OptionsError(f"strict must be True or False, got {self.strict!r}.")
         if not isinstance(self.checks, bool):
             raise OptionsError(f"checks must be True or False, got {self.checks!r}.")
+        if not isinstance(self.perf_fallbacks, bool):
+            raise OptionsError(
+                f"perf_fallbacks must be True or False, got {self.perf_fallbacks!r}."
+            )
         if not isinstance(self.pad_to_buckets, bool):
             raise OptionsError(
                 f"pad_to_buckets must be True or False, got {self.pad_to_buckets!r}."
@@ -342,6 +353,7 @@ _ENV = {
     "DYNAJAX_MAX_EXECUTABLES": ("max_executables", _parse_int),
     "DYNAJAX_PAD_TO_BUCKETS": ("pad_to_buckets", _parse_bool),
     "DYNAJAX_CHECKS": ("checks", _parse_bool),
+    "DYNAJAX_PERF_FALLBACKS": ("perf_fallbacks", _parse_bool),
     "DYNAJAX_DEVICE": ("device", lambda n, r: r),
 }
 

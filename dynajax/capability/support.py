@@ -24,6 +24,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from dynajax.capability.cost import faster_in_pytorch
 from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.capability.layout import keep_eager_storage, node_layout
 from dynajax.capability.memo import Evaluations
@@ -135,6 +136,8 @@ class CapabilityChecker:
     7. Does the rule's ``check`` accept the arguments, and does ``jax.eval_shape`` of the
        rule on the node's fake-tensor shapes reproduce PyTorch's output shapes and
        dtypes?  -> CHECK_REFUSED, with the detail
+    8. With ``perf``: was PyTorch's kernel measured faster for these arguments
+       (``cost.faster_in_pytorch``)?  -> PERF, with the measurement
 
     Data-dependence and dtypes come before the table: a rule for ``nonzero``, for an
     op on complex32 tensors or for ``abs`` of bool (eager raises) could not help, so
@@ -142,9 +145,15 @@ class CapabilityChecker:
     """
 
     def __init__(
-        self, fallback_ops: Iterable[str] = (), evaluations: Evaluations | None = None
+        self,
+        fallback_ops: Iterable[str] = (),
+        evaluations: Evaluations | None = None,
+        *,
+        perf: bool = False,
     ) -> None:
         self.fallback_ops = frozenset(fallback_ops)
+        # Whether ops measured faster in PyTorch (cost.py) stay there, reason PERF.
+        self.perf = perf
         # Abstract evaluations by (op, argument signature), shared by every graph of
         # the process and, given a persistent cache, by later processes (memo.py).
         self._evaluations = evaluations if evaluations is not None else Evaluations()
@@ -244,9 +253,12 @@ class CapabilityChecker:
                 return _evaluate(rule, args, kwargs, expected)
 
         found = self._evaluations.get(key, rule, evaluate)
-        if found is None:
-            return Supported(name)
-        return self._refuse(node, *found)
+        if found is not None:
+            return self._refuse(node, *found)
+        faster = faster_in_pytorch(node) if self.perf else None
+        if faster is not None:
+            return self._refuse(node, Reason.PERF, faster)
+        return Supported(name)
 
     def _decide_getitem(self, node: torch.fx.Node, name: str) -> Verdict:
         # getitem picks an output of a multi-output node: it goes where its producer goes.

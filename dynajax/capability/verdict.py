@@ -82,6 +82,9 @@ class Unsupported:
         target: the op, e.g. ``aten.nonzero.default``.
         detail: the specifics (a check's message, the offending dtype, ...).
         source_line: ``file:line (code)`` of the user code that produced the node.
+        by_partitioner: set by a partition policy applied after the partitions were
+            proposed (block size, views trimmed for PyTorch, output aliases): JAX can
+            run the node, and re-proposing (the what-if analysis) sees it as capable.
     """
 
     reason: Reason
@@ -89,6 +92,7 @@ class Unsupported:
     target: str
     detail: str = ""
     source_line: str = ""
+    by_partitioner: bool = False
 
     @property
     def supported(self) -> bool:

@@ -150,19 +150,47 @@ def _flash_attention_for_cpu(
         mask = attn_mask
         if mask is not None and mask.ndim == 4 and mask.shape[0] == n:
             mask = mask[lo:hi]
-        out, lse = _attention(query[lo:hi], key[lo:hi], value[lo:hi], mask, is_causal, scale)
+        out, lse = _causal_blocks(query[lo:hi], key[lo:hi], value[lo:hi], mask, is_causal, scale)
         outs.append(out)
         lses.append(lse)
     return jnp.concatenate(outs, axis=0), jnp.concatenate(lses, axis=0)
 
 
-def _attention(q, k, v, mask, is_causal, scale):
+# Causal attentions run in blocks of this many queries, each over the keys it can see.
+CAUSAL_BLOCK = 128
+
+
+def _causal_blocks(q, k, v, mask, is_causal, scale):
+    """The attention of ``q`` in blocks of ``CAUSAL_BLOCK`` queries where it is causal:
+    query ``i`` sees keys ``j <= i``, so a block ending at query ``e`` needs only keys
+    ``[0, e)``: at 512 tokens 5/8 of the products' work, and scores a quarter the size
+    per block."""
+    length = q.shape[-2]
+    if not is_causal or length < 2 * CAUSAL_BLOCK:
+        return _attention(q, k, v, mask, is_causal, scale)
+    outs, lses = [], []
+    for start in range(0, length, CAUSAL_BLOCK):
+        end = min(length, start + CAUSAL_BLOCK)
+        seen = min(end, k.shape[-2])
+        block_mask = mask
+        if mask is not None:
+            rows = mask.ndim >= 2 and mask.shape[-2] > 1  # else broadcast over queries
+            block_mask = mask[..., start:end, :seen] if rows else mask[..., :seen]
+        out, lse = _attention(
+            q[..., start:end, :], k[..., :seen, :], v[..., :seen, :], block_mask, True, scale, start
+        )
+        outs.append(out)
+        lses.append(lse)
+    return jnp.concatenate(outs, axis=-2), jnp.concatenate(lses, axis=-1)
+
+
+def _attention(q, k, v, mask, is_causal, scale, offset=0):
     # The scale on the queries (L x E products, not L x S; XLA made the latter a
     # broadcast operand of its dot fusion).
     scores = jnp.einsum("nhle,nhse->nhls", q * jnp.asarray(scale, q.dtype), k)
     length, source = scores.shape[-2:]
     if is_causal:
-        keep = jnp.arange(source)[None, :] <= jnp.arange(length)[:, None]
+        keep = jnp.arange(source)[None, :] <= jnp.arange(offset, offset + length)[:, None]
         scores = jnp.where(keep, scores, -jnp.inf)
     if mask is not None:
         if mask.dtype == jnp.bool_:

@@ -125,9 +125,11 @@ class VerdictSupport(OperatorSupportBase):
     """The partitioner's view of verdicts: a node can join a JAX partition when it is a
     call_function whose stored verdict is Supported.
 
-    BLOCK_TOO_SMALL and PERF count as capable: the block-size and view-trimming policies
-    are applied after the partitions are proposed, so re-proposing on a graph that
-    already carries them (the what-if analysis) must see those nodes as they were.
+    The verdicts the partition policies gave (block size, trimmed views, output
+    aliases: ``Unsupported.by_partitioner``) count as capable: those policies are
+    applied after the partitions are proposed, so re-proposing on a graph that already
+    carries them (the what-if analysis) must see those nodes as they were. A PERF
+    verdict of the capability stage (an op measured faster in PyTorch) does not.
     Placeholders, get_attr and output nodes never enter a partition.
 
     Args:
@@ -151,10 +153,7 @@ class VerdictSupport(OperatorSupportBase):
             if producer.op == "call_function" and target_name(producer) in self.assume_supported:
                 return True
         verdict = node.meta.get(META_KEY)
-        return verdict is not None and (
-            verdict.supported
-            or verdict.reason in (Reason.BLOCK_TOO_SMALL, Reason.PERF, Reason.OUTPUT_ALIAS)
-        )
+        return verdict is not None and (verdict.supported or verdict.by_partitioner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +270,7 @@ def assign_partitions(
                 else:
                     reason_n = reason
                 n.meta[META_KEY] = Unsupported(
-                    reason_n, n.name, target_name(n), detail, source_line(n)
+                    reason_n, n.name, target_name(n), detail, source_line(n), by_partitioner=True
                 )
     for n in gm.graph.nodes:
         n.meta.pop(PARTITION_KEY, None)

@@ -55,6 +55,9 @@ def test_env_vars_set_every_option(monkeypatch) -> None:
     assert Options.resolve().strict is True
     monkeypatch.setenv("DYNAJAX_DEVICE", "cpu:0")
     assert Options.resolve().device == jax.devices("cpu")[0]
+    assert Options.resolve().perf_fallbacks is True
+    monkeypatch.setenv("DYNAJAX_PERF_FALLBACKS", "off")
+    assert Options.resolve().perf_fallbacks is False
 
 
 @pytest.mark.parametrize(
@@ -98,6 +101,7 @@ def test_mesh_and_sharding_options_are_validated(monkeypatch) -> None:
     "options, message",
     [
         ({"strict": "yes"}, "strict must be True or False"),
+        ({"perf_fallbacks": 1}, "perf_fallbacks must be True or False"),
         ({"min_block_size": 1.5}, "min_block_size must be an int >= 1"),
         ({"min_block_size": "3"}, "min_block_size must be an int >= 1"),
         ({"min_block_size": 0}, "min_block_size must be >= 1"),
@@ -108,6 +112,7 @@ def test_mesh_and_sharding_options_are_validated(monkeypatch) -> None:
     ],
     ids=[
         "strict",
+        "perf",
         "block",
         "block-str",
         "block-zero",

@@ -1,7 +1,9 @@
 """The fused CPU attention's rule (``dynajax/lowering/attention.py``): its outputs are
 eager's kernel's (the attention and each row's log-sum-exp), large attentions reach it
 whole through the backend and small ones are decomposed as before, and gradients
-through a whole one are eager's.
+through a whole one are eager's. Where the partitions run where the tensors are, a
+large one runs in PyTorch's kernel instead (``perf_fallbacks``, reason PERF:
+``dynajax/capability/cost.py``); with ``perf_fallbacks=False`` or a ``device``, in JAX.
 
     pytest -q tests/lowering/test_attention.py
 """
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import dynajax
+from dynajax.capability import Reason
 from dynajax.lowering import attention
 from dynajax.lowering.registry import get_rule
 from tests.tolerances import assert_same
@@ -41,6 +44,11 @@ CASES = {  # id -> (q shape, k/v shape, is_causal, mask kind, scale)
     "masked-row": ((3, 2, 5, 8), (3, 2, 7, 8), False, "rows", 0.5),
     "masked-row-per-batch": ((3, 2, 5, 8), (3, 2, 7, 8), False, "rows-batch", None),
     "grouped-queries": ((2, 4, 5, 8), (2, 2, 6, 8), True, None, None),
+    # Causal, in blocks of attention.CAUSAL_BLOCK queries (each over the keys it sees).
+    "causal-blocks": ((2, 2, 300, 8), (2, 2, 300, 8), True, None, None),
+    "causal-blocks-fewer-keys": ((2, 2, 300, 8), (2, 2, 260, 8), True, "rows", None),
+    "causal-blocks-more-keys": ((1, 2, 260, 8), (1, 2, 400, 8), True, "float", 0.3),
+    "causal-blocks-key-mask": ((2, 2, 300, 8), (2, 2, 300, 8), True, "keys", None),
 }
 
 
@@ -58,6 +66,10 @@ def test_rule_matches_the_eager_kernel(case: str, dtype: torch.dtype) -> None:
         mask = _masked_rows((1, 1, q_shape[-2], kv_shape[-2]), dtype)
     elif mask_kind == "rows-batch":
         mask = _masked_rows((q_shape[0], 1, q_shape[-2], kv_shape[-2]), dtype)
+    elif mask_kind == "keys":  # one row per batch element, broadcast over the queries
+        mask = torch.where(torch.rand(q_shape[0], 1, 1, kv_shape[-2]) > 0.3, 0.0, -torch.inf)
+        mask = mask.to(dtype)
+        mask[..., 0] = 0.0
     out, lse = FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     with jax.enable_x64(True):
         arrays = [jnp.asarray(t.numpy()) for t in (q, k, v)]
@@ -99,12 +111,24 @@ class _Attention(torch.nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, t, e))
 
 
+def _attention_in_pytorch(backend: dynajax.Backend) -> list[str]:
+    """The reasons the backend's graphs give for the fused op kept in PyTorch."""
+    name = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    report = dynajax.Report(list(backend.graphs))
+    return [f.reason.name for f in report.fallbacks if str(f.target) == name]
+
+
 @pytest.mark.parametrize(
     "tokens, causal, masked, whole",
     [(512, True, False, True), (512, False, True, True), (16, True, False, False)],
     ids=["large-causal", "large-masked", "small-decomposed"],
 )
-def test_backend_keeps_large_attention_whole(tokens, causal, masked, whole) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"perf_fallbacks": False}, {"device": "cpu:0"}],
+    ids=["default", "perf-off", "device"],
+)
+def test_backend_keeps_large_attention_whole(tokens, causal, masked, whole, options) -> None:
     torch.manual_seed(0)
     model = _Attention(128, 2, causal).eval()
     x = torch.randn(2, tokens, 128)
@@ -115,28 +139,45 @@ def test_backend_keeps_large_attention_whole(tokens, causal, masked, whole) -> N
         mask[3] = False
     # 4 * N * H * L * S * E flops against the threshold
     assert (4 * 2 * 2 * tokens * tokens * 64 >= attention.WHOLE_FLOPS) == whole
-    backend = dynajax.Backend()
+    backend = dynajax.Backend(**options)
     with torch.no_grad():
         expected = model(x, mask)
         actual = torch.compile(model, backend=backend)(x, mask)
     assert_same(actual, expected)
+    # Large: PyTorch's kernel by default (PERF), the JAX rule when asked for JAX.
+    in_pytorch = whole and not options
     report = dynajax.Report(list(backend.graphs))
-    assert not report.fallbacks, report
-    assert _whole_in_jax(backend) == whole, report
+    assert _attention_in_pytorch(backend) == (["PERF"] if in_pytorch else []), report
+    assert all(f.reason is Reason.PERF for f in report.fallbacks), report
+    assert _whole_in_jax(backend) == (whole and not in_pytorch), report
 
 
-def test_gradients_through_a_whole_attention() -> None:
+def test_strict_mode_accepts_perf_verdicts() -> None:
+    """PERF is dynajax's choice, not a gap: strict mode compiles the model."""
+    model = _Attention(128, 2, True).eval()
+    x = torch.randn(2, 512, 128)
+    backend = dynajax.Backend(strict=True)
+    with torch.no_grad():
+        assert_same(torch.compile(model, backend=backend)(x), model(x))
+    assert _attention_in_pytorch(backend) == ["PERF"]
+
+
+@pytest.mark.parametrize("perf_fallbacks", [True, False], ids=["perf", "perf-off"])
+def test_gradients_through_a_whole_attention(perf_fallbacks) -> None:
     torch.manual_seed(0)
     model = _Attention(128, 2, True)
     x = torch.randn(2, 512, 128, requires_grad=True)
     twin = _Attention(128, 2, True)
     twin.load_state_dict(model.state_dict())
     x_twin = x.detach().clone().requires_grad_(True)
-    backend = dynajax.Backend()
+    backend = dynajax.Backend(perf_fallbacks=perf_fallbacks)
     compiled = torch.compile(model, backend=backend)
     compiled(x).square().mean().backward()
     twin(x_twin).square().mean().backward()
-    assert _whole_in_jax(backend)
+    # The forward's attention in PyTorch's kernel, or whole in JAX; the backward
+    # recomputes it in JAX (aot.py's correction) either way.
+    assert _whole_in_jax(backend) != perf_fallbacks
+    assert _attention_in_pytorch(backend) == (["PERF"] if perf_fallbacks else [])
     assert_same(x.grad, x_twin.grad)
     for (name, p), p_twin in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert_same(p.grad, p_twin.grad, path=name)
