@@ -181,3 +181,25 @@ def test_gradients_through_a_whole_attention(perf_fallbacks) -> None:
     assert_same(x.grad, x_twin.grad)
     for (name, p), p_twin in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert_same(p.grad, p_twin.grad, path=name)
+
+
+@pytest.mark.parametrize(
+    "width, tokens, perf_fallbacks, in_pytorch",
+    [(128, 64, True, True), (128, 64, False, False), (32, 10, True, False)],
+    ids=["large", "large-perf-off", "small"],
+)
+def test_fused_encoder_layer_by_size(width, tokens, perf_fallbacks, in_pytorch) -> None:
+    """``nn.TransformerEncoderLayer``'s fused fast path (eval, no_grad) is one op: a
+    large one runs in PyTorch's kernel (PERF), a small one or perf_fallbacks=False in
+    JAX; the answer is eager's either way."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, batch_first=True).eval()
+    x = torch.randn(8, tokens, width)
+    backend = dynajax.Backend(perf_fallbacks=perf_fallbacks)
+    with torch.no_grad():
+        assert_same(torch.compile(layer, backend=backend)(x), layer(x), model=True)
+    report = dynajax.Report(list(backend.graphs))
+    name = "aten._transformer_encoder_layer_fwd.default"
+    kept = [f.reason for f in report.fallbacks if str(f.target) == name]
+    assert kept == ([Reason.PERF] if in_pytorch else []), report
+    assert any(name in p.ops for p in report.partitions) != in_pytorch, report
