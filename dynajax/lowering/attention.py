@@ -34,7 +34,9 @@ aten = torch.ops.aten
 WHOLE_FLOPS = 1 << 27
 
 
-def _cpus() -> int:
+def cpus() -> int:
+    """The CPUs this process may run on: the attention rule's slices (the persistent
+    cache's program key includes it, ``runtime/cache.py``)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -143,7 +145,7 @@ def _flash_attention_for_cpu(
     groups = heads // key.shape[1]
     if groups > 1:
         key, value = jnp.repeat(key, groups, axis=1), jnp.repeat(value, groups, axis=1)
-    pieces = max(1, min(_cpus(), n))
+    pieces = max(1, min(cpus(), n))
     bounds = np.linspace(0, n, pieces + 1).astype(int)
     outs, lses = [], []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):

@@ -3,7 +3,7 @@
 Two kinds of key name an entry:
 
     program key = sha256(format, platform, device kind, platform version, host CPU
-                         features, XLA_FLAGS, compiler options, the program described
+                         features and count, XLA_FLAGS, compiler options, the program described
                          before tracing: ``programs.describe_call``)
     body        = pickle((executable bytes, in_tree, out_tree, versions, checks))
 
@@ -100,6 +100,8 @@ import jax
 import jaxlib
 import torch
 from jax.experimental import serialize_executable
+
+from dynajax.lowering import attention
 
 log = logging.getLogger("dynajax.cache")
 
@@ -200,8 +202,10 @@ class CompileStats:
 
 @functools.cache
 def _cpu() -> str:
-    """The host CPU and the features an XLA:CPU executable may have been specialized for."""
-    cpu = platform.processor() or platform.machine()
+    """The host CPU and the features an XLA:CPU executable may have been specialized for,
+    and the CPUs this process may use (the attention rule slices its batch by their
+    count: ``lowering/attention.py``)."""
+    cpu = f"{platform.processor() or platform.machine()}|{attention.cpus()} cpus"
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import dynajax
+from dynajax.lowering import attention
+from dynajax.runtime import cache
 from dynajax.runtime.cache import default_cache_dir
 from tests.models import mlp
 from tests.tolerances import assert_same
@@ -59,6 +61,21 @@ def test_key_covers_shapes_dtypes_and_options(tmp_path) -> None:
     for stats in (other_shape, other_dtype, other_options):
         assert stats.cache_hits == 0 and stats.xla_compiles >= 1, stats
     assert len(_entries(tmp_path)) == 4
+
+
+def test_key_covers_the_cpu_count(tmp_path, monkeypatch) -> None:
+    """The attention rule slices its batch by the CPUs the process may use, so an
+    executable compiled under another count is another program."""
+    x = torch.randn(4, 3)
+    _run(tmp_path, _f, x)
+    monkeypatch.setattr(attention, "cpus", lambda: 7)
+    cache._cpu.cache_clear()
+    try:
+        _, other_count = _run(tmp_path, _f, x)
+    finally:
+        cache._cpu.cache_clear()
+    assert other_count.cache_hits == 0 and other_count.xla_compiles == 1, other_count
+    assert len(_entries(tmp_path)) == 2
 
 
 def test_hits_and_misses_are_logged(tmp_path, caplog) -> None:
