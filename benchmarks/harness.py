@@ -36,7 +36,9 @@ import torch
 
 from benchmarks.workloads import WORKLOADS, Step, Workload, device
 
-PEERS = ("eager", "inductor", "dynajax", "jax")
+# "dynajax-jax": dynajax with perf_fallbacks=False, every op with a rule in JAX (where
+# the default keeps an op measured faster in PyTorch there: capability/cost.py).
+PEERS = ("eager", "inductor", "dynajax", "dynajax-jax", "jax")
 
 # Untimed calls at the start of each peer's turn, for at least this long: PyTorch's
 # OpenMP workers spin for about 4 ms after each parallel op (measured: a 2-core process
@@ -60,6 +62,12 @@ def compile_fn(peer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return lambda f: f
     if peer == "inductor":
         return lambda f: torch.compile(_own_code(f, peer))
+    if peer == "dynajax-jax":
+        import dynajax
+
+        return lambda f: torch.compile(
+            _own_code(f, "dynajax_jax"), backend=dynajax.Backend(perf_fallbacks=False)
+        )
     if peer == "dynajax":
         import dynajax
 

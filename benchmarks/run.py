@@ -360,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="quick rows only, few repeats")
     p.add_argument("--workloads", help="comma-separated names (default: all)")
-    p.add_argument("--peers", help="default eager,inductor,dynajax,jax (suite: no jax)")
+    p.add_argument(
+        "--peers",
+        help="default eager,inductor,dynajax,jax (suite: no jax); also dynajax-jax: "
+        "perf_fallbacks=False, every op with a rule in JAX",
+    )
     p.add_argument("--repeats", type=int, help="timing rounds per peer (default 30; quick 5)")
     p.add_argument("--warmup", type=int, help="untimed calls before timing (default 5; quick 2)")
     p.add_argument(

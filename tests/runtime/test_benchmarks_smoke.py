@@ -26,7 +26,8 @@ def test_registry_rows_are_well_formed() -> None:
 
 def test_run_tiniest_workload(tmp_path, capsys) -> None:
     plot = importlib.util.find_spec("matplotlib") is not None
-    argv = ["--workloads", "add-one", "--peers", "eager,dynajax,jax", "--repeats", "2"]
+    argv = ["--workloads", "add-one", "--peers", "eager,dynajax,dynajax-jax,jax"]
+    argv += ["--repeats", "2"]
     argv += ["--warmup", "1", "--no-first-call", "--out", str(tmp_path)]
     if not plot:
         argv.append("--no-plot")
@@ -38,7 +39,7 @@ def test_run_tiniest_workload(tmp_path, capsys) -> None:
     assert set(out) == {"meta", "workloads", "summary"}
     row = out["workloads"]["add-one"]
     assert row["group"] == "overhead"
-    for peer in ("eager", "dynajax", "jax"):
+    for peer in ("eager", "dynajax", "dynajax-jax", "jax"):
         res = row["steady"][peer]
         assert res["status"] == "ok", res
         assert res["median_s"] > 0 and res["n"] == 2 * WORKLOADS["add-one"].inner
