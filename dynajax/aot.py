@@ -19,9 +19,10 @@ table lives here:
 * An op whose eager CPU kernel refuses the call's dtypes (``softplus`` of int64) is
   not decomposed for that call (the decompositions would compute a value); the
   capability stage sends it to eager PyTorch, which raises.
-* A large CPU flash attention (``attention.whole``) is not decomposed: its rule computes
-  it in slices of the batch that XLA's thread pool runs side by side
-  (``lowering/attention.py``); smaller ones are.
+* A large CPU flash attention (``attention.whole``) is not decomposed: PyTorch's kernel
+  runs it (a PERF verdict, ``capability/cost.py``), or with ``perf_fallbacks=False``
+  its rule, in slices of the batch that XLA's thread pool runs side by side
+  (``lowering/attention.py``); smaller ones are decomposed.
 
 The corrections:
 

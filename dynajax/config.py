@@ -68,7 +68,8 @@ class Options:
             give unspecified numbers, as in ``jax.jit``). Env: ``DYNAJAX_CHECKS``.
         perf_fallbacks: keep in PyTorch the ops whose PyTorch kernel was measured faster
             than XLA's, boundary included (reason PERF, listed in
-            ``dynajax/capability/cost.py``: today the large fused CPU attentions). Only
+            ``dynajax/capability/cost.py``: today large fused CPU attentions and fused
+            ``nn.TransformerEncoderLayer`` fast paths, with their measurements). Only
             where the JAX partitions run where the tensors are (not with ``device`` or
             ``mesh``, which ask for JAX-resident work). False: every op with a rule runs
             in JAX. Env: ``DYNAJAX_PERF_FALLBACKS``.

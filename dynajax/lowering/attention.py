@@ -12,7 +12,12 @@ runtime runs each batched product on one thread, and the decomposition's softmax
 several passes over the (N, H, L, S) scores for its fully-masked-row handling and its
 eager-order sums. The rule computes the attention in slices of the batch, one product
 chain each, which XLA's thread pool runs side by side, with one softmax pass per slice,
-and handles fully masked rows only where a mask is given.
+a causal one in blocks of queries over the keys each block sees, and handles fully
+masked rows only where a mask is given. PyTorch's own kernel is still faster on the
+CPU (3-4x at that size), so the backend keeps large ones there by default
+(``capability/cost.py``, reason PERF); the rule is what ``perf_fallbacks=False``,
+``device=``, ``mesh=`` and ``jax_function`` run. The same holds for the fused encoder
+layer from ``cost.ENCODER_LAYER_FLOPS``.
 """
 
 from __future__ import annotations
