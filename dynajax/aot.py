@@ -21,8 +21,8 @@ table lives here:
   capability stage sends it to eager PyTorch, which raises.
 * A large CPU flash attention (``attention.whole``) is not decomposed: PyTorch's kernel
   runs it (a PERF verdict, ``capability/cost.py``), or with ``perf_fallbacks=False``
-  its rule, in slices of the batch that XLA's thread pool runs side by side
-  (``lowering/attention.py``); smaller ones are decomposed.
+  its rule, one head at a time in a loop per CPU (``lowering/attention.py``); smaller
+  ones are decomposed.
 
 The corrections:
 

@@ -8,12 +8,13 @@ it; the report prints the detail beside the node.
 
 * ``_scaled_dot_product_flash_attention_for_cpu``, when kept whole by aot_autograd
   (``lowering.attention.whole``: at least 2^27 flops in its products). PyTorch's CPU
-  kernel is a blocked (flash) attention over both cores that never writes the scores
-  to memory; XLA runs the product, softmax, product chain with the (N, H, L, S) scores
-  in memory and its batched products on one thread each. On the benchmark row
-  ``attention-512`` (8 x 4 heads x 512 tokens x 64, causal; 2 cores) the attention
-  alone took 10.8 ms in PyTorch and 32-42 ms in XLA, and the whole block 44.5 ms with
-  the attention in JAX against 28.5 ms with it in PyTorch (``benchmarks.run``). Smaller
+  kernel is a blocked (flash) attention over both cores; XLA's program (the rule: one
+  head at a time in a loop per CPU, causal ones in blocks of queries) runs each loop's
+  products on one thread. On the benchmark row ``attention-512`` (8 x 4 heads x 512
+  tokens x 64, causal; 2 cores) the attention alone took 9.7-11 ms in PyTorch and 16.2
+  ms in XLA (19.3 not causal; 32-42 before the rule's loops), and the whole block 31.9
+  ms with the attention in JAX against 24.4 ms with it in PyTorch (``benchmarks.run
+  --peers ...,dynajax-jax``; 44.5 against 28.5 before the rule's loops). Smaller
   attentions are decomposed into JAX ops: there, on GPT-2 (4 x 4 heads x 128 tokens),
   PyTorch's kernel between JAX partitions made the model slower (25.0 -> 36.3 ms).
 * ``_transformer_encoder_layer_fwd`` (``nn.TransformerEncoderLayer``'s fused fast path
@@ -51,7 +52,7 @@ def _large_cpu_attention(node: torch.fx.Node) -> str | None:
     if not isinstance(dropout_p, float | int) or not attention.whole(query, key, float(dropout_p)):
         return None
     return (
-        "PyTorch's fused CPU attention kernel ran 3-4x faster than XLA's program for a "
+        "PyTorch's fused CPU attention kernel ran 1.5-2x faster than XLA's program for a "
         "large attention (dynajax/capability/cost.py); perf_fallbacks=False runs it in JAX"
     )
 

@@ -10,11 +10,11 @@ the rule below. The decomposition cost 2.9x eager's fused kernel on a causal att
 of 8 x 4 heads x 512 tokens x 64 (``benchmarks`` row ``attention-512``): XLA's CPU
 runtime runs each batched product on one thread, and the decomposition's softmax makes
 several passes over the (N, H, L, S) scores for its fully-masked-row handling and its
-eager-order sums. The rule computes the attention in slices of the batch, one product
-chain each, which XLA's thread pool runs side by side, with one softmax pass per slice,
-a causal one in blocks of queries over the keys each block sees, and handles fully
-masked rows only where a mask is given. PyTorch's own kernel is still faster on the
-CPU (3-4x at that size), so the backend keeps large ones there by default
+eager-order sums. The rule computes the attention one (batch, head) at a time, in a
+loop per CPU, with one softmax pass, a causal one in blocks of queries over the keys
+each block sees, and handles fully masked rows only where a mask is given. PyTorch's
+own kernel is still faster on the CPU (1.5-2x at that size), so the backend keeps
+large ones there by default
 (``capability/cost.py``, reason PERF); the rule is what ``perf_fallbacks=False``,
 ``device=``, ``mesh=`` and ``jax_function`` run. The same holds for the fused encoder
 layer from ``cost.ENCODER_LAYER_FLOPS``.
@@ -139,28 +139,49 @@ def _flash_check(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask
 def _flash_attention_for_cpu(
     query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
 ):
-    """``softmax(q k^T * scale + mask) v`` and the log-sum-exp of each row's scores, in
-    slices of the batch (one per CPU, at most one per row). As eager's kernel: the scale
-    (``1/sqrt(E)`` unless given) multiplies the queries, ``is_causal`` keeps key ``j``
-    for query ``i`` where ``j <= i``, a boolean mask keeps where True, a float mask is
-    added, a row with every key masked gives zeros and a log-sum-exp of 0, and key and
-    value heads repeat for grouped queries."""
+    """``softmax(q k^T * scale + mask) v`` and the log-sum-exp of each row's scores, one
+    (batch, head) at a time in a loop per CPU. As eager's kernel: the scale (``1/sqrt(E)``
+    unless given) multiplies the queries, ``is_causal`` keeps key ``j`` for query ``i``
+    where ``j <= i``, a boolean mask keeps where True, a float mask is added, a row with
+    every key masked gives zeros and a log-sum-exp of 0, and grouped queries share their
+    key and value heads.
+
+    One head's scores (L x S) stay in the CPU's cache where the whole batch's did not:
+    on 8 x 4 heads x 512 x 64 (2 CPUs; ms, median of 8 rounds) the attention took 37.1
+    in one chain per slice of the batch, 20.2 this way; causal (in blocks of queries,
+    ``_causal_blocks``) 21.7 and 16.2. XLA runs a loop's iterations one after the
+    other, so there is one loop per CPU over its share of the heads."""
     n, heads, length, e = query.shape
     scale = float(1.0 / np.sqrt(e) if scale is None else scale)  # a Python float: weak type
     groups = heads // key.shape[1]
-    if groups > 1:
-        key, value = jnp.repeat(key, groups, axis=1), jnp.repeat(value, groups, axis=1)
-    pieces = max(1, min(cpus(), n))
-    bounds = np.linspace(0, n, pieces + 1).astype(int)
-    outs, lses = [], []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        mask = attn_mask
-        if mask is not None and mask.ndim == 4 and mask.shape[0] == n:
-            mask = mask[lo:hi]
-        out, lse = _causal_blocks(query[lo:hi], key[lo:hi], value[lo:hi], mask, is_causal, scale)
-        outs.append(out)
-        lses.append(lse)
-    return jnp.concatenate(outs, axis=0), jnp.concatenate(lses, axis=0)
+    mask = attn_mask
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+
+    def one_head(i):
+        b, h = i // heads, i % heads
+
+        def pick(t, head):  # t[b, head] as (1, 1, ...), b and head broadcast where t's is 1
+            rows = b if t.shape[0] > 1 else 0
+            cols = head if t.shape[1] > 1 else 0
+            return jax.lax.dynamic_slice(t, (rows, cols, 0, 0), (1, 1, *t.shape[2:]))
+
+        kv = h // groups
+        head_mask = None if mask is None else pick(mask, h)
+        out, lse = _causal_blocks(
+            pick(query, h), pick(key, kv), pick(value, kv), head_mask, is_causal, scale
+        )
+        return out[0, 0], lse[0, 0]
+
+    pieces = max(1, min(cpus(), n * heads))
+    bounds = np.linspace(0, n * heads, pieces + 1).astype(int)
+    parts = [
+        jax.lax.map(one_head, jnp.arange(lo, hi))
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    out = jnp.concatenate([o for o, _ in parts], axis=0).reshape(n, heads, length, e)
+    lse = jnp.concatenate([s for _, s in parts], axis=0).reshape(n, heads, length)
+    return out, lse
 
 
 # Causal attentions run in blocks of this many queries, each over the keys it can see.

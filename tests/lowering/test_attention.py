@@ -203,3 +203,29 @@ def test_fused_encoder_layer_by_size(width, tokens, perf_fallbacks, in_pytorch) 
     kept = [f.reason for f in report.fallbacks if str(f.target) == name]
     assert kept == ([Reason.PERF] if in_pytorch else []), report
     assert any(name in p.ops for p in report.partitions) != in_pytorch, report
+
+
+@pytest.mark.parametrize("tokens, whole", [(512, True), (16, False)], ids=["large", "small"])
+def test_jax_function_runs_a_large_attention_by_the_rule(tokens, whole) -> None:
+    """``dynajax.jax_function``: a large fused attention stays whole in the exported
+    graph (the rule runs it), a small one is the math attention; outputs and gradients
+    under ``jax.grad`` are eager's either way."""
+    torch.manual_seed(0)
+    model = _Attention(128, 2, True).eval()
+    x = torch.randn(2, tokens, 128)
+    fn, state = dynajax.jax_function(model, x)
+    graph_ops = {str(n.target) for n in fn.graph_module.graph.nodes}
+    assert (str(FLASH) in graph_ops) == whole, graph_ops
+
+    def loss(params, inputs):
+        return jnp.mean(fn(params, inputs) ** 2)
+
+    out = jax.jit(fn)(state, x.numpy())
+    grads, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x.numpy())
+    x_eager = x.clone().requires_grad_(True)
+    expected = model(x_eager)
+    expected.square().mean().backward()
+    assert_same(torch.from_numpy(np.asarray(out)), expected.detach())
+    assert_same(torch.from_numpy(np.asarray(grad_x)), x_eager.grad, path="grad[x]")
+    for name, p in model.named_parameters():
+        assert_same(torch.from_numpy(np.asarray(grads[name])), p.grad, path=f"grad[{name}]")
