@@ -150,13 +150,27 @@ def _flash_attention_for_cpu(
     on 8 x 4 heads x 512 x 64 (2 CPUs; ms, median of 8 rounds) the attention took 37.1
     in one chain per slice of the batch, 20.2 this way; causal (in blocks of queries,
     ``_causal_blocks``) 21.7 and 16.2. XLA runs a loop's iterations one after the
-    other, so there is one loop per CPU over its share of the heads."""
-    n, heads, length, e = query.shape
-    scale = float(1.0 / np.sqrt(e) if scale is None else scale)  # a Python float: weak type
-    groups = heads // key.shape[1]
+    other, so there is one loop per CPU over its share of the heads. On other platforms
+    (a ``device=`` GPU), where nothing here was measured, one batched program."""
+    scale = float(1.0 / np.sqrt(query.shape[-1]) if scale is None else scale)  # weak type
     mask = attn_mask
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    # The loops are a CPU strategy; elsewhere (a GPU device) one batched program.
+    return jax.lax.platform_dependent(
+        query,
+        key,
+        value,
+        mask,
+        cpu=lambda *a: _per_head(*a, is_causal, scale),
+        default=lambda *a: _batched(*a, is_causal, scale),
+    )
+
+
+def _per_head(query, key, value, mask, is_causal, scale):
+    """The attention one (batch, head) at a time, in a loop per CPU over its share."""
+    n, heads, length, e = query.shape
+    groups = heads // key.shape[1]
 
     def one_head(i):
         b, h = i // heads, i % heads
@@ -182,6 +196,15 @@ def _flash_attention_for_cpu(
     out = jnp.concatenate([o for o, _ in parts], axis=0).reshape(n, heads, length, e)
     lse = jnp.concatenate([s for _, s in parts], axis=0).reshape(n, heads, length)
     return out, lse
+
+
+def _batched(query, key, value, mask, is_causal, scale):
+    """The attention of the whole batch in one chain of batched products (key and value
+    heads repeated for grouped queries)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = jnp.repeat(key, groups, axis=1), jnp.repeat(value, groups, axis=1)
+    return _causal_blocks(query, key, value, mask, is_causal, scale)
 
 
 # Causal attentions run in blocks of this many queries, each over the keys it can see.

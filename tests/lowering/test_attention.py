@@ -54,7 +54,10 @@ CASES = {  # id -> (q shape, k/v shape, is_causal, mask kind, scale)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_rule_matches_the_eager_kernel(case: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("path", ["rule", "batched"])
+def test_rule_matches_the_eager_kernel(case: str, dtype: torch.dtype, path: str) -> None:
+    """``rule``: the registered rule (on this CPU, its per-head loops); ``batched``: the
+    program it runs on other platforms, called directly."""
     q_shape, kv_shape, causal, mask_kind, scale = CASES[case]
     torch.manual_seed(0)
     q = torch.randn(q_shape, dtype=dtype)
@@ -73,13 +76,11 @@ def test_rule_matches_the_eager_kernel(case: str, dtype: torch.dtype) -> None:
     out, lse = FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     with jax.enable_x64(True):
         arrays = [jnp.asarray(t.numpy()) for t in (q, k, v)]
-        ours = get_rule(FLASH).fn(
-            *arrays,
-            0.0,
-            causal,
-            attn_mask=None if mask is None else jnp.asarray(mask.numpy()),
-            scale=scale,
-        )
+        jax_mask = None if mask is None else jnp.asarray(mask.numpy())
+        if path == "rule":
+            ours = get_rule(FLASH).fn(*arrays, 0.0, causal, attn_mask=jax_mask, scale=scale)
+        else:
+            ours = attention._batched(*arrays, jax_mask, causal, scale or 1 / np.sqrt(q_shape[-1]))
         ours = [torch.from_numpy(np.array(a)) for a in ours]
     assert_same(ours[0], out)
     assert_same(ours[1], lse)
