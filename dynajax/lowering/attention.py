@@ -16,8 +16,8 @@ each block sees, and handles fully masked rows only where a mask is given. PyTor
 own kernel is still faster on the CPU (1.5-2x at that size), so the backend keeps
 large ones there by default
 (``capability/cost.py``, reason PERF); the rule is what ``perf_fallbacks=False``,
-``device=``, ``mesh=`` and ``jax_function`` run. The same holds for the fused encoder
-layer from ``cost.ENCODER_LAYER_FLOPS``.
+``device=``, ``mesh=`` and ``jax_function`` (which keeps large ones whole too) run. The
+fused encoder layer stays in PyTorch from ``cost.ENCODER_LAYER_FLOPS`` likewise.
 """
 
 from __future__ import annotations
