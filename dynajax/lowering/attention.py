@@ -40,7 +40,7 @@ WHOLE_FLOPS = 1 << 27
 
 
 def cpus() -> int:
-    """The CPUs this process may run on: the attention rule's slices (the persistent
+    """The CPUs this process may run on: the attention rule's loops (the persistent
     cache's program key includes it, ``runtime/cache.py``)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

@@ -203,7 +203,7 @@ class CompileStats:
 @functools.cache
 def _cpu() -> str:
     """The host CPU and the features an XLA:CPU executable may have been specialized for,
-    and the CPUs this process may use (the attention rule slices its batch by their
+    and the CPUs this process may use (the attention rule splits its heads by their
     count: ``lowering/attention.py``)."""
     cpu = f"{platform.processor() or platform.machine()}|{attention.cpus()} cpus"
     try:

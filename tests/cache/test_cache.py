@@ -64,7 +64,7 @@ def test_key_covers_shapes_dtypes_and_options(tmp_path) -> None:
 
 
 def test_key_covers_the_cpu_count(tmp_path, monkeypatch) -> None:
-    """The attention rule slices its batch by the CPUs the process may use, so an
+    """The attention rule splits its heads by the CPUs the process may use, so an
     executable compiled under another count is another program."""
     x = torch.randn(4, 3)
     _run(tmp_path, _f, x)
