@@ -244,8 +244,8 @@ def _flash_attention_for_cpu(
     scale: float | None = None,
 ) -> Any:
     """PyTorch's decomposition of the fused CPU attention, except for the large ones
-    its JAX rule computes in slices of the batch (``lowering/attention.py``,
-    ``attention.whole``): those stay whole (NotImplemented)."""
+    (``attention.whole``): those stay whole (NotImplemented), for PyTorch's kernel (PERF)
+    or the JAX rule (``lowering/attention.py``)."""
     if attention.whole(query, key, dropout_p):  # the op is CPU-only
         return NotImplemented
     return _decomposition(aten._scaled_dot_product_flash_attention_for_cpu.default)(

@@ -225,7 +225,7 @@ def _causal_blocks(q, k, v, mask, is_causal, scale):
         seen = min(end, k.shape[-2])
         block_mask = mask
         if mask is not None:
-            rows = mask.ndim >= 2 and mask.shape[-2] > 1  # else broadcast over queries
+            rows = mask.shape[-2] > 1  # else broadcast over queries (masks are 2-D and up)
             block_mask = mask[..., start:end, :seen] if rows else mask[..., :seen]
         out, lse = _attention(
             q[..., start:end, :], k[..., :seen, :], v[..., :seen, :], block_mask, True, scale, start
