@@ -3,12 +3,14 @@ cumulative ops, softmax."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering import checks
+from dynajax.lowering import checks, eager_cpu
 from dynajax.lowering.dtypes import as_dtype, divide, is_floating, is_integral, opmath, promote
 from dynajax.lowering.registry import lower
 
@@ -295,18 +297,48 @@ def _softmax(x, dim, half_to_float):
 
 
 def _half_softmax(x, axis):
-    """Eager's CPU softmax of bfloat16 or float16, bit for bit (measured on every
-    element of random inputs): in float32, rounded once along the last dim; along
-    another dim, ``exp(x - max)`` is stored rounded to the dtype and divided (in
-    float32) by the float32 sum of the unrounded exponentials. ``jax.nn.softmax`` in
-    the dtype itself rounds every step: a bfloat16 softmax of two elements was an ulp
-    off, and the gradient that reads it 6% off."""
+    """Eager's CPU softmax of bfloat16 or float16, bit for bit. Along the last dim, in
+    float32 and rounded once. Along another dim, eager's kernel (``_vec_softmax``) walks
+    the flattened (outer, inner) positions in equal chunks, one per thread of its pool;
+    in each chunk a whole vector of positions (``eager_cpu.vector_bytes()`` wide) that
+    lies within one row of the inner dims is computed in float32 and rounded once, and
+    the rest, its scalar tail, stores ``exp(x - max)`` rounded to the dtype and divides
+    that (in float32) by the float32 sum of the unrounded exponentials. Which positions
+    are vectorized therefore depends on the CPU capability and the thread count, and
+    ``_vectorized_positions`` follows both. ``jax.nn.softmax`` in the dtype itself
+    rounds every step: a bfloat16 softmax of two elements was an ulp off, and the
+    gradient that reads it 6% off."""
     wide = x.astype(np.float32)
     e = jnp.exp(wide - jnp.max(wide, axis=axis, keepdims=True))
     total = jnp.sum(e, axis=axis, keepdims=True)
-    if axis != x.ndim - 1:
-        e = e.astype(x.dtype).astype(np.float32)
-    return (e / total).astype(x.dtype)
+    rounded_once = (e / total).astype(x.dtype)
+    if axis == x.ndim - 1:
+        return rounded_once
+    tail = (e.astype(x.dtype).astype(np.float32) / total).astype(x.dtype)
+    outer = math.prod(x.shape[:axis])
+    inner = math.prod(x.shape[axis + 1 :])
+    step = eager_cpu.vector_bytes() // x.dtype.itemsize
+    vectorized = _vectorized_positions(outer, inner, step, eager_cpu.threads())
+    keep = x.shape[:axis] + (1,) + x.shape[axis + 1 :]
+    return jnp.where(vectorized.reshape(keep), rounded_once, tail)
+
+
+def _vectorized_positions(outer: int, inner: int, step: int, threads: int):
+    """Which of the ``outer * inner`` flattened positions eager's ``_vec_softmax``
+    computes in its vectorized body. ``at::parallel_for(0, n, 0, f)`` runs ``f`` on
+    chunks of ``ceil(n / threads)`` positions (one chunk when ``n`` is 1 or the pool has
+    one thread); within a chunk, from its start and from each row start after it, whole
+    vectors are taken while they fit both the chunk and the row."""
+    n = outer * inner
+    chunk = n if threads <= 1 or n <= 1 else -(-n // threads)
+    index = jnp.int64 if n >= 2**31 - 2 * step else jnp.int32
+    p = jnp.arange(n, dtype=index)
+    begin = (p // chunk) * chunk
+    end = jnp.minimum(begin + chunk, n)
+    row = (p // inner) * inner
+    start = jnp.maximum(begin, row)
+    stop = jnp.minimum(row + inner, end)
+    return p < start + (stop - start) // step * step
 
 
 @lower(aten._log_softmax.default)

@@ -16,8 +16,10 @@ program is a function of things known before tracing, so the cache keys it by th
   sharding;
 * the global settings rules and tracing read: the float32 matmul precision, torch's
   default dtype, whether oneDNN is on (half-precision convolutions follow eager's
-  kernel), and the JAX settings that change what a trace computes (the PRNG
-  implementation and its partitionable mode, promotion rules);
+  kernel), eager's CPU capability and thread count (half-precision softmax follows
+  where eager's kernel vectorizes, ``lowering/eager_cpu.py``), and the JAX settings
+  that change what a trace computes (the PRNG implementation and its partitionable
+  mode, promotion rules);
 * what compiles it (``cache.py`` adds these to the key): the device, the host CPU's
   features, ``XLA_FLAGS`` and the compiler options; and, checked when an entry is
   loaded, the versions of jax, jaxlib, torch and dynajax and a digest of dynajax's own
@@ -40,6 +42,7 @@ import jax
 import torch
 import torch.fx
 
+from dynajax.lowering import eager_cpu
 from dynajax.lowering.registry import LAYOUT_KEY, get_rule
 
 log = logging.getLogger("dynajax.cache")
@@ -95,6 +98,7 @@ def describe_call(
         settings + (" keep_unused" if keep_unused else ""),
         f"default_dtype={torch.get_default_dtype()}",
         f"mkldnn={torch.backends.mkldnn.is_available()},{torch.backends.mkldnn.enabled}",
+        eager_cpu.settings(),
         repr([(s, getattr(jax.config, s, None)) for s in _JAX_SETTINGS]),
     ):
         h.update(b"\x00")
