@@ -58,6 +58,14 @@ def settle(step: Callable[[], Any], seconds: float = SETTLE_S) -> None:
 
 
 def compile_fn(peer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The peer's ``compile``, tagged with its name (``.peer``: the train_step rows
+    build a whole step per peer, not only a compiled model)."""
+    fn = _compile_fn(peer)
+    fn.peer = peer  # type: ignore[attr-defined]
+    return fn
+
+
+def _compile_fn(peer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     if peer == "eager":
         return lambda f: f
     if peer == "inductor":

@@ -1,10 +1,12 @@
 """Training rows of the benchmark: forward + backward + optimizer step.
 
 Registered into ``benchmarks.workloads.WORKLOADS`` (imported at the end of that
-module). Every peer times the same step: the model compiled by the peer (identity for
-eager), ``loss.backward()`` through the peer's backward graph, and an eager
-``torch.optim.SGD`` step with momentum (the same code for every peer, so the rows
-compare the compiled forward and backward).
+module). The ``*-train`` rows time the same step for every peer: the model compiled by
+the peer (identity for eager), ``loss.backward()`` through the peer's backward graph,
+and an eager ``torch.optim.SGD`` step with momentum (the same code for every peer, so
+the rows compare the compiled forward and backward). The ``*-train-step`` rows time the
+whole step with AdamW, each peer's best way: ``dynajax.train_step`` (one XLA program)
+against the peer's compiled model with torch's fused AdamW kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from benchmarks.workloads import (
     Step,
     Workload,
     encoder_model,
+    gpt2_model,
     mlp_model,
     placed,
     register,
@@ -76,3 +79,67 @@ register(
         no_grad=False,
     )
 )
+
+
+# -- the whole step as one program (dynajax.train_step) ----------------------------------
+
+
+def _square_mean(model: nn.Module, *args: Any) -> torch.Tensor:
+    return model(*args).square().mean()
+
+
+def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, labels=ids).loss
+
+
+def _whole_step(
+    build: Callable[[], tuple[nn.Module, tuple[Any, ...]]],
+    loss_fn: Callable[..., torch.Tensor],
+) -> Callable[..., Step]:
+    """A training step with AdamW: for dynajax, ``dynajax.train_step`` (forward,
+    backward and the update as one XLA program, the state in JAX); for the others the
+    best ordinary loop, the peer's compiled model with torch's fused AdamW kernel."""
+
+    def setup(compile: Compile) -> Step:
+        torch.manual_seed(0)
+        model, args = placed(*build())
+        model.train()
+        if getattr(compile, "peer", None) in ("dynajax", "dynajax-jax"):
+            import jax
+
+            import dynajax
+
+            train = dynajax.train_step(model, torch.optim.AdamW(model.parameters()), loss_fn)
+            return lambda: jax.block_until_ready(train(*args))
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        fwd = compile(model)
+
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(fwd, *args)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    return setup
+
+
+for _name, _build, _loss, _what in (
+    ("mlp", mlp_model, _square_mean, "MLP 512-2048-512, batch 64"),
+    ("encoder", encoder_model, _square_mean, "TransformerEncoderLayer(256, 4, 1024), dropout 0.1"),
+    ("resnet18", resnet_model, _square_mean, "ResNet-18-shaped CNN on (8, 3, 64, 64)"),
+    ("gpt2", gpt2_model, _lm_loss, "GPT-2 (4 layers, width 256) on (4, 128) tokens, LM loss"),
+):
+    register(
+        Workload(
+            f"{_name}-train-step",
+            "training",
+            _whole_step(_build, _loss),
+            jax_setup=lambda: None,
+            description=f"{_what}: the whole AdamW step (dynajax.train_step vs the "
+            "peer's compiled model + fused AdamW)",
+            no_grad=False,
+        )
+    )

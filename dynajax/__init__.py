@@ -20,6 +20,7 @@ from dynajax.passes.user import Rewrite, RewriteRecord
 from dynajax.runtime import cpu_client, gpu_memory
 from dynajax.sharding import ShardingRules
 from dynajax.stablehlo import ExportedModel, export
+from dynajax.training import TrainStep, train_step
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "RewriteRecord",
     "ShardingError",
     "ShardingRules",
+    "TrainStep",
     "Supported",
     "Unsupported",
     "UnsupportedNodesError",
@@ -60,5 +62,6 @@ __all__ = [
     "jax_function",
     "register_rule",
     "supported_ops",
+    "train_step",
     "unregister_rule",
 ]

@@ -118,3 +118,10 @@ class ShardingError(DynajaxError, ValueError):
     has dimensions). Raised when a graph is compiled; torch.compile wraps it in
     ``torch._dynamo.exc.BackendCompilerFailed`` (the original is its
     ``inner_exception``)."""
+
+
+class TrainStepError(DynajaxError, ValueError):
+    """``dynajax.train_step`` cannot compile or run this step: an optimizer it cannot
+    trace (one whose ``step`` needs a closure, or keeps non-tensor state), a loss that
+    is not one floating element, or a batch unlike the one the step was compiled for.
+    The training state keeps its last good values."""

@@ -440,7 +440,7 @@ class CompiledPartition(torch.nn.Module):
     def _run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         arrays = self.inputs.arrays(tensors)
         if self.needs_seed:
-            arrays.insert(0, _draw_seed())
+            arrays.insert(0, draw_seed())
         call = self.dispatch
         outs = self._first_call(tensors, arrays) if call is None else call(*arrays)
         if (checks := self.value_checks) is not None and checks.checks:
@@ -473,7 +473,7 @@ class CompiledPartition(torch.nn.Module):
         tensors = [args[i] for i in ex.tensor_pos] if ex.static_pos else args
         arrays = self.inputs.arrays(tensors)
         if self.needs_seed:
-            arrays.insert(0, _draw_seed())
+            arrays.insert(0, draw_seed())
         results = ex.lookup(args, arrays)(*arrays)
         if (checks := self.value_checks) is not None and checks.checks:
             if restore and checks.failed(results[-1]):
@@ -600,7 +600,9 @@ def _committed_cpu(t: torch.Tensor) -> jax.Array:
     return jax.device_put(to_jax(t), cpu_device(), may_alias=True)
 
 
-def _draw_seed() -> np.ndarray:
+def draw_seed() -> np.ndarray:
+    """A seed for a program with random ops, drawn from PyTorch's default generator
+    (so `torch.manual_seed` makes compiled programs reproducible)."""
     return np.asarray(torch.randint(0, 2**62, (), dtype=torch.int64).item(), np.int64)
 
 

@@ -1,0 +1,258 @@
+"""``dynajax.train_step``: forward, backward and the user's torch.optim update as one XLA
+program, the state in JAX. Each case trains 20 steps beside an eager PyTorch loop with
+the same optimizer and compares every loss, then every parameter, buffer and optimizer
+state tensor after ``step.sync()``."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dynajax
+from dynajax.errors import TrainStepError
+from tests.tolerances import assert_same
+
+STEPS = 20
+
+OPTIMIZERS = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.05),
+    "sgd_nesterov_wd": functools.partial(
+        torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3
+    ),
+    "adam": functools.partial(torch.optim.Adam, lr=1e-2),
+    "adamw_amsgrad": functools.partial(torch.optim.AdamW, lr=1e-2, amsgrad=True),
+    "rmsprop": functools.partial(torch.optim.RMSprop, lr=1e-3, momentum=0.5),
+    "adagrad": functools.partial(torch.optim.Adagrad, lr=1e-2, lr_decay=0.01),
+}
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+
+def cnn() -> nn.Module:
+    # Convolutions before BatchNorm without a bias, as ResNets have them: a bias there
+    # has a gradient of rounding noise only, which Adam-like updates amplify into
+    # differences of no meaning.
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+
+
+def regression(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+def classification(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        return [
+            (torch.randn(16, 16, generator=gen), torch.randn(16, 8, generator=gen))
+            for _ in range(STEPS)
+        ]
+    return [
+        (torch.randn(4, 3, 12, 12, generator=gen), torch.randint(0, 10, (4,), generator=gen))
+        for _ in range(STEPS)
+    ]
+
+
+CASES = {"mlp": (mlp, regression), "cnn": (cnn, classification)}
+
+
+def _pair(kind: str, make_optimizer):
+    make_model, loss_fn = CASES[kind]
+    torch.manual_seed(0)
+    eager = make_model()
+    torch.manual_seed(0)
+    ours = make_model()
+    return (
+        eager,
+        make_optimizer(eager.parameters()),
+        ours,
+        make_optimizer(ours.parameters()),
+        loss_fn,
+    )
+
+
+def _eager_losses(model, optimizer, loss_fn, batches, scheduler=None) -> list[float]:
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _assert_trained_alike(eager, eager_opt, ours, our_opt) -> None:
+    assert_same(dict(ours.state_dict()), dict(eager.state_dict()), model=True, path="model")
+    theirs = eager_opt.state_dict()["state"]
+    mine = our_opt.state_dict()["state"]
+    assert mine.keys() == theirs.keys()
+    for i in theirs:
+        assert mine[i].keys() == theirs[i].keys(), f"state of parameter {i}"
+        for key in theirs[i]:
+            expected = theirs[i][key]
+            actual = mine[i][key]
+            if isinstance(expected, torch.Tensor) and expected.dim() == 0:
+                expected = expected.float()
+                actual = torch.as_tensor(actual).float()
+            assert_same(actual, expected, model=True, path=f"state[{i}][{key!r}]")
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_twenty_steps_are_eagers(kind: str, name: str) -> None:
+    eager, eager_opt, ours, our_opt, loss_fn = _pair(kind, OPTIMIZERS[name])
+    batches = _batches(kind)
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches)
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+    actual = [float(step(*batch)) for batch in batches]
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    # Until sync() the module keeps its initial values: the state lives in JAX.
+    torch.manual_seed(0)
+    initial = CASES[kind][0]()
+    assert_same(dict(ours.state_dict()), dict(initial.state_dict()), path="before sync")
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+    # One program for the first step (it creates the optimizer's state), one for the rest.
+    assert step.traces <= 2
+
+
+def test_scheduler_changes_the_rate_without_a_retrace() -> None:
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["adam"])
+    # (OneCycleLR's cycle_momentum would change Adam's betas too, which are baked into
+    # the program: each new value compiles another one.)
+    schedule = functools.partial(
+        torch.optim.lr_scheduler.OneCycleLR, max_lr=0.05, total_steps=STEPS, cycle_momentum=False
+    )
+    eager_sched, our_sched = schedule(eager_opt), schedule(our_opt)
+    batches = _batches("mlp")
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches, eager_sched)
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+    actual = []
+    for batch in batches:
+        actual.append(float(step(*batch)))
+        our_sched.step()
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    assert step.traces == 2
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
+def test_param_groups_and_gradient_clipping() -> None:
+    def make(params_of):
+        model = params_of
+        return torch.optim.SGD(
+            [
+                {"params": model[0].parameters(), "lr": 0.1},
+                {"params": model[2].parameters(), "momentum": 0.9},
+            ],
+            lr=0.01,
+        )
+
+    torch.manual_seed(0)
+    eager = mlp()
+    torch.manual_seed(0)
+    ours = mlp()
+    eager_opt, our_opt = make(eager), make(ours)
+    batches = _batches("mlp")
+    expected = []
+    for batch in batches:
+        eager_opt.zero_grad()
+        loss = regression(eager, *batch)
+        loss.backward()
+        nn.utils.clip_grad_norm_(eager.parameters(), 0.1)
+        eager_opt.step()
+        expected.append(loss.item())
+    step = dynajax.train_step(ours, our_opt, regression, clip_grad_norm=0.1)
+    actual = [float(step(*batch)) for batch in batches]
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
+def test_state_loaded_into_the_module_is_taken_up() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = dynajax.train_step(model, optimizer, regression)
+    x, y = _batches("mlp")[0]
+    step(x, y)
+    torch.manual_seed(5)
+    fresh = mlp()
+    model.load_state_dict(fresh.state_dict())  # the user's own change, between steps
+    loss = float(step(x, y))
+    assert loss == pytest.approx(regression(fresh, x, y).item(), rel=1e-5)
+
+
+def test_dropout_draws_from_torchs_generator() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the state stays put
+    step = dynajax.train_step(model, optimizer, regression)
+    x, y = _batches("mlp")[0]
+    torch.manual_seed(3)
+    first = [float(step(x, y)) for _ in range(3)]
+    torch.manual_seed(3)
+    again = [float(step(x, y)) for _ in range(3)]
+    assert first == again  # seeded by torch.manual_seed
+    assert len(set(first)) == 3  # a new mask each step
+    model.eval()
+    with torch.no_grad():
+        no_dropout = regression(model, x, y).item()
+    assert all(abs(v - no_dropout) > 1e-3 for v in first)
+
+
+def test_an_optimizer_with_a_closure_is_refused_by_name() -> None:
+    model = mlp()
+    with pytest.raises(TrainStepError, match="cannot compile LBFGS: its step"):
+        dynajax.train_step(model, torch.optim.LBFGS(model.parameters()), regression)
+
+
+def test_a_loss_that_is_not_one_element_is_refused_and_nothing_is_lost() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = dynajax.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x))
+    x, _ = _batches("mlp")[0]
+    with pytest.raises(TrainStepError, match=r"one element, got a \(16, 8\) torch.float32"):
+        step(x)
+    step.sync()
+    assert_same(dict(model.state_dict()), before)
+
+
+def test_a_batch_the_model_cannot_take_raises_and_keeps_the_state() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    step = dynajax.train_step(model, optimizer, regression)
+    x, y = _batches("mlp")[0]
+    step(x, y)
+    step.sync()
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TrainStepError, match="eager PyTorch raises"):
+        step(x.double(), y.double())  # eager raises too: float64 input, float32 weights
+    step.sync()
+    assert_same(dict(model.state_dict()), trained)
+    step(x, y)  # and the step goes on
