@@ -23,7 +23,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dynajax
-from tests.tolerances import assert_same
+from tests.tolerances import assert_same, tolerance
 
 # ---------------------------------------------------------------------------------
 # Compiling with a fresh backend, and what it did
@@ -52,6 +52,47 @@ def compare_with_eager(
     compiled, backend = compile_with(fn, fullgraph=fullgraph, **options)
     assert_same(compiled(*args), fn(*args))
     return report_of(backend)
+
+
+def assert_greedy_choices(logits: torch.Tensor, chosen: torch.Tensor) -> None:
+    """Each of ``chosen`` (..., tokens) is a largest of ``logits`` (..., tokens, vocab),
+    eager's, to within float32's model tolerance: where two logits are that close, the
+    rounding of the program computing them (the CPU's kernels, the thread count, JAX's
+    or eager's) may make either the larger, so a greedy choice between them is a tie."""
+    rtol, atol = tolerance(torch.float32, model=True)
+    logits = logits.detach().float()
+    best = logits.max(-1).values
+    short = best - logits.gather(-1, chosen[..., None])[..., 0]
+    bad = short > atol + rtol * best.abs()
+    assert not bool(bad.any()), (
+        f"{int(bad.sum())} token(s) not eager's greedy choice: short of the best logit by "
+        f"up to {float(short.max()):.3g} (logits up to {float(best.abs().max()):.3g})"
+    )
+
+
+def assert_greedy_decode(
+    eager_logits: Callable[[torch.Tensor], torch.Tensor],
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    prompt: int,
+    eos: int | None = None,
+) -> None:
+    """``actual``, the tokens of a compiled model's greedy decode, are eager's:
+    ``expected`` (eager's own decode of the same prompt), or where the two part, each
+    token of ``actual`` after the ``prompt`` is eager's greedy choice after its prefix
+    (``eager_logits`` of the sequences, (batch, length, vocab), read at the token
+    before: ``assert_greedy_choices``), up to an ``eos`` (padding after it)."""
+    assert actual.shape[0] == expected.shape[0], (actual.shape, expected.shape)
+    assert torch.equal(actual[:, :prompt], expected[:, :prompt])
+    if torch.equal(actual, expected):
+        return
+    new = actual[:, prompt:]
+    with torch.no_grad():
+        logits = eager_logits(actual)[:, prompt - 1 : -1]
+    if eos is not None:  # keep the eos itself, not the padding after it
+        after = (new == eos).long().cumsum(-1) - (new == eos).long() > 0
+        new, logits = new[~after], logits[~after]
+    assert_greedy_choices(logits, new)
 
 
 def report_of(source: HasGraphs) -> dynajax.Report:

@@ -68,7 +68,10 @@ def test_key_covers_the_cpu_count(tmp_path, monkeypatch) -> None:
     executable compiled under another count is another program."""
     x = torch.randn(4, 3)
     _run(tmp_path, _f, x)
-    monkeypatch.setattr(attention, "cpus", lambda: 7)
+    # Another count than this machine's, whatever it has (a constant would be this
+    # machine's count on some machine, and the same program there).
+    other = attention.cpus() + 1
+    monkeypatch.setattr(attention, "cpus", lambda: other)
     cache._cpu.cache_clear()
     try:
         _, other_count = _run(tmp_path, _f, x)

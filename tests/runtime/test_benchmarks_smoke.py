@@ -13,6 +13,7 @@ import torch
 
 from benchmarks import harness, run
 from benchmarks.workloads import WORKLOADS
+from tests.helpers import assert_greedy_choices
 from tests.tolerances import assert_same
 
 
@@ -161,8 +162,10 @@ def test_static_decoder_writes_its_cache_in_place() -> None:
         dec(ids, torch.arange(size.prompt))
         assert dec.k0[:, :, : size.prompt].abs().sum() > 0
         assert dec.k0[:, :, size.prompt :].abs().sum() == 0
-        expected = model(ids).logits[:, -1].argmax(-1, keepdim=True)
-        assert torch.equal(dec(ids[:, -1:], torch.tensor([size.prompt - 1])), expected)
+        token = dec(ids[:, -1:], torch.tensor([size.prompt - 1]))
+        assert token.shape == (1, 1)
+        # the full forward's argmax, up to a near-tie of its logits (two programs' roundings)
+        assert_greedy_choices(model(ids).logits[:, -1:], token)
 
 
 def test_suite_rows_cover_the_model_tests() -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dynajax
-from tests.helpers import compile_with, report_of
+from tests.helpers import assert_greedy_decode, compile_with, report_of
 from tests.models import gpt2, mlp, tokens
 from tests.tolerances import assert_same
 
@@ -104,12 +104,14 @@ def test_llama_greedy_generation_with_kv_cache_matches_eager() -> None:
     model.config.use_cache = model.generation_config.use_cache = True
     model.generation_config.pad_token_id = 0
     ids = tokens(2, 8)
+    eager = model.forward
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=6, do_sample=False)
         backend = dynajax.Backend(cache_dir="")
         model.forward = torch.compile(model.forward, backend=backend)
         actual = model.generate(ids, max_new_tokens=6, do_sample=False)
-    assert torch.equal(actual, expected)
+    # eager's tokens, or where a near-tie of two logits parts them, eager's greedy choices
+    assert_greedy_decode(lambda t: eager(t).logits, actual, expected, ids.shape[1], eos=0)
     report = report_of(backend)
     assert report.fallbacks == [], str(report)
     # one JAX partition per graph: the cache's growing length never splits them
@@ -128,6 +130,7 @@ def test_llama_generation_with_a_static_cache_compiles_two_executables() -> None
     model.config.use_cache = model.generation_config.use_cache = True
     model.generation_config.pad_token_id = 0
     ids = tokens(2, 8, vocab=127) + 1  # no pad token: no attention mask growing per step
+    eager = model.forward
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=10, do_sample=False)
         backend = dynajax.Backend(cache_dir="")
@@ -135,7 +138,7 @@ def test_llama_generation_with_a_static_cache_compiles_two_executables() -> None
         actual = model.generate(
             ids, max_new_tokens=10, do_sample=False, cache_implementation="static"
         )
-    assert torch.equal(actual, expected)
+    assert_greedy_decode(lambda t: eager(t).logits, actual, expected, ids.shape[1], eos=0)
     report = report_of(backend)
     assert report.fallbacks == [], str(report)
     assert len(report.graphs) == 2, str(report)
