@@ -28,8 +28,10 @@ graphviz:
 demo: install
 	$(PY) examples/demo.py
 
+# The suite in TEST_WORKERS processes (pytest-xdist; 2 by default, the cores CI has).
+TEST_WORKERS ?= 2
 test: install graphviz
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 # Every OpInfo sample (long; not run in CI).
 opinfo-full: install

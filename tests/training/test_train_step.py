@@ -256,3 +256,32 @@ def test_a_batch_the_model_cannot_take_raises_and_keeps_the_state() -> None:
     step.sync()
     assert_same(dict(model.state_dict()), trained)
     step(x, y)  # and the step goes on
+
+
+def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_transformers_language_models_train_as_in_eager(arch: str) -> None:
+    from tests import models
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = getattr(models, arch)(layers=2, width=32, heads=4, vocab=64)
+        for module in model.modules():  # dropout draws from another generator here
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+        return model.train()
+
+    eager, ours = build(), build()
+    make = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    eager_opt, our_opt = make(eager.parameters()), make(ours.parameters())
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 64, (2, 16), generator=gen),) for _ in range(STEPS)]
+    expected = _eager_losses(eager, eager_opt, _lm_loss, batches)
+    step = dynajax.train_step(ours, our_opt, _lm_loss)
+    actual = [float(step(*batch)) for batch in batches]
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
