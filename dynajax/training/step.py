@@ -64,6 +64,7 @@ _TRUNCATION_WARNING = "Explicitly requested dtype"
 class _Program:
     graph: StepGraph
     run: Callable[..., Any]  # jitted (state, lrs, seed, batch) -> (loss, state)
+    random: bool  # whether it draws random numbers (then each step draws a seed)
 
 
 class TrainStep:
@@ -112,14 +113,24 @@ class TrainStep:
 
     def _load_from_torch(self) -> None:
         """The state as JAX arrays (copies), from the module and the optimizer."""
-        self.params = [_array(p) for p in self._params]
-        self.buffers = [_array(b) for b in self._buffers]
+        self._load_module()
         self.state: dict[StateKey, jax.Array] = {}
         for i, p in enumerate(self._params):
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     self.state[(i, key)] = _array(value)
+
+    def _load_module(self) -> None:
+        """The parameters and buffers as JAX arrays (copies), from the module."""
+        self.params = [_array(p) for p in self._params]
+        self.buffers = [_array(b) for b in self._buffers]
         self._versions = self._torch_versions()
+
+    def reload(self) -> None:
+        """Takes up the module's and the optimizer's current state (after
+        ``optimizer.load_state_dict``, say), replacing the step's. A change to the
+        module's own tensors is taken up without it, at the next step."""
+        self._load_from_torch()
 
     def _torch_versions(self) -> list[int]:
         return [t._version for t in (*self._params, *self._buffers)]
@@ -145,7 +156,9 @@ class TrainStep:
         """Runs one step on ``batch`` (tensors), returns the loss as a ``jax.Array``
         (reading it, ``float(loss)``, waits for the step; not reading it does not)."""
         if self._torch_versions() != self._versions:
-            self._load_from_torch()  # the user changed the module's tensors
+            # The user changed the module's tensors (load_state_dict, an assignment under
+            # no_grad); the optimizer's state stays the step's, as it would in eager.
+            self._load_module()
         for i, x in enumerate(batch):
             if not isinstance(x, torch.Tensor):
                 raise TrainStepError(
@@ -160,7 +173,7 @@ class TrainStep:
         program = self._program(batch, lrs)
         graph = program.graph
         state_in = [self.state[k] for k in graph.state_in]
-        seed = draw_seed()
+        seed = draw_seed() if program.random else np.int64(0)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", _TRUNCATION_WARNING, UserWarning)
             loss, params, buffers, state = program.run(
@@ -229,7 +242,7 @@ class TrainStep:
         # Donated, the state's buffers are gone once the program starts; a host callback
         # (eager PyTorch) can still raise then, so a step with callbacks keeps them.
         donate = () if callbacks else (0,)
-        return _Program(graph, jax.jit(step, donate_argnums=donate))
+        return _Program(graph, jax.jit(step, donate_argnums=donate), random)
 
 
 class _StepInterpreter(ExportInterpreter):

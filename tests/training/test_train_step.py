@@ -91,12 +91,14 @@ def _pair(kind: str, make_optimizer):
     )
 
 
-def _eager_losses(model, optimizer, loss_fn, batches, scheduler=None) -> list[float]:
+def _eager_losses(model, optimizer, loss_fn, batches, scheduler=None, clip=None) -> list[float]:
     losses = []
     for batch in batches:
         optimizer.zero_grad()
         loss = loss_fn(model, *batch)
         loss.backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
@@ -161,8 +163,7 @@ def test_scheduler_changes_the_rate_without_a_retrace() -> None:
 
 
 def test_param_groups_and_gradient_clipping() -> None:
-    def make(params_of):
-        model = params_of
+    def make(model):
         return torch.optim.SGD(
             [
                 {"params": model[0].parameters(), "lr": 0.1},
@@ -177,14 +178,7 @@ def test_param_groups_and_gradient_clipping() -> None:
     ours = mlp()
     eager_opt, our_opt = make(eager), make(ours)
     batches = _batches("mlp")
-    expected = []
-    for batch in batches:
-        eager_opt.zero_grad()
-        loss = regression(eager, *batch)
-        loss.backward()
-        nn.utils.clip_grad_norm_(eager.parameters(), 0.1)
-        eager_opt.step()
-        expected.append(loss.item())
+    expected = _eager_losses(eager, eager_opt, regression, batches, clip=0.1)
     step = dynajax.train_step(ours, our_opt, regression, clip_grad_norm=0.1)
     actual = [float(step(*batch)) for batch in batches]
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
@@ -204,6 +198,25 @@ def test_state_loaded_into_the_module_is_taken_up() -> None:
     model.load_state_dict(fresh.state_dict())  # the user's own change, between steps
     loss = float(step(x, y))
     assert loss == pytest.approx(regression(fresh, x, y).item(), rel=1e-5)
+
+
+def test_loading_the_module_keeps_the_optimizers_state() -> None:
+    # As in eager: model.load_state_dict replaces the weights, not Adam's moments.
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["adam"])
+    batches = _batches("mlp")
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+    _eager_losses(eager, eager_opt, loss_fn, batches[:3])
+    for batch in batches[:3]:
+        step(*batch)
+    torch.manual_seed(9)
+    fresh = mlp().state_dict()
+    eager.load_state_dict(fresh)
+    ours.load_state_dict(fresh)
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches[3:6])
+    actual = [float(step(*batch)) for batch in batches[3:6]]
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
 
 
 def test_dropout_draws_from_torchs_generator() -> None:
