@@ -172,11 +172,13 @@ def trace_step(
     lrs: Sequence[float],
     batch: Sequence[torch.Tensor],
     clip_grad_norm: float | None,
+    accumulate: int = 1,
 ) -> StepGraph:
     """The step's ``StepGraph``, traced on (fakes of) these example values.
 
     ``params`` are the optimizer's parameters, in the order of its param groups, named
-    ``param_names`` in ``model``; ``buffers`` the model's buffers."""
+    ``param_names`` in ``model``; ``buffers`` the model's buffers; ``accumulate``: the
+    number of micro-batches (each batch tensor split along its first dim)."""
     wrapper = _LossModule(model, loss_fn)
     state_in = list(state)
     n_params, n_buffers, n_state = len(params), len(buffers), len(state_in)
@@ -192,10 +194,26 @@ def trace_step(
         xs = flat[at + len(lrs) :]
         values = {f"model.{n}": p for n, p in zip(param_names, ps, strict=True)}
         values.update({f"model.{n}": b for n, b in zip(buffer_names, bufs, strict=True)})
-        with torch.enable_grad():
-            loss = torch.func.functional_call(wrapper, values, tuple(xs))
-            _check_loss(loss)
-            grads = torch.autograd.grad(loss, ps, allow_unused=True)
+        # Micro-batches as an eager loop accumulates them: (loss_i / k).backward() each,
+        # the gradients summed in order, the step's loss the sum of the scaled losses.
+        micro = [tuple(xs)]
+        if accumulate > 1:
+            micro = [tuple(x.chunk(accumulate)[i] for x in xs) for i in range(accumulate)]
+        loss: torch.Tensor | None = None
+        grads: list[torch.Tensor | None] = [None] * n_params
+        for part in micro:
+            with torch.enable_grad():
+                part_loss = torch.func.functional_call(wrapper, values, part)
+                _check_loss(part_loss)
+                if accumulate > 1:
+                    part_loss = part_loss / accumulate
+                part_grads = torch.autograd.grad(part_loss, ps, allow_unused=True)
+            loss = part_loss if loss is None else loss + part_loss.detach()
+            grads = [
+                g if acc is None else (acc if g is None else acc + g)
+                for acc, g in zip(grads, part_grads, strict=True)
+            ]
+        assert loss is not None
         with torch.no_grad():
             for p, g in zip(ps, grads, strict=True):
                 p.grad = g

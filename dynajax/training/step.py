@@ -77,9 +77,12 @@ class TrainStep:
         loss_fn: Callable[..., torch.Tensor],
         *,
         clip_grad_norm: float | None = None,
+        accumulate: int = 1,
         strict: bool = False,
         fallback_ops: Sequence[str] = (),
     ) -> None:
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise TrainStepError(f"accumulate must be a positive int, got {accumulate!r}.")
         name = type(optimizer).__name__
         if name in _REFUSED:
             raise TrainStepError(
@@ -90,6 +93,7 @@ class TrainStep:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.clip_grad_norm = clip_grad_norm
+        self.accumulate = accumulate
         self.strict = strict
         self.fallback_ops = tuple(fallback_ops)
         names = {id(p): n for n, p in model.named_parameters()}
@@ -169,6 +173,13 @@ class TrainStep:
                     f"batch element {i} is on {x.device}, the model on "
                     f"{self._params[0].device}: move the batch to the model's device."
                 )
+            if x.dim() == 0 or x.shape[0] % self.accumulate:
+                if self.accumulate > 1:
+                    raise TrainStepError(
+                        f"batch element {i} has shape {tuple(x.shape)}: with accumulate="
+                        f"{self.accumulate} its first dim must split into that many "
+                        "equal micro-batches."
+                    )
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         program = self._program(batch, lrs)
         graph = program.graph
@@ -212,6 +223,7 @@ class TrainStep:
             lrs=lrs,
             batch=list(batch),
             clip_grad_norm=self.clip_grad_norm,
+            accumulate=self.accumulate,
         )
         self.traces += 1
         gm = run_passes(graph.gm)
@@ -293,6 +305,7 @@ def train_step(
     loss_fn: Callable[..., torch.Tensor],
     *,
     clip_grad_norm: float | None = None,
+    accumulate: int = 1,
     strict: bool = False,
     fallback_ops: Sequence[str] = (),
 ) -> TrainStep:
@@ -312,6 +325,10 @@ def train_step(
             written in ordinary PyTorch.
         clip_grad_norm: clip the gradients' total 2-norm to this value
             (``torch.nn.utils.clip_grad_norm_``) before the update.
+        accumulate: split each batch tensor along its first dim into this many
+            micro-batches and accumulate their gradients, as an eager loop calling
+            ``(loss / accumulate).backward()`` per micro-batch does; the step returns
+            the sum of those scaled losses.
         strict: raise ``CallbackOpsError`` for ops without a JAX rule instead of running
             them in eager PyTorch through host callbacks.
         fallback_ops: ops to run in eager PyTorch even where a rule exists (as the
@@ -330,6 +347,7 @@ def train_step(
         optimizer,
         loss_fn,
         clip_grad_norm=clip_grad_norm,
+        accumulate=accumulate,
         strict=strict,
         fallback_ops=fallback_ops,
     )

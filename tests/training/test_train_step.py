@@ -298,3 +298,45 @@ def test_transformers_language_models_train_as_in_eager(arch: str) -> None:
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
     step.sync()
     _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
+def test_gradient_accumulation_is_eagers_loop_over_micro_batches() -> None:
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("cnn", OPTIMIZERS["adam"])
+    batches = _batches("cnn")[:6]
+    expected = []
+    for x, y in batches:  # eager: (loss / 2).backward() per half, one step
+        eager_opt.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            loss = loss_fn(eager, xs, ys) / 2
+            loss.backward()
+            total += loss.item()
+        eager_opt.step()
+        expected.append(total)
+    step = dynajax.train_step(ours, our_opt, loss_fn, accumulate=2)
+    actual = [float(step(*batch)) for batch in batches]
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    step.sync()  # BatchNorm's statistics saw each micro-batch in turn, as in eager
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+    with pytest.raises(TrainStepError, match="split into that many"):
+        step(torch.randn(3, 3, 12, 12), torch.zeros(3, dtype=torch.long))
+
+
+def test_autocast_inside_the_loss_is_traced_as_eager_runs_it() -> None:
+    def bf16_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        return F.mse_loss(out.float(), y)
+
+    eager, eager_opt, ours, our_opt, _ = _pair("mlp", OPTIMIZERS["adamw_amsgrad"])
+    batches = _batches("mlp")[:10]
+    expected = _eager_losses(eager, eager_opt, bf16_loss, batches)
+    step = dynajax.train_step(ours, our_opt, bf16_loss)
+    actual = [float(step(*batch)) for batch in batches]
+    # bfloat16 products: the table's bfloat16 tolerance, on losses of ~1
+    np.testing.assert_allclose(actual, expected, rtol=1.6e-2, atol=2e-2)
+    # ... and autocast did act: float32 training is farther from both
+    plain, plain_opt, *_ = _pair("mlp", OPTIMIZERS["adamw_amsgrad"])
+    float32 = np.array(_eager_losses(plain, plain_opt, regression, batches))
+    assert np.abs(np.array(actual) - expected).max() < np.abs(float32 - expected).max()
+    assert np.abs(np.array(actual) - float32).max() > 1e-4
