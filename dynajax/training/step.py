@@ -24,9 +24,11 @@ per batch signature and once more for the first step of an optimizer without sta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -43,6 +45,8 @@ from dynajax.lowering.interpreter import needs_key
 from dynajax.passes import run_passes
 from dynajax.runtime.compiled import draw_seed
 from dynajax.runtime.conversion import to_jax, to_torch
+from dynajax.runtime.jax_internals import X64
+from dynajax.training import checkpoint
 from dynajax.training.graph import StateKey, StepGraph, trace_step
 
 # Optimizers whose step cannot be one program: LBFGS re-evaluates the loss through a
@@ -58,6 +62,16 @@ _IMPOSSIBLE = (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE, Reason.EAGER_REFUSES)
 
 # JAX's warning when a 64-bit dtype is asked for with its 64-bit mode off.
 _TRUNCATION_WARNING = "Explicitly requested dtype"
+
+
+@contextlib.contextmanager
+def _x64() -> Iterator[None]:
+    """64-bit types on, as in the backend: int64 and float64 state stays 64-bit."""
+    token = X64.enable()
+    try:
+        yield
+    finally:
+        X64.restore(token)
 
 
 @dataclasses.dataclass
@@ -119,15 +133,17 @@ class TrainStep:
         """The state as JAX arrays (copies), from the module and the optimizer."""
         self._load_module()
         self.state: dict[StateKey, jax.Array] = {}
-        for i, p in enumerate(self._params):
-            for key, value in self.optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    self.state[(i, key)] = _array(value)
+        with _x64():
+            for i, p in enumerate(self._params):
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        self.state[(i, key)] = _array(value)
 
     def _load_module(self) -> None:
         """The parameters and buffers as JAX arrays (copies), from the module."""
-        self.params = [_array(p) for p in self._params]
-        self.buffers = [_array(b) for b in self._buffers]
+        with _x64():
+            self.params = [_array(p) for p in self._params]
+            self.buffers = [_array(b) for b in self._buffers]
         self._versions = self._torch_versions()
 
     def reload(self) -> None:
@@ -153,6 +169,30 @@ class TrainStep:
                 value = to_torch(a).clone()
                 self.optimizer.state[p][key] = value
         self._versions = self._torch_versions()
+
+    # -- checkpoints and torch's view ---------------------------------------------
+
+    def save(self, directory: str | os.PathLike[str]) -> int:
+        """Writes a checkpoint of the whole training state (parameters, buffers,
+        optimizer state, step count, RNG state) under ``directory`` with
+        orbax-checkpoint, as ``directory/<step count>``; returns that number."""
+        return checkpoint.save(self, directory)
+
+    def restore(self, directory: str | os.PathLike[str], at: int | None = None) -> int:
+        """Loads the checkpoint ``at`` (default: the latest) from ``directory``; a
+        checkpoint of another model or optimizer raises ``TrainStepError`` and changes
+        nothing. Returns its number."""
+        with _x64():
+            return checkpoint.restore(self, directory, at)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with the trained values, as torch tensors (copies),
+        for use outside dynajax; the module itself is unchanged (``sync`` writes it)."""
+        return checkpoint.state_dict(self)
+
+    def save_safetensors(self, path: str | os.PathLike[str]) -> None:
+        """``state_dict()`` as a safetensors file."""
+        checkpoint.save_safetensors(self, path)
 
     # -- the step -----------------------------------------------------------------
 
@@ -180,6 +220,10 @@ class TrainStep:
                         f"{self.accumulate} its first dim must split into that many "
                         "equal micro-batches."
                     )
+        with _x64():
+            return self._step(batch)
+
+    def _step(self, batch: Sequence[torch.Tensor]) -> jax.Array:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         program = self._program(batch, lrs)
         graph = program.graph

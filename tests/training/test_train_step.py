@@ -340,3 +340,50 @@ def test_autocast_inside_the_loss_is_traced_as_eager_runs_it() -> None:
     float32 = np.array(_eager_losses(plain, plain_opt, regression, batches))
     assert np.abs(np.array(actual) - expected).max() < np.abs(float32 - expected).max()
     assert np.abs(np.array(actual) - float32).max() > 1e-4
+
+
+def test_a_checkpoint_restored_in_a_new_step_continues_as_without_one(tmp_path) -> None:
+    pytest.importorskip("orbax.checkpoint")
+    batches = _batches("cnn")[:8]
+    eager, eager_opt, _, _, loss_fn = _pair("cnn", OPTIMIZERS["adamw_amsgrad"])
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches)
+
+    _, _, first, first_opt, _ = _pair("cnn", OPTIMIZERS["adamw_amsgrad"])
+    step = dynajax.train_step(first, first_opt, loss_fn)
+    actual = [float(step(*batch)) for batch in batches[:4]]
+    assert step.save(tmp_path / "ckpt") == 4
+    actual.append(float(step(*batches[4])))  # a step after the save, not in the checkpoint
+
+    # A new process's view: a fresh model and optimizer, the checkpoint restored.
+    _, _, second, second_opt, _ = _pair("cnn", OPTIMIZERS["adamw_amsgrad"])
+    resumed = dynajax.train_step(second, second_opt, loss_fn)
+    assert resumed.restore(tmp_path / "ckpt") == 4
+    assert resumed.steps == 4
+    actual[4:] = [float(resumed(*batch)) for batch in batches[4:]]
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    resumed.sync()
+    _assert_trained_alike(eager, eager_opt, second, second_opt)
+    # torch's view for use outside dynajax
+    assert_same(resumed.state_dict(), dict(eager.state_dict()), model=True)
+    resumed.save_safetensors(tmp_path / "model.safetensors")
+    from safetensors.torch import load_file
+
+    assert_same(load_file(tmp_path / "model.safetensors"), dict(eager.state_dict()), model=True)
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(tmp_path) -> None:
+    pytest.importorskip("orbax.checkpoint")
+    torch.manual_seed(0)
+    small = mlp()
+    step = dynajax.train_step(small, torch.optim.SGD(small.parameters(), lr=0.1), regression)
+    step(*_batches("mlp")[0])
+    step.save(tmp_path)
+    other = nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 8))
+    theirs = dynajax.train_step(other, torch.optim.SGD(other.parameters(), lr=0.1), regression)
+    before = [np.asarray(a).copy() for a in theirs.params]
+    with pytest.raises(TrainStepError, match=r"another model(.|\n)*'0.weight': \[\[32, 16\]"):
+        theirs.restore(tmp_path)
+    for a, b in zip(theirs.params, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    with pytest.raises(TrainStepError, match="no checkpoint 7"):
+        step.restore(tmp_path, at=7)
