@@ -387,3 +387,28 @@ def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(tmp_path) 
         np.testing.assert_array_equal(np.asarray(a), b)
     with pytest.raises(TrainStepError, match="no checkpoint 7"):
         step.restore(tmp_path, at=7)
+
+
+def test_only_the_batch_crosses_per_step(monkeypatch) -> None:
+    # Parameters and the optimizer's state stay JAX arrays between steps: per step the
+    # batch's tensors cross into JAX (zero-copy), nothing else, and nothing comes back.
+    import dynajax.training.step as module
+
+    torch.manual_seed(0)
+    model = cnn()
+    step = dynajax.train_step(model, torch.optim.Adam(model.parameters()), classification)
+    batches = _batches("cnn")
+    for batch in batches[:2]:  # the two programs compiled
+        step(*batch)
+    crossings = {"to_jax": 0, "to_torch": 0}
+    for name in crossings:
+        original = getattr(module, name)
+
+        def counted(t, name=name, original=original):
+            crossings[name] += 1
+            return original(t)
+
+        monkeypatch.setattr(module, name, counted)
+    for batch in batches[2:7]:
+        step(*batch)
+    assert crossings == {"to_jax": 5 * 2, "to_torch": 0}
