@@ -25,6 +25,7 @@ def test_every_feature_example_is_listed() -> None:
         "jax_training.py",
         "pallas_in_torch.py",
         "resident_device.py",
+        "train_step.py",
     } <= set(EXAMPLES)
 
 
