@@ -70,7 +70,6 @@ class StepGraph:
     n_params: int
     n_buffers: int
     state_in: list[StateKey]  # the state tensors the step reads
-    n_lrs: int
     state_out: list[StateKey]  # the state tensors the step returns
 
 
@@ -266,7 +265,7 @@ def trace_step(
         tracing_mode="fake",
     )(*plain)
     _drop_bookkeeping(functional)
-    return StepGraph(functional, n_params, n_buffers, state_in, len(lrs), state_out)
+    return StepGraph(functional, n_params, n_buffers, state_in, state_out)
 
 
 def _check_loss(loss: Any) -> None:

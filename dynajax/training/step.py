@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -59,9 +58,6 @@ _REFUSED = {
 # Verdicts that make a step impossible to compile: sizes known only from data, dtypes
 # JAX lacks, and ops whose eager kernel refuses these dtypes (eager's step raises).
 _IMPOSSIBLE = (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE, Reason.EAGER_REFUSES)
-
-# JAX's warning when a 64-bit dtype is asked for with its 64-bit mode off.
-_TRUNCATION_WARNING = "Explicitly requested dtype"
 
 
 @contextlib.contextmanager
@@ -213,13 +209,12 @@ class TrainStep:
                     f"batch element {i} is on {x.device}, the model on "
                     f"{self._params[0].device}: move the batch to the model's device."
                 )
-            if x.dim() == 0 or x.shape[0] % self.accumulate:
-                if self.accumulate > 1:
-                    raise TrainStepError(
-                        f"batch element {i} has shape {tuple(x.shape)}: with accumulate="
-                        f"{self.accumulate} its first dim must split into that many "
-                        "equal micro-batches."
-                    )
+            if self.accumulate > 1 and (x.dim() == 0 or x.shape[0] % self.accumulate):
+                raise TrainStepError(
+                    f"batch element {i} has shape {tuple(x.shape)}: with accumulate="
+                    f"{self.accumulate} its first dim must split into that many "
+                    "equal micro-batches."
+                )
         with _x64():
             return self._step(batch)
 
@@ -229,14 +224,12 @@ class TrainStep:
         graph = program.graph
         state_in = [self.state[k] for k in graph.state_in]
         seed = draw_seed() if program.random else np.int64(0)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", _TRUNCATION_WARNING, UserWarning)
-            loss, params, buffers, state = program.run(
-                (self.params, self.buffers, state_in),
-                [np.float64(lr) for lr in lrs],
-                seed,
-                [to_jax(x) for x in batch],
-            )
+        loss, params, buffers, state = program.run(
+            (self.params, self.buffers, state_in),
+            [np.float64(lr) for lr in lrs],
+            seed,
+            [to_jax(x) for x in batch],
+        )
         self.params, self.buffers = list(params), list(buffers)
         self.state = dict(zip(graph.state_out, state, strict=True))
         self.steps += 1
@@ -317,13 +310,11 @@ class _StepInterpreter(ExportInterpreter):
 
 def _constants(gm: torch.fx.GraphModule) -> dict[str, Any]:
     """Each tensor attribute a ``get_attr`` node reads, as an array."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", _TRUNCATION_WARNING, UserWarning)
-        return {
-            n.target: jnp.asarray(to_jax(getattr(gm, n.target)))
-            for n in gm.graph.nodes
-            if n.op == "get_attr"
-        }
+    return {
+        n.target: jnp.asarray(to_jax(getattr(gm, n.target)))
+        for n in gm.graph.nodes
+        if n.op == "get_attr"
+    }
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:

@@ -343,7 +343,6 @@ def test_autocast_inside_the_loss_is_traced_as_eager_runs_it() -> None:
 
 
 def test_a_checkpoint_restored_in_a_new_step_continues_as_without_one(tmp_path) -> None:
-    pytest.importorskip("orbax.checkpoint")
     batches = _batches("cnn")[:8]
     eager, eager_opt, _, _, loss_fn = _pair("cnn", OPTIMIZERS["adamw_amsgrad"])
     expected = _eager_losses(eager, eager_opt, loss_fn, batches)
@@ -372,7 +371,6 @@ def test_a_checkpoint_restored_in_a_new_step_continues_as_without_one(tmp_path) 
 
 
 def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(tmp_path) -> None:
-    pytest.importorskip("orbax.checkpoint")
     torch.manual_seed(0)
     small = mlp()
     step = dynajax.train_step(small, torch.optim.SGD(small.parameters(), lr=0.1), regression)
