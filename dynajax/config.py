@@ -168,8 +168,8 @@ class Options:
                 f"got {self.cache_max_bytes!r}."
             )
         object.__setattr__(self, "fallback_ops", _normalize_ops(self.fallback_ops))
-        object.__setattr__(self, "device", _resolve_device(self.device))
-        _check_mesh(self.mesh, self.device)
+        object.__setattr__(self, "device", resolve_device(self.device))
+        check_mesh(self.mesh, self.device)
         if self.sharding is not None and self.mesh is None:
             raise OptionsError(
                 "sharding rules need a mesh to lay tensors out on: pass mesh=jax.sharding."
@@ -277,7 +277,7 @@ def _op_name(op: Any) -> str:
     return op._qualified_op_name.replace("::", ".")
 
 
-def _resolve_device(value: Any) -> jax.Device | None:
+def resolve_device(value: Any) -> jax.Device | None:
     """A ``jax.Device`` from a device or a ``"platform[:index]"`` string."""
     if value is None or isinstance(value, jax.Device):
         return value
@@ -304,7 +304,9 @@ def _resolve_device(value: Any) -> jax.Device | None:
     return devices[int(index)]
 
 
-def _check_mesh(mesh: Any, device: Any) -> None:
+def check_mesh(mesh: Any, device: Any) -> None:
+    """Raises ``OptionsError`` unless ``mesh`` is None or a concrete ``Mesh`` given
+    without ``device``."""
     if mesh is None:
         return
     if isinstance(mesh, jax.sharding.AbstractMesh):

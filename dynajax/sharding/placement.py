@@ -190,11 +190,12 @@ class Placement:
 
     # -- arrays -------------------------------------------------------------------------
 
-    def put(self, value: Any, sharding: Sharding) -> jax.Array:
+    def put(self, value: Any, sharding: Sharding, copy: bool = False) -> jax.Array:
         """``value`` (a NumPy view or a ``jax.Array`` of the whole tensor) laid out by
         ``sharding``. On a mesh spanning several processes, each process passes the
-        whole value and builds only the shards of its own devices."""
-        return _put(value, sharding)
+        whole value and builds only the shards of its own devices. ``copy``: the
+        result never aliases ``value``'s memory (it may be donated)."""
+        return _put(value, sharding, copy)
 
     def resident(self, t: torch.Tensor, sharding: Sharding) -> jax.Array | None:
         """The resident copy of ``t`` laid out by ``sharding``: made once per tensor
@@ -371,11 +372,29 @@ def shardings(
     return out
 
 
-def _put(value: Any, sharding: Sharding) -> jax.Array:
+def _put(value: Any, sharding: Sharding, copy: bool = False) -> jax.Array:
     if sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
+        return jax.device_put(value, sharding, may_alias=False if copy else None)
     # Several processes: each holds the whole value and builds its own devices' shards.
+    if copy:
+        return jax.make_array_from_callback(
+            value.shape, sharding, lambda index: np.array(value[index], copy=True)
+        )
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def gather_to_torch(a: jax.Array) -> torch.Tensor:
+    """The whole value of ``a`` as a torch tensor: a view of this process's copy when
+    it is replicated, else gathered (across processes with JAX's
+    ``process_allgather``) into host memory."""
+    if a.is_fully_replicated:
+        return to_torch(a.addressable_data(0))
+    if a.is_fully_addressable:
+        return to_torch(jax.device_put(a, min(a.devices(), key=lambda d: d.id)))
+    from jax.experimental import multihost_utils
+
+    value = np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return to_torch(jax.device_put(value, jax.local_devices(backend="cpu")[0]))
 
 
 def describe_mesh(mesh: Mesh) -> str:

@@ -115,13 +115,13 @@ class GraphSharding:
         out = [f"{indent}placement: {where}"]
         whole = [s.nbytes for s in state if s.nbytes is not None]
         per_dev = self.bytes_per_device()
-        summary = f"{len(state)} parameter(s)/buffer(s), {_size(sum(whole))} in all"
+        summary = f"{len(state)} parameter(s)/buffer(s), {size_text(sum(whole))} in all"
         if p.mesh is not None:
             sharded = sum(s.spec not in ("replicated", "per call") for s in state)
             summary += f" ({sharded} sharded, {len(state) - sharded} replicated)"
         if per_dev:
             hi, lo = max(per_dev.values()), min(per_dev.values())
-            spread = _size(hi) if hi == lo else f"{_size(lo)} to {_size(hi)}"
+            spread = size_text(hi) if hi == lo else f"{size_text(lo)} to {size_text(hi)}"
             summary += f"; per device {spread} (measured on {len(per_dev)} device(s))"
         elif state:
             summary += "; placed at the first call (not measured yet)"
@@ -134,7 +134,7 @@ class GraphSharding:
             dw = max(len(s.dtype) for s in state)
             for s, shape in zip(state, shapes, strict=True):
                 each = max(s.per_device.values()) if s.per_device else None
-                held = f"{_size(each)}/device" if each is not None else "not placed yet"
+                held = f"{size_text(each)}/device" if each is not None else "not placed yet"
                 line = (
                     f"{indent}    {s.name:<{nw}}  {shape:<{sw}}  {s.dtype:<{dw}}  "
                     f"{s.spec:<{pw}}  {held}"
@@ -160,7 +160,7 @@ class GraphSharding:
         return out
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     if n < 1024:
         return f"{n} B"
     if n < 1024**2:

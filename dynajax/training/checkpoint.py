@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from dynajax.errors import TrainStepError
-from dynajax.runtime.conversion import cpu_device, to_torch
+from dynajax.runtime.conversion import cpu_device
+from dynajax.sharding.placement import gather_to_torch
 
 if TYPE_CHECKING:
     from dynajax.training.step import TrainStep
@@ -116,20 +117,19 @@ def restore(step: TrainStep, directory: str | os.PathLike[str], at: int | None =
         saved = manager.restore(number, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         arrays, meta = _trees(step)
         _check_same_model(saved.meta, meta, directory)
+        # Each array laid out as this step lays it out (on its own device or mesh,
+        # whatever the saving run's was); the optimizer's state as saved (a step that
+        # has not run yet has none).
         target = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding(a)), arrays
         )
-        # The optimizer's state as saved (a step that has not run yet has none): each
-        # entry laid out as its parameter is.
-        shardings = {n: _sharding(a) for n, a in target["params"].items()}
+        position = {n: i for i, n in enumerate(step._param_names)}
         target["optimizer"] = {
             name: {
                 key: jax.ShapeDtypeStruct(
                     tuple(shape),
                     jax.numpy.dtype(dtype),
-                    sharding=(
-                        shardings[name] if list(shape) == saved.meta["params"][name][0] else None
-                    ),
+                    sharding=step.layout.state((position[name], key), shape),
                 )
                 for key, (shape, dtype) in keys.items()
             }
@@ -142,7 +142,6 @@ def restore(step: TrainStep, directory: str | os.PathLike[str], at: int | None =
         manager.close()
     step.params = [loaded["params"][n] for n in step._param_names]
     step.buffers = [loaded["buffers"][n] for n in step._buffer_names]
-    position = {n: i for i, n in enumerate(step._param_names)}
     step.state = {
         (position[name], key): a
         for name, keys in loaded["optimizer"].items()
@@ -195,19 +194,20 @@ def _check_same_model(saved: dict[str, Any], ours: dict[str, Any], directory: An
 
 
 def state_dict(step: TrainStep) -> dict[str, torch.Tensor]:
-    """The model's state dict with the trained values, as torch tensors (copies)."""
+    """The model's state dict with the trained values, as torch tensors (copies; the
+    module's hooks must be quiet: the module's own tensors are only read for names)."""
     values = dict(zip(step._param_names, step.params, strict=True))
     values.update(zip(step._buffer_names, step.buffers, strict=True))
     out = {}
     for name, tensor in step.model.state_dict(keep_vars=True).items():
         a = values.get(name)
-        out[name] = tensor.detach().clone() if a is None else to_torch(a).clone()
+        out[name] = tensor.detach().clone() if a is None else gather_to_torch(a).clone()
     return out
 
 
 def save_safetensors(step: TrainStep, path: str | os.PathLike[str]) -> None:
-    """``state_dict()`` written as a safetensors file; a tied weight is stored once,
-    under its first name (as ``save_pretrained`` does)."""
+    """``state_dict(step)`` written as a safetensors file; a tied weight is stored
+    once, under its first name (as ``save_pretrained`` does)."""
     from safetensors.torch import save_file
 
     tensors = state_dict(step)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -37,16 +38,21 @@ import torch
 from torch import nn
 
 from dynajax.capability import CapabilityChecker, Reason
-from dynajax.errors import CallbackOpsError, TrainStepError
+from dynajax.config import check_mesh, resolve_device
+from dynajax.errors import CallbackOpsError, OptionsError, TrainStepError
 from dynajax.interop.interpreter import ExportInterpreter, SizeBindings
-from dynajax.lowering.dtypes import TORCH_TO_JAX
+from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.lowering.interpreter import needs_key
 from dynajax.passes import run_passes
 from dynajax.runtime.compiled import draw_seed
-from dynajax.runtime.conversion import to_jax, to_torch
+from dynajax.runtime.conversion import cpu_device, to_jax
 from dynajax.runtime.jax_internals import X64
+from dynajax.sharding import Placement
+from dynajax.sharding.placement import gather_to_torch
+from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
 from dynajax.training.graph import StateKey, StepGraph, trace_step
+from dynajax.training.state import ModuleView, StateLayout, bytes_per_device, report_lines
 
 # Optimizers whose step cannot be one program: LBFGS re-evaluates the loss through a
 # closure, SparseAdam takes sparse gradients.
@@ -58,6 +64,10 @@ _REFUSED = {
 # Verdicts that make a step impossible to compile: sizes known only from data, dtypes
 # JAX lacks, and ops whose eager kernel refuses these dtypes (eager's step raises).
 _IMPOSSIBLE = (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE, Reason.EAGER_REFUSES)
+
+# The step that holds each module's state (the last one to run on it): a second step
+# over the same module takes it over, the first one syncing and letting go.
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, TrainStep] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -90,6 +100,10 @@ class TrainStep:
         accumulate: int = 1,
         strict: bool = False,
         fallback_ops: Sequence[str] = (),
+        device: Any = None,
+        mesh: jax.sharding.Mesh | None = None,
+        sharding: RulesLike = None,
+        release_module: bool = True,
     ) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:
             raise TrainStepError(f"accumulate must be a positive int, got {accumulate!r}.")
@@ -106,6 +120,7 @@ class TrainStep:
         self.accumulate = accumulate
         self.strict = strict
         self.fallback_ops = tuple(fallback_ops)
+        self.release_module = release_module
         names = {id(p): n for n, p in model.named_parameters()}
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         missing = [i for i, p in enumerate(self._params) if id(p) not in names]
@@ -121,81 +136,162 @@ class TrainStep:
         self._programs: dict[Any, _Program] = {}
         self.steps = 0
         self.traces = 0
+        self._view: ModuleView | None = None
+        self.params: list[jax.Array] = []
+        self.buffers: list[jax.Array] = []
+        self.state: dict[StateKey, jax.Array] = {}
+        self._own()  # the module is whole here: its tensors say where the step runs
+        self.layout = StateLayout(
+            _placement(self._params, device, mesh, sharding),
+            list(zip(self._param_names, self._params, strict=True)),
+            list(zip(self._buffer_names, self._buffers, strict=True)),
+        )
         self._load_from_torch()
 
     # -- state --------------------------------------------------------------------
 
+    def _own(self) -> None:
+        """Makes this step the holder of the module's state: a step that held it
+        before syncs and lets go, and this one (re)loads the module's and optimizer's
+        current values."""
+        owner = _OWNERS.get(self.model)
+        if owner is self and self._view is not None:
+            return
+        if owner is not None and owner is not self:
+            owner._let_go()
+        _OWNERS[self.model] = self
+        self._view = ModuleView(
+            self.model,
+            self.optimizer,
+            [*self._params, *self._buffers],
+            self.sync,
+            self.release_module,
+        )
+        if hasattr(self, "layout"):  # taken back from another step: its values now
+            self._load_from_torch()
+
+    def _let_go(self) -> None:
+        """Writes the state back into the module and stops holding it (another step
+        over the same module takes over)."""
+        self.sync()
+        if self._view is not None:
+            self._view.detach()
+        self._view = None
+        self.params, self.buffers, self.state = [], [], {}
+
     def _load_from_torch(self) -> None:
         """The state as JAX arrays (copies), from the module and the optimizer."""
         self._load_module()
-        self.state: dict[StateKey, jax.Array] = {}
+        self.state = {}
         with _x64():
             for i, p in enumerate(self._params):
                 for key, value in self.optimizer.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):
-                        self.state[(i, key)] = _array(value)
+                        sharding = self.layout.state((i, key), value.shape)
+                        self.state[(i, key)] = self.layout.put(value, sharding)
 
     def _load_module(self) -> None:
         """The parameters and buffers as JAX arrays (copies), from the module."""
+        layout = self.layout
         with _x64():
-            self.params = [_array(p) for p in self._params]
-            self.buffers = [_array(b) for b in self._buffers]
-        self._versions = self._torch_versions()
+            self.params = [layout.put(p, s) for p, s in zip(self._params, layout.params)]
+            self.buffers = [layout.put(b, s) for b, s in zip(self._buffers, layout.buffers)]
+        assert self._view is not None
+        self._view.record()
 
     def reload(self) -> None:
         """Takes up the module's and the optimizer's current state (after
         ``optimizer.load_state_dict``, say), replacing the step's. A change to the
         module's own tensors is taken up without it, at the next step."""
+        self.sync()
         self._load_from_torch()
-
-    def _torch_versions(self) -> list[int]:
-        return [t._version for t in (*self._params, *self._buffers)]
 
     def sync(self) -> None:
         """Writes the trained state into the module's parameters and buffers and into
         the optimizer's state, so that ``model.state_dict()``, evaluation and
-        ``optimizer.state_dict()`` see it."""
-        with torch.no_grad():
-            for t, a in zip(
-                (*self._params, *self._buffers), (*self.params, *self.buffers), strict=True
-            ):
-                t.copy_(to_torch(a))
-            for (i, key), a in self.state.items():
-                p = self._params[i]
-                value = to_torch(a).clone()
-                self.optimizer.state[p][key] = value
-        self._versions = self._torch_versions()
+        ``optimizer.state_dict()`` see it.
 
-    # -- checkpoints and torch's view ---------------------------------------------
+        Calling the model, ``model.state_dict()``/``load_state_dict()`` or
+        ``optimizer.state_dict()`` syncs by itself; reading a parameter directly
+        (``model.fc.weight``) between steps needs ``sync()`` first, as the module's
+        tensors hold no values then (``release_module``)."""
+        view = self._view
+        if view is None:
+            return  # another step holds the state, or this one let go: the module has it
+        view.restore([gather_to_torch(a) for a in (*self.params, *self.buffers)])
+        for (i, key), a in self.state.items():
+            self.optimizer.state[self._params[i]][key] = gather_to_torch(a).clone()
+
+    # -- checkpoints, torch's view, the report ------------------------------------
 
     def save(self, directory: str | os.PathLike[str]) -> int:
         """Writes a checkpoint of the whole training state (parameters, buffers,
         optimizer state, step count, RNG state) under ``directory`` with
-        orbax-checkpoint, as ``directory/<step count>``; returns that number."""
+        orbax-checkpoint, as ``directory/<step count>``; returns that number. Each
+        process writes its own shards."""
+        self._own()
         return checkpoint.save(self, directory)
 
     def restore(self, directory: str | os.PathLike[str], at: int | None = None) -> int:
-        """Loads the checkpoint ``at`` (default: the latest) from ``directory``; a
+        """Loads the checkpoint ``at`` (default: the latest) from ``directory``, laid
+        out on this step's devices (another mesh than the one that saved it works); a
         checkpoint of another model or optimizer raises ``TrainStepError`` and changes
         nothing. Returns its number."""
+        self._own()
         with _x64():
-            return checkpoint.restore(self, directory, at)
+            number = checkpoint.restore(self, directory, at)
+        assert self._view is not None
+        self._view.release()  # the module's values are the old ones: sync on access
+        return number
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with the trained values, as torch tensors (copies),
         for use outside dynajax; the module itself is unchanged (``sync`` writes it)."""
-        return checkpoint.state_dict(self)
+        self._own()
+        assert self._view is not None
+        with self._view.quiet_hooks():
+            return checkpoint.state_dict(self)
 
     def save_safetensors(self, path: str | os.PathLike[str]) -> None:
         """``state_dict()`` as a safetensors file."""
-        checkpoint.save_safetensors(self, path)
+        self._own()
+        assert self._view is not None
+        with self._view.quiet_hooks():
+            checkpoint.save_safetensors(self, path)
+
+    def bytes_per_device(self) -> dict[str, int]:
+        """Bytes of the training state (parameters, buffers and optimizer state) each
+        of this process's devices holds, measured from the arrays' shards."""
+        return bytes_per_device([*self.params, *self.buffers, *self.state.values()])
+
+    def report(self) -> str:
+        """Where the state lives: the device or mesh, and per part (parameters,
+        buffers, optimizer state) its whole size and the bytes each device holds."""
+        lines = report_lines(
+            self.layout,
+            {
+                "parameters": self.params,
+                "buffers": self.buffers,
+                "optimizer state": list(self.state.values()),
+            },
+        )
+        view = self._view
+        if view is not None and view.kept:
+            names = [*self._param_names, *self._buffer_names]
+            lines.append("  kept whole in the module (not released between syncs):")
+            lines += [f"    {names[i]}: {why}" for i, why in view.kept.items()]
+        return "\n".join(lines)
 
     # -- the step -----------------------------------------------------------------
 
     def __call__(self, *batch: Any) -> jax.Array:
         """Runs one step on ``batch`` (tensors), returns the loss as a ``jax.Array``
         (reading it, ``float(loss)``, waits for the step; not reading it does not)."""
-        if self._torch_versions() != self._versions:
+        self._own()
+        view = self._view
+        assert view is not None
+        view.check_not_edited([*self._param_names, *self._buffer_names])
+        if not view.released and view.changed():
             # The user changed the module's tensors (load_state_dict, an assignment under
             # no_grad); the optimizer's state stays the step's, as it would in eager.
             self._load_module()
@@ -204,10 +300,10 @@ class TrainStep:
                 raise TrainStepError(
                     f"batch element {i} is a {type(x).__name__}; train_step takes tensors."
                 )
-            if x.device != self._params[0].device:
+            if x.device != view.devices[0]:
                 raise TrainStepError(
                     f"batch element {i} is on {x.device}, the model on "
-                    f"{self._params[0].device}: move the batch to the model's device."
+                    f"{view.devices[0]}: move the batch to the model's device."
                 )
             if self.accumulate > 1 and (x.dim() == 0 or x.shape[0] % self.accumulate):
                 raise TrainStepError(
@@ -216,7 +312,9 @@ class TrainStep:
                     "equal micro-batches."
                 )
         with _x64():
-            return self._step(batch)
+            loss = self._step(batch)
+        view.release()
+        return loss
 
     def _step(self, batch: Sequence[torch.Tensor]) -> jax.Array:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -228,7 +326,7 @@ class TrainStep:
             (self.params, self.buffers, state_in),
             [np.float64(lr) for lr in lrs],
             seed,
-            [to_jax(x) for x in batch],
+            [self.layout.put_batch(x) for x in batch],
         )
         self.params, self.buffers = list(params), list(buffers)
         self.state = dict(zip(graph.state_out, state, strict=True))
@@ -246,22 +344,35 @@ class TrainStep:
             program = self._programs[key] = self._compile(batch, lrs)
         return program
 
+    def _examples(self, arrays: Sequence[jax.Array]) -> list[torch.Tensor]:
+        """Tensors of the arrays' shapes and dtypes on the module's device, for the
+        trace, which reads no values (untouched memory, never written)."""
+        device = self._view.devices[0] if self._view is not None else torch.device("cpu")
+        return [
+            torch.empty(a.shape, dtype=JAX_TO_TORCH[np.dtype(a.dtype)], device=device)
+            for a in arrays
+        ]
+
     def _compile(self, batch: Sequence[torch.Tensor], lrs: list[float]) -> _Program:
-        example_state = {k: to_torch(a) for k, a in self.state.items()}
-        graph = trace_step(
-            self.model,
-            self.optimizer,
-            self.loss_fn,
-            param_names=self._param_names,
-            buffer_names=self._buffer_names,
-            params=self._params,
-            buffers=self._buffers,
-            state=example_state,
-            lrs=lrs,
-            batch=list(batch),
-            clip_grad_norm=self.clip_grad_norm,
-            accumulate=self.accumulate,
-        )
+        assert self._view is not None
+        params = self._examples(self.params)
+        for p, original in zip(params, self._params, strict=True):
+            p.requires_grad_(original.requires_grad)
+        with self._view.quiet_hooks():
+            graph = trace_step(
+                self.model,
+                self.optimizer,
+                self.loss_fn,
+                param_names=self._param_names,
+                buffer_names=self._buffer_names,
+                params=params,
+                buffers=self._examples(self.buffers),
+                state=dict(zip(self.state, self._examples(list(self.state.values())))),
+                lrs=lrs,
+                batch=list(batch),
+                clip_grad_norm=self.clip_grad_norm,
+                accumulate=self.accumulate,
+            )
         self.traces += 1
         gm = run_passes(graph.gm)
         refused = CapabilityChecker(self.fallback_ops).annotate(gm)
@@ -278,6 +389,11 @@ class TrainStep:
             raise CallbackOpsError(unwanted)
         random = needs_key(gm)
         constants = _constants(gm)
+        layout = self.layout
+        state_shapes = _output_shapes(gm)[1 + graph.n_params + graph.n_buffers :]
+        state_shardings = [
+            layout.state(k, shape) for k, shape in zip(graph.state_out, state_shapes, strict=True)
+        ]
 
         def step(state, lrs, seed, xs):  # type: ignore[no-untyped-def]
             params, buffers, opt_state = state
@@ -286,12 +402,15 @@ class TrainStep:
             out = _StepInterpreter(gm, key, constants).run(*arrays)
             n, b = graph.n_params, graph.n_buffers
             loss = out[0]
-            return loss, out[1 : 1 + n], out[1 + n : 1 + n + b], out[1 + n + b :]
+            return loss, list(out[1 : 1 + n]), list(out[1 + n : 1 + n + b]), list(out[1 + n + b :])
 
         # Donated, the state's buffers are gone once the program starts; a host callback
-        # (eager PyTorch) can still raise then, so a step with callbacks keeps them.
+        # (eager PyTorch) can still raise then, so a step with callbacks keeps them. The
+        # outputs keep the state's layout (on a mesh, FSDP's shards stay shards).
         donate = () if callbacks else (0,)
-        return _Program(graph, jax.jit(step, donate_argnums=donate), random)
+        out_shardings = (layout.replicated, layout.params, layout.buffers, state_shardings)
+        run = jax.jit(step, donate_argnums=donate, out_shardings=out_shardings)
+        return _Program(graph, run, random)
 
 
 class _StepInterpreter(ExportInterpreter):
@@ -326,12 +445,32 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     )
 
 
-def _array(t: torch.Tensor) -> jax.Array:
-    """A JAX array holding a copy of ``t`` (the step donates its arrays, so it must own
-    them)."""
-    if t.dtype not in TORCH_TO_JAX:
-        raise TrainStepError(f"a {t.dtype} tensor cannot be part of the training state.")
-    return jnp.array(to_jax(t.detach()), copy=True)
+def _placement(
+    params: Sequence[torch.Tensor], device: Any, mesh: Any, sharding: RulesLike
+) -> Placement:
+    """Where the step runs: ``mesh`` (with ``sharding``), ``device``, or by default the
+    JAX device of the model's own tensors (the CPU for a CPU model)."""
+    device = resolve_device(device)
+    check_mesh(mesh, device)
+    if mesh is not None:
+        return Placement(mesh=mesh, rules=sharding)
+    if sharding is not None:
+        raise OptionsError(
+            "sharding= lays the state out on a mesh: pass mesh= too (e.g. "
+            "jax.make_mesh((8,), ('data',)))."
+        )
+    if device is None:
+        first = params[0] if params else torch.empty(0)
+        device = (
+            cpu_device() if first.device.type == "cpu" else next(iter(to_jax(first).devices()))
+        )
+    return Placement(device=device)
+
+
+def _output_shapes(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
+    """The shapes of the graph's outputs, from their fake values."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return [tuple(n.meta["val"].shape) for n in out.args[0]]
 
 
 def train_step(
@@ -343,6 +482,10 @@ def train_step(
     accumulate: int = 1,
     strict: bool = False,
     fallback_ops: Sequence[str] = (),
+    device: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    sharding: RulesLike = None,
+    release_module: bool = True,
 ) -> TrainStep:
     """The whole training step (forward, loss, backward, gradient clipping, the
     optimizer's update, zeroed gradients) as one XLA program per batch signature.
@@ -368,6 +511,19 @@ def train_step(
             them in eager PyTorch through host callbacks.
         fallback_ops: ops to run in eager PyTorch even where a rule exists (as the
             backend's option).
+        device: the JAX device the state lives and the step runs on (a ``jax.Device``
+            or ``"gpu:0"``, as the backend's option); by default the model's.
+        mesh: a ``jax.sharding.Mesh``: the step runs SPMD on its devices, the state laid
+            out by ``sharding``; the optimizer's moments are laid out as their
+            parameters. Each process of a multi-process run passes the whole batch
+            and holds only its devices' shards.
+        sharding: ``dynajax.ShardingRules`` (e.g. ``ShardingRules.fsdp()``), as the
+            backend's option; with ``mesh``.
+        release_module: between syncs the module's parameters and buffers hold no
+            values (meta tensors, swapped in with ``torch.utils.swap_tensors``), so the
+            host keeps one copy of the state; calling the model, ``state_dict()`` or
+            ``load_state_dict()`` syncs first. False keeps the module's own (untrained
+            until ``sync()``) values alongside the step's.
 
     Returns:
         A ``TrainStep``: ``step(*batch)`` returns the loss (a ``jax.Array``);
@@ -385,4 +541,8 @@ def train_step(
         accumulate=accumulate,
         strict=strict,
         fallback_ops=fallback_ops,
+        device=device,
+        mesh=mesh,
+        sharding=sharding,
+        release_module=release_module,
     )
