@@ -1,6 +1,7 @@
 """Many hosts: two processes of four CPU devices each, joined by ``jax.distributed`` on
 localhost (CPU collectives over gloo) into one mesh of eight, train an MLP with dynajax
-(data parallel and FSDP) and match eager, each process holding the whole results."""
+(data parallel and FSDP) and match eager, each process holding the whole results; and
+``dynajax.train_step`` with FSDP over both, checkpointed and restored in between."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def facts() -> list[dict]:
+def facts(tmp_path_factory) -> list[dict]:
     if "jax_cpu_collectives_implementation" not in jax.config.values:
         pytest.skip(
             f"jax {jax.__version__} has no jax_cpu_collectives_implementation option: its "
@@ -34,9 +35,18 @@ def facts() -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     port = str(_free_port())
+    directory = str(tmp_path_factory.mktemp("ckpt"))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.sharding.multihost_worker", str(i), str(PROCESSES), port],
+            [
+                sys.executable,
+                "-m",
+                "tests.sharding.multihost_worker",
+                str(i),
+                str(PROCESSES),
+                port,
+                directory,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -85,3 +95,17 @@ def test_each_process_measures_its_own_devices(facts) -> None:
         assert set(dp["bytes_per_device"].values()) == {dp["total_bytes"]}
         assert set(fsdp["bytes_per_device"].values()) == {fsdp["total_bytes"] // 8}
         assert "mesh data=8 (8 cpu devices)" in fsdp["report"]
+
+
+def test_train_step_across_processes_is_eagers_and_checkpoints(facts) -> None:
+    # dynajax.train_step with FSDP over both processes' 8 devices: AdamW, a checkpoint
+    # after 5 steps (each process writing its shards) restored into a fresh model.
+    for f in facts:
+        s = f["train_step"]
+        assert s["restored_at"] == 5
+        for ours, eager in zip(s["losses"], s["ref_losses"], strict=True):
+            assert ours == pytest.approx(eager, rel=1e-5, abs=1e-6)
+        assert s["param_diff"] < 1e-5
+        sharded = s["whole_bytes"] - s["replicated_bytes"]
+        assert s["per_device"] == [sharded // 8 + s["replicated_bytes"]] * 4  # its 4 devices
+    assert facts[0]["train_step"]["losses"] == facts[1]["train_step"]["losses"]

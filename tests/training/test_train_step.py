@@ -385,6 +385,37 @@ def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(tmp_path) 
         step.restore(tmp_path, at=7)
 
 
+def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path) -> None:
+    import json
+    import os
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    directory = tmp_path / "ckpt"
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.training.killed_save_worker", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+    )
+    # Killed at the commit of its second save (checkpoint 5): written, not committed.
+    assert out.returncode == -signal.SIGKILL, out.stdout[-2000:] + out.stderr[-3000:]
+    saved = json.loads(out.stdout.strip().splitlines()[0])["saved"]
+    assert sorted(os.listdir(directory)) == ["3", "5.orbax-checkpoint-tmp"]
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    step = dynajax.train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), regression)
+    assert step.restore(directory) == 3  # the last committed one, whole
+    for name, value in step.state_dict().items():
+        torch.testing.assert_close(value, torch.tensor(saved[name]), rtol=0, atol=0)
+    step(torch.randn(8, 8), torch.randn(8, 4))  # and training goes on from it
+    assert step.save(directory) == 4
+
+
 def test_only_the_batch_crosses_per_step(monkeypatch) -> None:
     # Parameters and the optimizer's state stay JAX arrays between steps: per step the
     # batch's tensors cross into JAX (zero-copy), nothing else, and nothing comes back.
