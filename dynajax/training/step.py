@@ -189,6 +189,8 @@ class TrainStep:
                     if isinstance(value, torch.Tensor):
                         sharding = self.layout.state((i, key), value.shape)
                         self.state[(i, key)] = self.layout.put(value, sharding)
+        assert self._view is not None
+        self._view.release()  # from here the step's arrays are the one copy
 
     def _load_module(self) -> None:
         """The parameters and buffers as JAX arrays (copies), from the module."""

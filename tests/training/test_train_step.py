@@ -235,6 +235,58 @@ def test_dropout_draws_from_torchs_generator() -> None:
     assert all(abs(v - no_dropout) > 1e-3 for v in first)
 
 
+def test_the_module_syncs_itself_when_the_user_reaches_it() -> None:
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["adam"])
+    batches = _batches("mlp")[:3]
+    _eager_losses(eager, eager_opt, loss_fn, batches)
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+    for batch in batches:
+        step(*batch)
+    x = batches[0][0]
+    assert ours[0].weight.device.type == "meta"  # released: the state is in the step
+    assert_same(ours(x), eager(x), model=True)  # calling the model syncs it first
+    assert ours[0].weight.device.type == "cpu"
+    step(*batches[0])  # the next step releases it again
+    assert ours[0].weight.device.type == "meta"
+    _eager_losses(eager, eager_opt, loss_fn, batches[:1])
+    assert_same(dict(ours.state_dict()), dict(eager.state_dict()), model=True)
+    step(*batches[1])
+    assert our_opt.state_dict()["state"][0]["exp_avg"].device.type == "cpu"  # synced too
+
+
+def test_a_released_tensor_edited_in_place_is_refused_and_the_state_kept() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    step = dynajax.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), regression)
+    x, y = _batches("mlp")[0]
+    step(x, y)
+    kept = step.state_dict()
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # a meta tensor: no effect, which the step reports
+    with pytest.raises(TrainStepError, match=r"'0.weight' of the module were written in place"):
+        step(x, y)
+    assert_same(step.state_dict(), kept)
+    step.sync()
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # after a sync: taken up at the next step
+    expected = regression(model, x, y).item()
+    assert float(step(x, y)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_second_step_over_the_same_model_takes_the_state_over() -> None:
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["sgd_nesterov_wd"])
+    batches = _batches("mlp")[:6]
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches)
+    first = dynajax.train_step(ours, our_opt, loss_fn)
+    second = dynajax.train_step(ours, our_opt, loss_fn, clip_grad_norm=1e9)
+    actual = [float(first(*b)) for b in batches[:2]]
+    actual += [float(second(*b)) for b in batches[2:4]]  # takes over the trained state
+    actual += [float(first(*b)) for b in batches[4:]]  # and back
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    first.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
 def test_an_optimizer_with_a_closure_is_refused_by_name() -> None:
     model = mlp()
     with pytest.raises(TrainStepError, match="cannot compile LBFGS: its step"):
@@ -414,6 +466,21 @@ def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path)
         torch.testing.assert_close(value, torch.tensor(saved[name]), rtol=0, atol=0)
     step(torch.randn(8, 8), torch.randn(8, 4))  # and training goes on from it
     assert step.save(directory) == 4
+
+
+def test_the_host_holds_one_copy_of_the_state_between_syncs() -> None:
+    from tests.helpers import run_worker
+
+    released = run_worker("tests.training.memory_worker", "release")
+    kept = run_worker("tests.training.memory_worker", "keep")
+    size = released["model_bytes"]
+    assert size == 256 * 2**20
+    # Released, the module's 256 MiB move into the step's arrays: the process grows by
+    # the compiled program and JAX's bookkeeping only (about 40 MiB here) ...
+    assert released["after_first"] < 0.3 * size
+    assert released["after_second"] < 0.3 * size
+    # ... where keeping the module's own copy (the measure sees it) adds a whole one.
+    assert kept["after_first"] > 0.9 * size
 
 
 def test_only_the_batch_crosses_per_step(monkeypatch) -> None:
