@@ -6,6 +6,7 @@ state tensor after ``step.sync()``."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -325,29 +326,92 @@ def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(ids, labels=ids).loss
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_transformers_language_models_train_as_in_eager(arch: str) -> None:
+def _image_loss(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(pixel_values=images, labels=labels).loss
+
+
+def _vit() -> nn.Module:
+    import transformers
+
+    config = transformers.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=4,
+        num_labels=10,
+    )
+    return transformers.ViTForImageClassification(config)
+
+
+def _transformer(
+    arch: str, dtype: torch.dtype
+) -> tuple[nn.Module, Any, list[tuple[torch.Tensor, ...]]]:
     from tests import models
 
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        model = getattr(models, arch)(layers=2, width=32, heads=4, vocab=64)
-        for module in model.modules():  # dropout draws from another generator here
-            if isinstance(module, nn.Dropout):
-                module.p = 0.0
-        return model.train()
-
-    eager, ours = build(), build()
-    make = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
-    eager_opt, our_opt = make(eager.parameters()), make(ours.parameters())
     gen = torch.Generator().manual_seed(2)
-    batches = [(torch.randint(0, 64, (2, 16), generator=gen),) for _ in range(STEPS)]
-    expected = _eager_losses(eager, eager_opt, _lm_loss, batches)
-    step = dynajax.train_step(ours, our_opt, _lm_loss)
+    if arch == "vit":
+        model, loss_fn = _vit(), _image_loss
+        batches = [
+            (
+                torch.randn(2, 3, 16, 16, generator=gen, dtype=dtype),
+                torch.randint(0, 10, (2,), generator=gen),
+            )
+            for _ in range(STEPS)
+        ]
+    else:
+        model = getattr(models, arch)(layers=2, width=32, heads=4, vocab=64)
+        loss_fn = _lm_loss
+        batches = [(torch.randint(0, 64, (2, 16), generator=gen),) for _ in range(STEPS)]
+    for module in model.modules():  # dropout draws from another generator here
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model.to(dtype).train(), loss_fn, batches
+
+
+# Optimizers that divide by a running norm of the gradient. An element whose gradient is
+# rounding noise gets steps of about lr with an arbitrary sign from them, in eager as
+# under any other set of kernels: the attention key's bias, which softmax ignores, and
+# LLaMA's RMSNorm computes in float32 even in a float64 model. Under them the losses of
+# all 20 steps are compared, and the parameters within 1e-3 with those biases left out.
+_ADAPTIVE = {"adam", "adamw_amsgrad", "rmsprop", "adagrad"}
+_NOISE_ONLY = {
+    "gpt2": {"attn.c_attn.bias": slice(32, 64)},  # [query | key | value] biases, width 32
+    "vit": {"attention.k_proj.bias": slice(None)},
+    "llama": {},
+}
+
+
+def _assert_close_but_noise(arch: str, eager: nn.Module, ours: nn.Module) -> None:
+    trained = dict(ours.state_dict())
+    for name, expected in eager.state_dict().items():
+        actual = trained[name].clone()
+        expected = expected.clone()
+        for suffix, part in _NOISE_ONLY[arch].items():
+            if name.endswith(suffix):
+                actual[part] = expected[part] = 0
+        torch.testing.assert_close(actual, expected, rtol=1e-3, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "vit"])
+def test_transformers_models_train_as_in_eager(arch: str, name: str) -> None:
+    torch.manual_seed(0)
+    eager, loss_fn, batches = _transformer(arch, torch.float32)
+    torch.manual_seed(0)
+    ours, _, _ = _transformer(arch, torch.float32)
+    make = OPTIMIZERS[name]
+    eager_opt, our_opt = make(eager.parameters()), make(ours.parameters())
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches)
+    step = dynajax.train_step(ours, our_opt, loss_fn)
     actual = [float(step(*batch)) for batch in batches]
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
     step.sync()
-    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+    if name in _ADAPTIVE:
+        _assert_close_but_noise(arch, eager, ours)
+    else:
+        _assert_trained_alike(eager, eager_opt, ours, our_opt)
 
 
 def test_gradient_accumulation_is_eagers_loop_over_micro_batches() -> None:
