@@ -1,20 +1,28 @@
-"""Train a small LLaMA with dynajax.train_step: the whole AdamW step as one XLA program,
-the state in JAX; save a checkpoint, restore it into a fresh model, and go on. The
-losses are checked against the same training in eager PyTorch.
+"""Train a small LLaMA with dynajax.train_step, fully sharded (FSDP) over 8 JAX CPU
+devices: the whole AdamW step as one XLA program, parameters and AdamW's moments split
+over the devices; save a checkpoint, restore it onto 4 devices into a fresh model, and
+go on. The losses are checked against the same training in eager PyTorch.
 
     python examples/train_step.py
 """
 
 from __future__ import annotations
 
-import pathlib
-import sys
-import tempfile
+import os
 
-import torch
-import transformers
+# 8 CPU devices for the mesh (before JAX starts); on a machine with accelerators, build
+# the mesh from jax.devices() instead.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import dynajax
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import dynajax  # noqa: E402
 
 STEPS, RESUME_AT = 16, 10
 
@@ -55,21 +63,27 @@ def main() -> int:
         scheduler.step()
         expected.append(loss.item())
 
+    fsdp = dynajax.ShardingRules.fsdp()  # every tensor split along dim 0 over "data"
     model, optimizer, scheduler = build()
-    step = dynajax.train_step(model, optimizer, lm_loss)
+    mesh = jax.make_mesh((8,), ("data",))
+    step = dynajax.train_step(model, optimizer, lm_loss, mesh=mesh, sharding=fsdp)
     losses = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = pathlib.Path(tmp) / "ckpt"
         for ids in batches[:RESUME_AT]:
             losses.append(float(step(ids)))  # float(): waits for this step's loss
             scheduler.step()
+        print(step.report())  # bytes per device: 1/8 of parameters and moments
         step.save(ckpt)  # the training state; the scheduler's is the user's to keep
         schedule = scheduler.state_dict()
 
-        # A new run: a fresh model, optimizer and scheduler, the checkpoint restored.
+        # A new run on half the devices: a fresh model, optimizer and scheduler, the
+        # checkpoint restored (orbax lays each array out on the new mesh).
         model, optimizer, scheduler = build()
-        step = dynajax.train_step(model, optimizer, lm_loss)
+        mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+        step = dynajax.train_step(model, optimizer, lm_loss, mesh=mesh, sharding=fsdp)
         step.restore(ckpt)  # parameters, AdamW's moments and lr, step count, RNG state
+        print(step.report())
         scheduler.load_state_dict(schedule)
         for ids in batches[RESUME_AT:]:
             losses.append(float(step(ids)))
