@@ -34,11 +34,10 @@ from torch import nn
 
 from dynajax.errors import TrainStepError
 from dynajax.lowering.dtypes import TORCH_TO_JAX
+from dynajax.runtime.conversion import to_jax
 from dynajax.sharding import Placement, StateName, describe_mesh, per_device_bytes
 from dynajax.sharding.report import size_text
-from dynajax.runtime.conversion import to_jax
-
-StateKey = tuple[int, str]
+from dynajax.training.graph import StateKey
 
 
 class StateLayout:

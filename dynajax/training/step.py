@@ -196,8 +196,10 @@ class TrainStep:
         """The parameters and buffers as JAX arrays (copies), from the module."""
         layout = self.layout
         with _x64():
-            self.params = [layout.put(p, s) for p, s in zip(self._params, layout.params)]
-            self.buffers = [layout.put(b, s) for b, s in zip(self._buffers, layout.buffers)]
+            params = zip(self._params, layout.params, strict=True)
+            buffers = zip(self._buffers, layout.buffers, strict=True)
+            self.params = [layout.put(p, s) for p, s in params]
+            self.buffers = [layout.put(b, s) for b, s in buffers]
         assert self._view is not None
         self._view.record()
 
@@ -369,7 +371,7 @@ class TrainStep:
                 buffer_names=self._buffer_names,
                 params=params,
                 buffers=self._examples(self.buffers),
-                state=dict(zip(self.state, self._examples(list(self.state.values())))),
+                state=dict(zip(self.state, self._examples(list(self.state.values())), strict=True)),
                 lrs=lrs,
                 batch=list(batch),
                 clip_grad_norm=self.clip_grad_norm,
@@ -463,9 +465,7 @@ def _placement(
         )
     if device is None:
         first = params[0] if params else torch.empty(0)
-        device = (
-            cpu_device() if first.device.type == "cpu" else next(iter(to_jax(first).devices()))
-        )
+        device = cpu_device() if first.device.type == "cpu" else next(iter(to_jax(first).devices()))
     return Placement(device=device)
 
 

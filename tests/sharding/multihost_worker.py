@@ -108,7 +108,9 @@ def _train_step(mesh: Any, directory: str | None) -> dict[str, Any]:
         return F.mse_loss(m(x), y)
 
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)) for _ in range(10)]
+    batches = [
+        (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)) for _ in range(10)
+    ]
     reference = build()
     ref_opt = make(reference)
     ref_losses = []

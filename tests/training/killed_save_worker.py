@@ -38,7 +38,9 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     step = dynajax.train_step(model, optimizer, lambda m, x, y: F.mse_loss(m(x), y))
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(5)]
+    batches = [
+        (torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(5)
+    ]
     for batch in batches[:3]:
         step(*batch)
     step.save(directory)

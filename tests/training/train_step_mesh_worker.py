@@ -11,7 +11,6 @@ continuing the run.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -46,7 +45,10 @@ def lm(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def mlp_batches() -> list[tuple[torch.Tensor, ...]]:
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen)) for _ in range(STEPS)]
+    return [
+        (torch.randn(16, 32, generator=gen), torch.randn(16, 16, generator=gen))
+        for _ in range(STEPS)
+    ]
 
 
 def lm_batches() -> list[tuple[torch.Tensor, ...]]:
@@ -126,14 +128,22 @@ def restore_on_another_mesh(directory: str, uninterrupted: list[float]) -> dict[
     batches = mlp_batches()
     first = build_mlp()
     step = dynajax.train_step(
-        first, make(first.parameters()), regression, mesh=mesh_of(8), sharding=dynajax.ShardingRules.fsdp()
+        first,
+        make(first.parameters()),
+        regression,
+        mesh=mesh_of(8),
+        sharding=dynajax.ShardingRules.fsdp(),
     )
     before = [float(step(*b)) for b in batches[:10]]
     saved_at = step.save(directory)
     torch.manual_seed(123)
     second = mlp(32, 64, 16)  # other initial values: all of them come from the checkpoint
     resumed = dynajax.train_step(
-        second, make(second.parameters()), regression, mesh=mesh_of(4), sharding=dynajax.ShardingRules.fsdp()
+        second,
+        make(second.parameters()),
+        regression,
+        mesh=mesh_of(4),
+        sharding=dynajax.ShardingRules.fsdp(),
     )
     restored_at = resumed.restore(directory)
     after = [float(resumed(*b)) for b in batches[10:]]
@@ -147,7 +157,9 @@ def restore_on_another_mesh(directory: str, uninterrupted: list[float]) -> dict[
         "per_device_after": sorted(dynajax.training.state.bytes_per_device(arrays).values()),
         "whole_after": sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays),
         "replicated_after": sum(
-            int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays if a.sharding.is_fully_replicated
+            int(np.prod(a.shape)) * a.dtype.itemsize
+            for a in arrays
+            if a.sharding.is_fully_replicated
         ),
     }
 
@@ -157,8 +169,12 @@ def main() -> None:
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)  # noqa: E731
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
     facts: dict[str, Any] = {"devices": len(jax.devices())}
-    facts["fsdp_mlp"] = case(build_mlp, adamw, regression, mlp_batches(), dynajax.ShardingRules.fsdp())
-    facts["dp_mlp"] = case(build_mlp, sgd, regression, mlp_batches(), dynajax.ShardingRules.data_parallel())
+    facts["fsdp_mlp"] = case(
+        build_mlp, adamw, regression, mlp_batches(), dynajax.ShardingRules.fsdp()
+    )
+    facts["dp_mlp"] = case(
+        build_mlp, sgd, regression, mlp_batches(), dynajax.ShardingRules.data_parallel()
+    )
     facts["fsdp_llama"] = case(
         build_llama, adamw, lm, lm_batches()[:10], dynajax.ShardingRules.fsdp()
     )
