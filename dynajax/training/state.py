@@ -148,6 +148,7 @@ class ModuleView:
         self.release_enabled = release
         self.released = False
         self.quiet = 0  # > 0 while the step itself runs the module (tracing): no hooks
+        self.optimizer_loaded = False  # optimizer.load_state_dict since the last load
         self.kept: dict[int, str] = {}  # tensors that could not be released, and why
         self.devices = [t.device for t in self.tensors]
         self._versions = self.versions()
@@ -163,6 +164,11 @@ class ModuleView:
             self._handles.append(module.register_load_state_dict_pre_hook(sync_first))
         self._handles.append(optimizer.register_state_dict_pre_hook(sync_first))
         self._handles.append(optimizer.register_load_state_dict_pre_hook(sync_first))
+
+        def loaded(*_: Any) -> None:
+            self.optimizer_loaded = True
+
+        self._handles.append(optimizer.register_load_state_dict_post_hook(loaded))
 
     def detach(self) -> None:
         """Removes the hooks (the module must be whole: call after a sync)."""

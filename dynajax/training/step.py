@@ -180,17 +180,12 @@ class TrainStep:
         self.params, self.buffers, self.state = [], [], {}
 
     def _load_from_torch(self) -> None:
-        """The state as JAX arrays (copies), from the module and the optimizer."""
+        """The state as JAX arrays (copies), from the module and the optimizer; the
+        module released after (the step's arrays are the one copy from here)."""
         self._load_module()
-        self.state = {}
-        with _x64():
-            for i, p in enumerate(self._params):
-                for key, value in self.optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        sharding = self.layout.state((i, key), value.shape)
-                        self.state[(i, key)] = self.layout.put(value, sharding)
+        self._load_optimizer()
         assert self._view is not None
-        self._view.release()  # from here the step's arrays are the one copy
+        self._view.release()
 
     def _load_module(self) -> None:
         """The parameters and buffers as JAX arrays (copies), from the module."""
@@ -203,11 +198,25 @@ class TrainStep:
         assert self._view is not None
         self._view.record()
 
+    def _load_optimizer(self) -> None:
+        """The optimizer's state as JAX arrays (copies), from the optimizer."""
+        self.state = {}
+        with _x64():
+            for i, p in enumerate(self._params):
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        sharding = self.layout.state((i, key), value.shape)
+                        self.state[(i, key)] = self.layout.put(value, sharding)
+        assert self._view is not None
+        self._view.optimizer_loaded = False
+
     def reload(self) -> None:
-        """Takes up the module's and the optimizer's current state (after
-        ``optimizer.load_state_dict``, say), replacing the step's. A change to the
-        module's own tensors is taken up without it, at the next step."""
-        self.sync()
+        """Takes up the module's and the optimizer's current state, replacing the
+        step's. Not needed after ``model.load_state_dict``, an edit of the synced
+        module or ``optimizer.load_state_dict``: the next step takes those up."""
+        view = self._view
+        if view is not None and view.released:
+            self._sync_module()
         self._load_from_torch()
 
     def sync(self) -> None:
@@ -216,15 +225,18 @@ class TrainStep:
         ``optimizer.state_dict()`` see it.
 
         Calling the model, ``model.state_dict()``/``load_state_dict()`` or
-        ``optimizer.state_dict()`` syncs by itself; reading a parameter directly
-        (``model.fc.weight``) between steps needs ``sync()`` first, as the module's
-        tensors hold no values then (``release_module``)."""
-        view = self._view
-        if view is None:
+        ``optimizer.state_dict()``/``load_state_dict()`` syncs by itself; reading a
+        parameter directly (``model.fc.weight``) between steps needs ``sync()``
+        first, as the module's tensors hold no values then (``release_module``)."""
+        if self._view is None:
             return  # another step holds the state, or this one let go: the module has it
-        view.restore([gather_to_torch(a) for a in (*self.params, *self.buffers)])
+        self._sync_module()
         for (i, key), a in self.state.items():
             self.optimizer.state[self._params[i]][key] = gather_to_torch(a).clone()
+
+    def _sync_module(self) -> None:
+        assert self._view is not None
+        self._view.restore([gather_to_torch(a) for a in (*self.params, *self.buffers)])
 
     # -- checkpoints, torch's view, the report ------------------------------------
 
@@ -299,6 +311,8 @@ class TrainStep:
             # The user changed the module's tensors (load_state_dict, an assignment under
             # no_grad); the optimizer's state stays the step's, as it would in eager.
             self._load_module()
+        if view.optimizer_loaded:  # optimizer.load_state_dict since the last step
+            self._load_optimizer()
         for i, x in enumerate(batch):
             if not isinstance(x, torch.Tensor):
                 raise TrainStepError(

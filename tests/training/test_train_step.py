@@ -255,6 +255,24 @@ def test_the_module_syncs_itself_when_the_user_reaches_it() -> None:
     assert our_opt.state_dict()["state"][0]["exp_avg"].device.type == "cpu"  # synced too
 
 
+def test_a_state_loaded_into_module_and_optimizer_rewinds_the_run() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = dynajax.train_step(model, optimizer, regression)
+    batches = _batches("mlp")[:4]
+    step(*batches[0])
+    model_state = copy.deepcopy(model.state_dict())  # both sync first
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    then = [float(step(*b)) for b in batches[1:]]
+    model.load_state_dict(model_state)  # the user's rewind, taken up at the next step
+    optimizer.load_state_dict(optimizer_state)
+    again = [float(step(*b)) for b in batches[1:]]
+    assert again == then
+
+
 def test_a_released_tensor_edited_in_place_is_refused_and_the_state_kept() -> None:
     torch.manual_seed(0)
     model = mlp()
