@@ -189,14 +189,16 @@ class ModuleView:
     def record(self) -> None:
         self._versions = self.versions()
 
-    def check_not_edited(self, names: Sequence[str]) -> None:
-        """Raises for a released tensor written in place (its values are lost: it holds
-        none)."""
-        if not self.released:
-            return
+    def check_not_edited(self, names: Sequence[str]) -> list[int]:
+        """While released: raises for a released tensor written in place (it holds no
+        values, so the write is lost); returns the kept tensors written in place (to
+        take up). Whole: returns every tensor written in place."""
         edited = self.changed()
-        if edited:
-            shown = ", ".join(repr(names[i]) for i in edited[:3])
+        if not self.released:
+            return edited
+        lost = [i for i in edited if i not in self.kept]
+        if lost:
+            shown = ", ".join(repr(names[i]) for i in lost[:3])
             self.record()
             raise TrainStepError(
                 f"{shown} of the module were written in place while train_step held the "
@@ -204,6 +206,7 @@ class ModuleView:
                 "had no effect. Call step.sync() before editing the module's tensors; "
                 "the next step takes the edit up. The training state is unchanged."
             )
+        return edited
 
     # -- release and restore -----------------------------------------------------------
 

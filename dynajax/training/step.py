@@ -187,14 +187,18 @@ class TrainStep:
         assert self._view is not None
         self._view.release()
 
-    def _load_module(self) -> None:
-        """The parameters and buffers as JAX arrays (copies), from the module."""
+    def _load_module(self, positions: Sequence[int] | None = None) -> None:
+        """The parameters and buffers (those at ``positions`` of params + buffers, or
+        all) as JAX arrays (copies), from the module."""
         layout = self.layout
+        tensors = [*self._params, *self._buffers]
+        shardings = [*layout.params, *layout.buffers]
+        arrays: list[Any] = [*self.params, *self.buffers] if positions else [None] * len(tensors)
         with _x64():
-            params = zip(self._params, layout.params, strict=True)
-            buffers = zip(self._buffers, layout.buffers, strict=True)
-            self.params = [layout.put(p, s) for p, s in params]
-            self.buffers = [layout.put(b, s) for b, s in buffers]
+            for i in range(len(tensors)) if positions is None else positions:
+                arrays[i] = layout.put(tensors[i], shardings[i])
+        n = len(self._params)
+        self.params, self.buffers = arrays[:n], arrays[n:]
         assert self._view is not None
         self._view.record()
 
@@ -306,11 +310,11 @@ class TrainStep:
         self._own()
         view = self._view
         assert view is not None
-        view.check_not_edited([*self._param_names, *self._buffer_names])
-        if not view.released and view.changed():
+        edited = view.check_not_edited([*self._param_names, *self._buffer_names])
+        if edited:
             # The user changed the module's tensors (load_state_dict, an assignment under
             # no_grad); the optimizer's state stays the step's, as it would in eager.
-            self._load_module()
+            self._load_module(edited)
         if view.optimizer_loaded:  # optimizer.load_state_dict since the last step
             self._load_optimizer()
         for i, x in enumerate(batch):

@@ -292,6 +292,23 @@ def test_a_released_tensor_edited_in_place_is_refused_and_the_state_kept() -> No
     assert float(step(x, y)) == pytest.approx(expected, rel=1e-5)
 
 
+def test_a_tensor_that_cannot_be_released_is_kept_whole_and_trained() -> None:
+    import weakref
+
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["adam"])
+    watched = weakref.ref(ours[0].weight)  # swap_tensors refuses a tensor with weakrefs
+    batches = _batches("mlp")[:4]
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches)
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+    actual = [float(step(*b)) for b in batches]
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    assert ours[0].weight.device.type == "cpu" and ours[2].weight.device.type == "meta"
+    assert "0.weight: Cannot swap t1 because it has weakref" in step.report()
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+    assert watched() is ours[0].weight
+
+
 def test_a_second_step_over_the_same_model_takes_the_state_over() -> None:
     eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["sgd_nesterov_wd"])
     batches = _batches("mlp")[:6]
