@@ -75,6 +75,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch._decomp
 import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._dynamo import convert_frame as _convert_frame
@@ -84,6 +85,7 @@ from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 from torch._functorch._aot_autograd.schemas import OutputType, SubclassCreationMeta
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import fx_placeholder_vals
 
 from dynajax.capability.eager_kernel import eager_refusal
@@ -322,6 +324,50 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     for op in (*FUSED_KERNELS, *CHECKED_KERNELS):
         table.pop(op, None)
     return table
+
+
+# Ops that write their inputs without saying so in their schema, which functionalization
+# would therefore not see: native_batch_norm's running statistics. ``functional_graph``
+# decomposes them in its first trace (below autograd: a backward still reads the op
+# whole), into ops whose writes are visible (``copy_`` into the statistics).
+_UNANNOTATED_MUTATIONS = (aten.native_batch_norm.default,)
+
+_PROFILER = (
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+)
+
+
+def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.fx.GraphModule:
+    """``fn`` on ``examples`` as one functional ATen graph, decomposed as the backend's.
+
+    Two traces: ``make_fx`` on fake tensors runs ``fn`` below autograd, so a
+    ``torch.autograd.grad`` inside it records torch's own derivative formulas and the
+    backward of each ``autograd.Function`` (as aot_autograd's joint graph does); then
+    ``functionalize`` and ``make_fx`` again with ``decompositions()``: in-place updates of
+    the inputs become values, which ``fn`` must return itself (functionalization's
+    ``copy_`` back into an input, and the profiler's markers, are dropped)."""
+    table = {op: torch._decomp.decomposition_table[op] for op in _UNANNOTATED_MUTATIONS}
+    joint = make_fx(
+        fn, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True
+    )(*examples)
+    plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in examples]
+    gm = make_fx(
+        torch.func.functionalize(joint, remove="mutations_and_views"),
+        decomposition_table=decompositions(),
+        tracing_mode="fake",
+        _allow_non_fake_inputs=True,
+    )(*plain)
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function":
+            continue
+        copy_back = node.target is aten.copy_.default and node.args[0].op == "placeholder"
+        if (copy_back or node.target in _PROFILER) and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
 
 
 def _unless_eager_refuses(op: Any, decompose: Callable[..., Any]) -> Callable[..., Any]:

@@ -44,9 +44,10 @@ from dynajax.aot import decompositions
 from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_of
 from dynajax.capability.verdict import source_line
 from dynajax.errors import CallbackOpsError, JaxFunctionError
+from dynajax.interop.autograd import TorchBackward, with_torch_backward
 from dynajax.interop.callbacks import CallbackOp, flat_outputs, from_numpy
 from dynajax.interop.checked import ValueCheckResult
-from dynajax.interop.interpreter import ExportInterpreter, SizeBindings
+from dynajax.interop.interpreter import TRUNCATION_WARNING, ExportInterpreter, SizeBindings
 from dynajax.lowering import attention
 from dynajax.lowering import checks as value_checks
 from dynajax.lowering.dtypes import TORCH_TO_JAX
@@ -57,9 +58,6 @@ from dynajax.runtime.conversion import to_jax
 aten = torch.ops.aten
 
 State = dict[str, jax.Array]
-
-# JAX's warning when a 64-bit dtype is asked for with its 64-bit mode off.
-_TRUNCATION_WARNING = "Explicitly requested dtype"
 
 
 class BufferUpdatesDiscardedWarning(UserWarning):
@@ -324,6 +322,8 @@ class JaxFunction:
         random_ops: tuple[str, ...],
         aliases: Mapping[str, str],
         checks: bool = True,
+        source: Any = None,
+        fallback_ops: Iterable[str] = (),
     ) -> None:
         self.exported_program = ep
         self.checks = checks
@@ -401,6 +401,18 @@ class JaxFunction:
         self._range = dict(ep.range_constraints)
         self._warned = False
         self._warned_inputs = False
+        # torch's backward as the VJP (None: JAX's autodiff of the rules).
+        self.torch_backward = (
+            TorchBackward(
+                source,
+                (*self.parameter_names, *self.buffer_names),
+                self.parameter_names,
+                self._in_spec,
+                tuple(fallback_ops),
+            )
+            if source is not None
+            else None
+        )
         self.__name__ = "jax_function"
         self.__qualname__ = "jax_function"
 
@@ -543,7 +555,7 @@ class JaxFunction:
         with warnings.catch_warnings():
             # Rules ask for int64/float64 by name; with JAX's 64-bit mode off JAX warns
             # that it gives 32 bits, which is this mode's documented behaviour.
-            warnings.filterwarnings("ignore", _TRUNCATION_WARNING, UserWarning)
+            warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
             sizes = SizeBindings()
             values = []
             for inp in self._inputs:
@@ -555,14 +567,7 @@ class JaxFunction:
                 else:
                     values.append(_array(state[inp.name], inp.example, f"state['{inp.name}']"))
             self._check_ranges(sizes)
-            interpreter = ExportInterpreter(self.graph_module, key, sizes)
-            checked = None
-            if check:
-                with value_checks.collecting() as found:
-                    results = interpreter.run(*values)
-                checked = ValueCheckResult(found.result(), found.checks)
-            else:
-                results = interpreter.run(*values)
+            results, checked = self._interpret(values, key, sizes, check)
             user_outputs, updates = [], {}
             new_leaves = list(leaves)
             for (kind, target), value in zip(self._outputs, results, strict=True):
@@ -577,6 +582,50 @@ class JaxFunction:
             new_args, _ = pytree.tree_unflatten(new_leaves, spec)
             outputs = _unflatten(self._out_spec, iter(user_outputs))
             return _Run(outputs, updates, tuple(new_args), checked)
+
+    def _interpret(
+        self, values: list[Any], key: Any, sizes: SizeBindings, check: bool
+    ) -> tuple[list[Any], ValueCheckResult | None]:
+        """The graph's outputs on ``values`` (and its value checks when ``check``),
+        differentiated by torch's backward (``interop/autograd.py``) unless the model
+        draws random numbers."""
+        positions = [i for i, v in enumerate(values) if hasattr(v, "shape")]
+        recorded: list[Any] = []
+
+        def primal(*arrays: Any) -> tuple[tuple[Any, ...], Any]:
+            vals = list(values)
+            for i, a in zip(positions, arrays, strict=True):
+                vals[i] = a
+            interpreter = ExportInterpreter(self.graph_module, key, sizes)
+            if not check:
+                return tuple(interpreter.run(*vals)), None
+            with value_checks.collecting() as found:
+                results = interpreter.run(*vals)
+            recorded[:] = found.checks
+            return tuple(results), found.result()
+
+        arrays = [values[i] for i in positions]
+        if self.torch_backward is None or self.random_ops:
+            results, vector = primal(*arrays)
+        else:
+            arg = {v: a for a, v in enumerate(positions)}
+            first: dict[str, int] = {}
+            leaves: dict[int, Any] = {}
+            for i, inp in enumerate(self._inputs):
+                if inp.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                    first.setdefault(inp.name, arg[i])
+                elif inp.kind is InputKind.USER_INPUT:
+                    leaves[int(inp.name)] = arg[i] if i in arg else ("value", values[i])
+            layout = {
+                "state": [first[n] for n in self.torch_backward.state_names],
+                "leaves": [leaves[k] for k in sorted(leaves)],
+                "outputs": [
+                    k for k, (kind, _) in enumerate(self._outputs) if kind is OutputKind.USER_OUTPUT
+                ],
+            }
+            results, vector = with_torch_backward(primal, self.torch_backward, layout)(*arrays)
+        checked = ValueCheckResult(vector, recorded) if check else None
+        return list(results), checked
 
     def _check_state_keys(self, state: Mapping[str, Any]) -> None:
         names = set(self.parameter_names) | set(self.buffer_names)
@@ -831,9 +880,18 @@ def jax_function(
     if strict and unwanted:
         raise CallbackOpsError(unwanted)
     callbacks = tuple(CallbackOp.from_verdict(v, _differentiable(nodes[v.node])) for v in refused)
-    fn = JaxFunction(ep, gm, callbacks, _random_ops(gm), _tied_names(module_or_fn), checks)
+    fn = JaxFunction(
+        ep,
+        gm,
+        callbacks,
+        _random_ops(gm),
+        _tied_names(module_or_fn),
+        checks,
+        source=module_or_fn,
+        fallback_ops=fallback_ops,
+    )
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", _TRUNCATION_WARNING, UserWarning)
+        warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
         state = {name: _state_array(ep, name) for name in (*fn.parameter_names, *fn.buffer_names)}
     return fn, state
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import sympy
 import torch
 import torch.fx
@@ -38,6 +39,7 @@ from dynajax.errors import DynajaxError, JaxFunctionError
 from dynajax.interop.callbacks import call_on_host, flat_outputs
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.interpreter import JaxInterpreter
+from dynajax.runtime.conversion import to_jax
 
 aten = torch.ops.aten
 
@@ -61,6 +63,12 @@ _SYM_FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.sym_int: int,
     torch.sym_ite: lambda c, a, b: a if c else b,
 }
+
+
+# JAX's warning when a 64-bit dtype is asked for with its 64-bit mode off: a rule asks
+# for int64/float64 by name, and with that mode off JAX gives 32 bits, which is
+# jax_function's documented behaviour in that mode.
+TRUNCATION_WARNING = "Explicitly requested dtype"
 
 
 class SizeBindings:
@@ -151,13 +159,24 @@ class ExportInterpreter(JaxInterpreter):
         gm: the graph, annotated by ``CapabilityChecker``.
         key: the JAX PRNG key random rules draw from (None when none draws).
         sizes: the size symbols bound from the traced input shapes.
+        constants: the arrays of the graph's ``get_attr`` nodes (``graph_constants``:
+            tensors a traced function closes over, which ``make_fx`` keeps as
+            attributes).
     """
 
     def __init__(
-        self, gm: torch.fx.GraphModule, key: jax.Array | None, sizes: SizeBindings
+        self,
+        gm: torch.fx.GraphModule,
+        key: jax.Array | None,
+        sizes: SizeBindings,
+        constants: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(gm, key)
         self.sizes = sizes
+        self.constants = constants or {}
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self.constants[target]
 
     def run_node(self, n: torch.fx.Node) -> Any:
         """The node's value; a rule failing on symbolic sizes (under ``jax.export``)
@@ -229,6 +248,15 @@ class ExportInterpreter(JaxInterpreter):
             f"node '{n.name}' ({_verdict_text(n)}) computes a host scalar from a tensor; a JAX "
             "function cannot read tensor values while tracing."
         )
+
+
+def graph_constants(gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """Each tensor attribute a ``get_attr`` node of ``gm`` reads, as an array."""
+    return {
+        n.target: jnp.asarray(to_jax(getattr(gm, n.target)))
+        for n in gm.graph.nodes
+        if n.op == "get_attr"
+    }
 
 
 def _symbolic_size_error(n: torch.fx.Node, e: Exception) -> JaxFunctionError:

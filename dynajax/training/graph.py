@@ -34,29 +34,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch._decomp
 import torch.fx
 from torch import nn
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
-from dynajax.aot import decompositions
+from dynajax.aot import functional_graph
 from dynajax.errors import TrainStepError
-
-aten = torch.ops.aten
-
-_PROFILER = (
-    torch.ops.profiler._record_function_enter_new.default,
-    torch.ops.profiler._record_function_exit._RecordFunction,
-)
-
-# Ops that write their inputs without saying so in their schema, which functionalization
-# would therefore not see: native_batch_norm's running statistics. Decomposed in the
-# first trace (below autograd: the backward still reads the op whole), into ops whose
-# writes are visible (``copy_`` into the statistics).
-_UNANNOTATED_MUTATIONS = {
-    op: torch._decomp.decomposition_table[op] for op in (aten.native_batch_norm.default,)
-}
 
 # State keys: (index of the parameter in the step's parameter list, key in its state).
 StateKey = tuple[int, str]
@@ -244,12 +227,7 @@ def trace_step(
     ]
     with _compiling():
         try:
-            joint = make_fx(
-                step,
-                decomposition_table=_UNANNOTATED_MUTATIONS,
-                tracing_mode="fake",
-                _allow_non_fake_inputs=True,
-            )(*examples)
+            gm = functional_graph(step, examples)
         except TrainStepError:
             raise
         except Exception as e:
@@ -258,14 +236,7 @@ def trace_step(
                 f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r}): {type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''}"
             ) from e
-    plain = [t.detach() for t in examples]
-    functional = make_fx(
-        torch.func.functionalize(joint, remove="mutations_and_views"),
-        decomposition_table=decompositions(),
-        tracing_mode="fake",
-    )(*plain)
-    _drop_bookkeeping(functional)
-    return StepGraph(functional, n_params, n_buffers, state_in, state_out)
+    return StepGraph(gm, n_params, n_buffers, state_in, state_out)
 
 
 def _check_loss(loss: Any) -> None:
@@ -279,18 +250,3 @@ def _check_loss(loss: Any) -> None:
             f"loss_fn must return the loss as a floating tensor of one element, got {what} "
             "(reduce it, e.g. with .mean(), as loss.backward() would need)."
         )
-
-
-def _drop_bookkeeping(gm: torch.fx.GraphModule) -> None:
-    """Removes functionalization's ``copy_`` of new values into the inputs (the step
-    returns those values, and its program's state arrays are donated) and the
-    profiler's ``record_function`` markers around ``optimizer.step``."""
-    graph = gm.graph
-    for node in reversed(list(graph.nodes)):
-        if node.op != "call_function":
-            continue
-        copy_back = node.target is aten.copy_.default and node.args[0].op == "placeholder"
-        if (copy_back or node.target in _PROFILER) and not node.users:
-            graph.erase_node(node)
-    graph.lint()
-    gm.recompile()

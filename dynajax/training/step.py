@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import nn
@@ -40,7 +39,7 @@ from torch import nn
 from dynajax.capability import CapabilityChecker, Reason
 from dynajax.config import check_mesh, resolve_device
 from dynajax.errors import CallbackOpsError, OptionsError, TrainStepError
-from dynajax.interop.interpreter import ExportInterpreter, SizeBindings
+from dynajax.interop.interpreter import ExportInterpreter, SizeBindings, graph_constants
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.lowering.interpreter import needs_key
 from dynajax.passes import run_passes
@@ -410,7 +409,7 @@ class TrainStep:
         if self.strict and unwanted:
             raise CallbackOpsError(unwanted)
         random = needs_key(gm)
-        constants = _constants(gm)
+        constants = graph_constants(gm)
         layout = self.layout
         state_shapes = _output_shapes(gm)[1 + graph.n_params + graph.n_buffers :]
         state_shardings = [
@@ -421,7 +420,7 @@ class TrainStep:
             params, buffers, opt_state = state
             key = jax.random.key(seed) if random else None
             arrays = [*params, *buffers, *opt_state, *lrs, *xs]
-            out = _StepInterpreter(gm, key, constants).run(*arrays)
+            out = ExportInterpreter(gm, key, SizeBindings(), constants).run(*arrays)
             n, b = graph.n_params, graph.n_buffers
             loss = out[0]
             return loss, list(out[1 : 1 + n]), list(out[1 + n : 1 + n + b]), list(out[1 + n + b :])
@@ -433,29 +432,6 @@ class TrainStep:
         out_shardings = (layout.replicated, layout.params, layout.buffers, state_shardings)
         run = jax.jit(step, donate_argnums=donate, out_shardings=out_shardings)
         return _Program(graph, run, random)
-
-
-class _StepInterpreter(ExportInterpreter):
-    """``ExportInterpreter`` with the graph's tensor constants (``get_attr``: tensors
-    the model or the optimizer closes over, which ``make_fx`` keeps as attributes)."""
-
-    def __init__(
-        self, gm: torch.fx.GraphModule, key: jax.Array | None, constants: dict[str, Any]
-    ) -> None:
-        super().__init__(gm, key, SizeBindings())
-        self.constants = constants
-
-    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
-        return self.constants[target]
-
-
-def _constants(gm: torch.fx.GraphModule) -> dict[str, Any]:
-    """Each tensor attribute a ``get_attr`` node reads, as an array."""
-    return {
-        n.target: jnp.asarray(to_jax(getattr(gm, n.target)))
-        for n in gm.graph.nodes
-        if n.op == "get_attr"
-    }
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:

@@ -1,0 +1,239 @@
+"""``jax.grad`` of a ``jax_function`` is ``torch.autograd``'s gradient.
+
+JAX's autodiff of the lowering rules is not torch's derivative everywhere: an
+``nn.Embedding`` with ``padding_idx`` gives its padding row no gradient in torch, a
+``torch.autograd.Function`` has its own backward (a straight-through estimator), and
+torch picks its own subgradients (``abs``, ``relu``, ``clamp`` and ``norm`` at 0, ties in
+``max``), NaN and inf. So a ``JaxFunction`` is a ``jax.custom_vjp`` whose backward is
+torch's: ``TorchBackward`` traces, per input signature, the function
+
+    (state, inputs, cotangents) -> torch.autograd.grad(outputs, (parameters, inputs),
+                                                       cotangents)
+
+of the user's own module with ``aot.functional_graph`` (below autograd: torch's formulas
+and every ``autograd.Function``'s backward are what it records), lowers that graph
+through the same rules as the forward, and runs it as the VJP. The forward stays the
+exported program. The backward graph recomputes the forward it needs (XLA shares what it
+can with the forward's program under ``jax.jit``).
+
+Forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) of a custom VJP is refused by
+JAX with its own error; a model with random ops (dropout in train mode) keeps JAX's
+autodiff of the rules, because its backward would draw other numbers than its forward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from dynajax.aot import functional_graph
+from dynajax.capability import CapabilityChecker, Reason
+from dynajax.errors import JaxFunctionError
+from dynajax.interop.interpreter import (
+    TRUNCATION_WARNING,
+    ExportInterpreter,
+    SizeBindings,
+    graph_constants,
+)
+from dynajax.lowering.dtypes import JAX_TO_TORCH
+from dynajax.passes import run_passes
+
+
+def _inexact(dtype: Any) -> bool:
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+class TorchBackward:
+    """torch's VJP of a ``jax_function``'s source, as JAX computations.
+
+    Args:
+        source: the user's ``nn.Module`` or function (what was exported).
+        state_names: the state entries, in the order ``vjp`` takes them.
+        parameter_names: which of them are parameters (differentiated).
+        in_spec: the pytree spec of ``(args, kwargs)`` of the user inputs.
+        fallback_ops: the backend option (ops kept in eager PyTorch).
+    """
+
+    def __init__(
+        self,
+        source: nn.Module | Any,
+        state_names: Sequence[str],
+        parameter_names: Sequence[str],
+        in_spec: pytree.TreeSpec,
+        fallback_ops: Sequence[str],
+    ) -> None:
+        self.source = source
+        self.state_names = list(state_names)
+        self.parameter_names = set(parameter_names)
+        self.in_spec = in_spec
+        self.fallback_ops = tuple(fallback_ops)
+        # The train/eval mode each submodule was exported in: the trace uses the same.
+        self._modes = (
+            [(m, m.training) for m in source.modules()] if isinstance(source, nn.Module) else []
+        )
+        self._graphs: dict[Any, tuple[torch.fx.GraphModule, dict[str, Any], list[int]]] = {}
+
+    def vjp(
+        self, state: Sequence[Any], leaves: Sequence[Any], cotangents: Sequence[Any]
+    ) -> tuple[list[Any], list[Any]]:
+        """The gradients of ``<cotangents, outputs>`` with respect to the state entries
+        and the user inputs (None where there is none: buffers, integers, unused).
+        ``leaves``: the user inputs, arrays or the Python values the export fixed."""
+        arrays = [a for a in (*state, *leaves, *cotangents) if _is_array(a)]
+        key = (
+            tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays),
+            tuple(repr(v) for v in leaves if not _is_array(v)),
+        )
+        found = self._graphs.get(key)
+        if found is None:
+            found = self._graphs[key] = self._trace(state, leaves, cotangents)
+        gm, constants, positions = found
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
+            grads = ExportInterpreter(gm, None, SizeBindings(), constants).run(*arrays)
+        out: list[Any] = [None] * (len(state) + len(leaves))
+        for position, grad in zip(positions, grads, strict=True):
+            out[position] = grad
+        return out[: len(state)], out[len(state) :]
+
+    def _trace(
+        self, state: Sequence[Any], leaves: Sequence[Any], cotangents: Sequence[Any]
+    ) -> tuple[torch.fx.GraphModule, dict[str, Any], list[int]]:
+        n_state = len(state)
+        traced = [i for i, a in enumerate([*state, *leaves]) if _is_array(a)]
+        wrt = [
+            i
+            for i, a in enumerate([*state, *leaves])
+            if _is_array(a)
+            and _inexact(a.dtype)
+            and (i >= n_state or self.state_names[i] in self.parameter_names)
+        ]
+        positions: list[int] = []
+
+        def joint(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            tensors: list[Any] = [*state, *leaves]  # Python values stay as they are
+            for i, t in zip(traced, flat, strict=False):
+                tensors[i] = t
+            cts = flat[len(traced) :]
+            with torch.enable_grad():
+                for i in wrt:
+                    tensors[i] = tensors[i].detach().requires_grad_(True)
+                values = dict(zip(self.state_names, tensors[:n_state], strict=True))
+                args, kwargs = pytree.tree_unflatten(tensors[n_state:], self.in_spec)
+                if isinstance(self.source, nn.Module):
+                    out = torch.func.functional_call(self.source, values, tuple(args), kwargs)
+                else:
+                    out = self.source(*args, **kwargs)
+                outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+                if len(outputs) != len(cts):
+                    raise JaxFunctionError(
+                        f"torch's backward of this function sees {len(outputs)} output "
+                        f"tensors where the export has {len(cts)}; please report this bug."
+                    )
+                pairs = [
+                    (o, c)
+                    for o, c in zip(outputs, cts, strict=True)
+                    if o.requires_grad and (o.is_floating_point() or o.is_complex())
+                ]
+                inputs = [tensors[i] for i in wrt]
+                grads = (
+                    torch.autograd.grad(
+                        [o for o, _ in pairs],
+                        inputs,
+                        [c.to(o.dtype) for o, c in pairs],
+                        allow_unused=True,
+                    )
+                    if pairs
+                    else [None] * len(inputs)
+                )
+            positions.clear()
+            result = []
+            for i, g in zip(wrt, grads, strict=True):
+                if g is not None:
+                    positions.append(i)
+                    result.append(g.detach())
+            return tuple(result)
+
+        examples = [
+            torch.empty(a.shape, dtype=JAX_TO_TORCH[np.dtype(a.dtype)])
+            for a in (*state, *leaves, *cotangents)
+            if _is_array(a)
+        ]
+        saved = [(m, m.training) for m, _ in self._modes]
+        try:
+            for m, mode in self._modes:
+                m.training = mode
+            gm = functional_graph(joint, examples)
+        except JaxFunctionError:
+            raise
+        except Exception as e:
+            raise JaxFunctionError(
+                "torch's backward of this function could not be traced for jax.grad: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from e
+        finally:
+            for m, mode in saved:
+                m.training = mode
+        gm = run_passes(gm)
+        refused = CapabilityChecker(self.fallback_ops).annotate(gm)
+        impossible = [v for v in refused if v.reason in (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE)]
+        if impossible:
+            raise JaxFunctionError(
+                "torch's backward of this function has ops a JAX function cannot hold:\n"
+                + "\n".join(f"  - {v.describe()}" for v in impossible)
+            )
+        return gm, graph_constants(gm), list(positions)
+
+
+def with_torch_backward(primal: Any, backward: TorchBackward, layout: Mapping[str, Any]) -> Any:
+    """``primal(*arrays) -> (results, extra)`` as a ``jax.custom_vjp`` whose VJP is
+    ``backward``'s. ``layout``: ``state`` (argument positions of the state entries, in
+    ``backward.state_names`` order), ``leaves`` (per user input, its argument position,
+    or its Python value as ``("value", v)``), ``outputs`` (positions among ``results`` of
+    the user outputs)."""
+    state_pos: list[int] = layout["state"]
+    leaf_pos: list[Any] = layout["leaves"]
+    out_pos: list[int] = layout["outputs"]
+
+    @jax.custom_vjp
+    def run(*arrays: Any) -> Any:
+        return primal(*arrays)
+
+    def fwd(*arrays: Any) -> Any:
+        return primal(*arrays), arrays
+
+    def bwd(arrays: Any, cts: Any) -> Any:
+        results_ct, _ = cts
+        state = [arrays[p] for p in state_pos]
+        leaves = [p[1] if isinstance(p, tuple) else arrays[p] for p in leaf_pos]
+        outs = [_dense(results_ct[p]) for p in out_pos]
+        state_grads, leaf_grads = backward.vjp(state, leaves, outs)
+        grads: list[Any] = [None] * len(arrays)
+        for p, g in zip(state_pos, state_grads, strict=True):
+            grads[p] = g
+        for p, g in zip(leaf_pos, leaf_grads, strict=True):
+            if not isinstance(p, tuple):
+                grads[p] = g
+        return tuple(grads)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def _dense(ct: Any) -> Any:
+    """A cotangent as an array of a real dtype (JAX passes float0 for an integer
+    output, whose cotangent torch never reads)."""
+    if ct.dtype == jax.dtypes.float0:
+        return jax.numpy.zeros(ct.shape, jax.numpy.float32)
+    return ct

@@ -1,0 +1,193 @@
+"""``jax.grad`` of a ``jax_function`` is ``torch.autograd``'s gradient: torch's own
+derivative formulas (``padding_idx``, subgradients at 0, ties, NaN), the user's
+``autograd.Function`` backwards, ``torch.utils.checkpoint``; and a ``transformers`` BERT
+fine-tuned with optax equals ``torch.optim.AdamW``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dynajax
+from tests import models
+
+
+def _grads_agree(f, *xs: torch.Tensor) -> None:
+    """jax.grad of fn (w.r.t. every input) against torch.autograd.grad, in float64."""
+    fn, _ = dynajax.jax_function(f, *xs)
+    ts = [x.clone().requires_grad_() for x in xs]
+    expected = torch.autograd.grad(f(*ts), ts, allow_unused=True)
+    with jax.enable_x64(True):
+        actual = jax.grad(lambda *a: fn({}, *a), argnums=tuple(range(len(xs))))(
+            *[x.numpy() for x in xs]
+        )
+    for a, e, t in zip(actual, expected, ts, strict=True):
+        e = torch.zeros_like(t) if e is None else e
+        np.testing.assert_allclose(np.asarray(a), e.numpy(), rtol=1e-12, atol=0, equal_nan=True)
+
+
+def _f64(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+# torch's derivative where JAX's autodiff of a rule would differ: subgradients at 0 and
+# at the clamp bounds, ties (torch splits amax's gradient evenly, max.dim/median pick
+# one index), inf and NaN, the branch where() does not select.
+CASES = {
+    "abs": (lambda x: x.abs().sum(), _f64(0.0, -1.0, 2.0)),
+    "relu": (lambda x: torch.relu(x).sum(), _f64(0.0, -1.0, 2.0)),
+    "clamp": (lambda x: x.clamp(0.0, 1.0).sum(), _f64(0.0, 1.0, 0.5, 2.0)),
+    "hardtanh": (lambda x: F.hardtanh(x).sum(), _f64(-1.0, 1.0, 0.0, 3.0)),
+    "norm": (lambda x: torch.linalg.vector_norm(x), _f64(0.0, 0.0, 0.0)),
+    "sqrt": (lambda x: x.sqrt().sum(), _f64(0.0, 4.0)),
+    "max": (lambda x: x.max(), _f64(1.0, 3.0, 3.0, 2.0)),
+    "max_dim": (lambda x: x.max(dim=0).values.sum(), _f64(3.0, 3.0, 1.0)),
+    "amax": (lambda x: x.amax(), _f64(1.0, 3.0, 3.0, 2.0)),
+    "median": (lambda x: x.median(), _f64(1.0, 2.0, 2.0, 3.0)),
+    "inf": (lambda x: (1.0 / x).sum(), _f64(0.0, 2.0)),
+    "nan": (lambda x: x.log().sum(), _f64(-1.0, 2.0)),
+    "where_nan_branch": (
+        lambda x: torch.where(x > 0, x, x.log()).sum(),
+        _f64(1.0, -1.0, 2.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torchs_derivative_at_the_points_where_rules_differ(name: str) -> None:
+    f, x = CASES[name]
+    _grads_agree(f, x)
+
+
+class _RoundThrough(torch.autograd.Function):
+    """Rounding with a straight-through backward (quantization-aware training)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return grad
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """ctx.save_for_backward and once_differentiable: the backward is the user's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x  # deliberately not 2x: the user's backward rules
+
+
+def test_custom_autograd_functions_use_their_own_backward() -> None:
+    x = torch.randn(6, dtype=torch.float64)
+    _grads_agree(lambda x: (_RoundThrough.apply(x * 3) * x).sum(), x)
+    _grads_agree(lambda x: _ScaledGrad.apply(x).sum(), x)
+    fn, _ = dynajax.jax_function(lambda x: _RoundThrough.apply(x).sum(), x.float())
+    assert np.asarray(jax.grad(lambda a: fn({}, a))(np.ones(6, np.float32))).tolist() == [1.0] * 6
+
+
+def test_activation_checkpointing_gives_autograds_gradient() -> None:
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)).double()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return y.square().sum()
+
+    _grads_agree(f, torch.randn(3, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("scale_grad_by_freq", [False, True])
+def test_embedding_padding_row_gets_no_gradient(scale_grad_by_freq: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(10, 4, padding_idx=0, scale_grad_by_freq=scale_grad_by_freq),
+        nn.Linear(4, 2),
+    )
+    ids = torch.tensor([[0, 1, 2, 0, 2, 2]])
+    fn, state = dynajax.jax_function(model, ids)
+    params, buffers = fn.split_state(state)
+    grads = jax.grad(lambda p: jnp.square(fn({**p, **buffers}, ids.numpy())).sum())(params)
+    model(ids).square().sum().backward()
+    assert not np.asarray(grads["0.weight"])[0].any()  # JAX's autodiff gives ones there
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(np.asarray(grads[name]), p.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_vjp_and_value_and_grad_are_torchs_and_forward_mode_says_why() -> None:
+    x = _f64(0.0, -2.0, 3.0)
+    fn, _ = dynajax.jax_function(lambda x: x.abs() * 2, x)
+    with jax.enable_x64(True):
+        y, pullback = jax.vjp(lambda a: fn({}, a), x.numpy())
+        (g,) = pullback(jnp.ones(3))
+        assert np.asarray(g).tolist() == [0.0, -2.0, 2.0]  # torch: sign(0) = 0
+        value, g2 = jax.value_and_grad(lambda a: fn({}, a).sum())(x.numpy())
+        assert float(value) == 10.0 and np.asarray(g2).tolist() == [0.0, -2.0, 2.0]
+        with pytest.raises(TypeError, match="forward-mode autodiff"):
+            jax.jvp(lambda a: fn({}, a), (x.numpy(),), (jnp.ones(3),))
+
+
+def test_bert_fine_tuned_with_optax_equals_torch_adamw() -> None:
+    import optax
+
+    torch.manual_seed(0)
+    model = models.bert(layers=2, width=32, heads=4, vocab=64).eval()  # eval: no dropout
+    head = nn.Linear(32, 2)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 64, (4, 12), generator=gen)
+    ids[:, 9:] = 0  # padding: BERT's word embeddings have padding_idx 0
+    labels = torch.tensor([0, 1, 1, 0])
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert, self.head = model, head
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            pooled = self.bert(ids).last_hidden_state[:, 0]
+            return F.cross_entropy(self.head(pooled), labels)
+
+    torch_model = Classifier()
+    fn, state = dynajax.jax_function(torch_model, ids, labels)
+    params, buffers = fn.split_state(state)
+    opt = optax.adamw(1e-3, weight_decay=0.01)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state):  # type: ignore[no-untyped-def]
+        loss, grads = jax.value_and_grad(
+            lambda p: fn({**p, **buffers}, ids.numpy(), labels.numpy())
+        )(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(5):
+        params, opt_state, loss = step(params, opt_state)
+        torch_opt.zero_grad()
+        expected = torch_model(ids, labels)
+        expected.backward()
+        torch_opt.step()
+        assert float(loss) == pytest.approx(expected.item(), rel=1e-5)
+    padding_row = "bert.embeddings.word_embeddings.weight"
+    trained = dict(torch_model.named_parameters())
+    np.testing.assert_allclose(
+        np.asarray(params[padding_row]), trained[padding_row].detach().numpy(), atol=2e-5
+    )
