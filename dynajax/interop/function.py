@@ -43,17 +43,18 @@ from torch.export.graph_signature import InputKind, OutputKind
 from dynajax.aot import decompositions
 from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_of
 from dynajax.capability.verdict import source_line
-from dynajax.errors import CallbackOpsError, JaxFunctionError
+from dynajax.errors import CallbackOpsError, DynajaxError, JaxFunctionError
 from dynajax.interop.autograd import TorchBackward, with_torch_backward
 from dynajax.interop.callbacks import CallbackOp, flat_outputs, from_numpy
 from dynajax.interop.checked import ValueCheckResult
 from dynajax.interop.interpreter import TRUNCATION_WARNING, ExportInterpreter, SizeBindings
 from dynajax.lowering import attention
 from dynajax.lowering import checks as value_checks
-from dynajax.lowering.dtypes import TORCH_TO_JAX
+from dynajax.lowering.dtypes import JAX_TO_TORCH, TORCH_TO_JAX
 from dynajax.lowering.registry import get_rule
 from dynajax.passes import run_passes
 from dynajax.runtime.conversion import to_jax
+from dynajax.sharding.placement import gather_to_torch
 
 aten = torch.ops.aten
 
@@ -324,8 +325,12 @@ class JaxFunction:
         checks: bool = True,
         source: Any = None,
         fallback_ops: Iterable[str] = (),
+        rebuild: Callable[[tuple[Any, ...]], JaxFunction] | None = None,
     ) -> None:
         self.exported_program = ep
+        # Another export of the source at other sizes, per input shapes (_variant_for).
+        self._rebuild = rebuild
+        self._variants: dict[Any, JaxFunction] = {}
         self.checks = checks
         self.graph_module = gm
         self.callbacks = callbacks
@@ -490,6 +495,56 @@ class JaxFunction:
             run.checked.throw()
         return run
 
+    def load_into(self, model: nn.Module, state: Mapping[str, Any], *, copy: bool = True) -> None:
+        """Writes ``state`` (the function's state dict, trained in JAX, say) into the
+        torch module's parameters and buffers, for ``save_pretrained``, evaluation or
+        more training in PyTorch.
+
+        ``model`` is the module ``jax_function`` was built from or one of the same
+        architecture; every state entry must name one of its parameters or buffers with
+        the same shape (a tied weight is written once, under either name). Sharded
+        arrays are gathered. ``copy=False`` makes each tensor a zero-copy view of its
+        array where the devices allow (CPU arrays into a CPU module, a GPU array into a
+        tensor on the same GPU): no memory is added, but the arrays are then shared
+        with torch, and a torch in-place update (an optimizer step) writes into memory
+        JAX takes as immutable; the default copies.
+
+        Raises:
+            JaxFunctionError: an entry the module does not have, or of another shape or
+                dtype; nothing is written then.
+        """
+        self._check_state_keys(state)
+        targets = dict(model.named_parameters(remove_duplicate=False))
+        targets.update(model.named_buffers(remove_duplicate=False))
+        problems = []
+        for name, value in state.items():
+            t = targets.get(name)
+            if t is None:
+                problems.append(f"'{name}': the module has no such parameter or buffer")
+            elif tuple(t.shape) != tuple(np.shape(value)):
+                problems.append(
+                    f"'{name}': {tuple(np.shape(value))} here, {tuple(t.shape)} in the module"
+                )
+            elif TORCH_TO_JAX.get(t.dtype) != np.dtype(value.dtype) and not (
+                _NARROWED.get(TORCH_TO_JAX.get(t.dtype)) == np.dtype(value.dtype)
+            ):
+                problems.append(f"'{name}': {value.dtype} here, {t.dtype} in the module")
+        if problems:
+            raise JaxFunctionError(
+                "the state does not fit this module; nothing was written:\n"
+                + "\n".join(f"  - {p}" for p in problems[:10])
+            )
+        with torch.no_grad():
+            for name, value in state.items():
+                t = targets[name]
+                tensor = gather_to_torch(value)
+                if tensor.dtype != t.dtype:
+                    tensor = tensor.to(t.dtype)  # made with JAX's 64-bit mode off
+                if copy or tensor.device != t.device or tensor.dtype != t.dtype:
+                    t.copy_(tensor)
+                else:
+                    t.data = tensor
+
     def split_state(self, state: Mapping[str, Any]) -> tuple[State, State]:
         """``(parameters, buffers)`` of a state dict: differentiate the first."""
         params = {n: state[n] for n in self.parameter_names if n in state}
@@ -552,6 +607,9 @@ class JaxFunction:
                 f"fn takes its arguments nested as the example arguments were: {self._in_spec}; "
                 f"got {spec}."
             )
+        variant = self._variant_for(leaves)
+        if variant is not self:
+            return variant._run(state, args, key, check=check)
         with warnings.catch_warnings():
             # Rules ask for int64/float64 by name; with JAX's 64-bit mode off JAX warns
             # that it gives 32 bits, which is this mode's documented behaviour.
@@ -582,6 +640,47 @@ class JaxFunction:
             new_args, _ = pytree.tree_unflatten(new_leaves, spec)
             outputs = _unflatten(self._out_spec, iter(user_outputs))
             return _Run(outputs, updates, tuple(new_args), checked)
+
+    def _variant_for(self, leaves: list[Any]) -> JaxFunction:
+        """The function for these inputs' sizes: ``self`` when every static size is the
+        export's, else the model exported again at the new sizes (once per shape, as
+        ``jax.jit`` retraces per shape)."""
+        shapes = []
+        for inp in self._inputs:
+            if inp.kind is not InputKind.USER_INPUT or not isinstance(inp.example, torch.Tensor):
+                continue
+            leaf = leaves[int(inp.name)]
+            shape = tuple(np.shape(leaf))
+            static = [s if isinstance(s, int) else None for s in inp.example.shape]
+            shapes.append(shape)
+            if len(shape) != len(static) or any(
+                want is not None and got != want for got, want in zip(shape, static, strict=True)
+            ):
+                break
+        else:
+            return self
+        if self._rebuild is None:
+            return self  # no source to export again: _array says which size differs
+        key = tuple(
+            (tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf)))) for leaf in leaves
+        )
+        found = self._variants.get(key)
+        if found is None:
+            examples = [_example_like(leaf) for leaf in leaves]
+            args, _ = pytree.tree_unflatten(examples, self._in_spec)
+            try:
+                found = self._rebuild(tuple(args))
+            except DynajaxError:
+                raise
+            except Exception as e:
+                sizes = ", ".join(str(tuple(np.shape(leaf))) for leaf in leaves)
+                raise JaxFunctionError(
+                    f"the model cannot run at these input sizes ({sizes}): torch.export of "
+                    f"it at them failed with {type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                ) from e
+            self._variants[key] = found
+        return found
 
     def _interpret(
         self, values: list[Any], key: Any, sizes: SizeBindings, check: bool
@@ -832,9 +931,11 @@ def jax_function(
             them), as for ``torch.export.export``; the function takes arrays nested the
             same way.
         dynamic_shapes: ``torch.export``'s ``dynamic_shapes`` (``torch.export.Dim``) for
-            dims that may vary; other dims are fixed at the example's sizes. The JAX
-            function reads every size from the arrays it is traced with, so under
-            ``jax.jit`` it retraces per shape.
+            dims that may vary in one symbolic program (``dynajax.export``'s symbolic
+            dims). Without them, a call at other sizes than the example's exports the
+            model again at those sizes, once per shape (as ``jax.jit`` retraces per
+            shape); where the model cannot run at a size, ``JaxFunctionError`` gives
+            torch.export's reason.
         strict: raise ``CallbackOpsError`` listing every op without a JAX rule (with
             its source line), instead of running those ops in eager PyTorch through
             host callbacks.
@@ -858,7 +959,53 @@ def jax_function(
             depend on tensor data, dtypes JAX lacks, control-flow submodules).
     """
     examples = pytree.tree_map(_example_tensor, tuple(example_args))
-    ep = export(module_or_fn, examples, dynamic_shapes)
+    modes = (
+        [(m, m.training) for m in module_or_fn.modules()]
+        if isinstance(module_or_fn, nn.Module)
+        else []
+    )
+
+    def build(examples: tuple[Any, ...]) -> JaxFunction:
+        return _build(
+            module_or_fn,
+            examples,
+            dynamic_shapes=dynamic_shapes,
+            strict=strict,
+            fallback_ops=tuple(fallback_ops),
+            checks=checks,
+            modes=modes,
+            rebuild=build,
+        )
+
+    fn = build(examples)
+    ep = fn.exported_program
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
+        state = {name: _state_array(ep, name) for name in (*fn.parameter_names, *fn.buffer_names)}
+    return fn, state
+
+
+def _build(
+    module_or_fn: nn.Module | Callable[..., Any],
+    examples: tuple[Any, ...],
+    *,
+    dynamic_shapes: Any,
+    strict: bool,
+    fallback_ops: tuple[str, ...],
+    checks: bool,
+    modes: list[tuple[nn.Module, bool]],
+    rebuild: Callable[[tuple[Any, ...]], JaxFunction] | None,
+) -> JaxFunction:
+    """The ``JaxFunction`` of one export of ``module_or_fn`` at ``examples``' sizes (each
+    submodule in the train/eval mode it had when ``jax_function`` was called)."""
+    saved = [(m, m.training) for m, _ in modes]
+    try:
+        for m, mode in modes:
+            m.training = mode
+        ep = export(module_or_fn, examples, dynamic_shapes)
+    finally:
+        for m, mode in saved:
+            m.training = mode
     gm = run_passes(ep.graph_module)
     refused = CapabilityChecker(fallback_ops).annotate(gm)
     impossible = [v for v in refused if v.reason in (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE)]
@@ -880,7 +1027,7 @@ def jax_function(
     if strict and unwanted:
         raise CallbackOpsError(unwanted)
     callbacks = tuple(CallbackOp.from_verdict(v, _differentiable(nodes[v.node])) for v in refused)
-    fn = JaxFunction(
+    return JaxFunction(
         ep,
         gm,
         callbacks,
@@ -889,11 +1036,18 @@ def jax_function(
         checks,
         source=module_or_fn,
         fallback_ops=fallback_ops,
+        rebuild=rebuild,
     )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
-        state = {name: _state_array(ep, name) for name in (*fn.parameter_names, *fn.buffer_names)}
-    return fn, state
+
+
+def _example_like(leaf: Any) -> Any:
+    """An example input for another export at ``leaf``'s size: its values when it has
+    them, zeros of its shape and dtype under a JAX trace."""
+    if isinstance(leaf, jax.core.Tracer):
+        return torch.zeros(leaf.shape, dtype=JAX_TO_TORCH[np.dtype(leaf.dtype)])
+    if isinstance(leaf, jax.Array | np.ndarray):
+        return _example_tensor(leaf)
+    return leaf
 
 
 def _example_tensor(value: Any) -> Any:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynajax
+from dynajax.errors import JaxFunctionError
 from tests import models
 
 
@@ -191,3 +192,48 @@ def test_bert_fine_tuned_with_optax_equals_torch_adamw() -> None:
     np.testing.assert_allclose(
         np.asarray(params[padding_row]), trained[padding_row].detach().numpy(), atol=2e-5
     )
+
+
+def test_state_trained_with_optax_goes_back_into_the_module(tmp_path) -> None:
+    import optax
+    import transformers
+
+    torch.manual_seed(0)
+    model = models.gpt2(layers=1, width=32, heads=4, vocab=64).eval()
+    ids = torch.randint(0, 64, (2, 10))
+    fn, state = dynajax.jax_function(model, ids)
+    params, buffers = fn.split_state(state)
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(params)
+
+    def loss(p):  # type: ignore[no-untyped-def]
+        logits = fn({**p, **buffers}, ids.numpy())["logits"]
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    for _ in range(3):
+        grads = jax.grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state)
+        params = optax.apply_updates(params, updates)
+    trained = {**params, **buffers}
+    expected = np.asarray(fn(trained, ids.numpy())["logits"])
+
+    fn.load_into(model, trained)
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        for m in (model, reloaded):
+            np.testing.assert_allclose(m(ids).logits.numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()
+
+    # copy=False: each tensor views its array's memory (CPU arrays, CPU module).
+    fn.load_into(model, trained, copy=False)
+    weight = model.transformer.wte.weight
+    assert weight.data_ptr() == trained["transformer.wte.weight"].unsafe_buffer_pointer()
+    assert model.lm_head.weight is weight  # still tied
+
+    other = models.gpt2(layers=1, width=48, heads=4, vocab=64)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(JaxFunctionError, match=r"does not fit this module; nothing was written"):
+        fn.load_into(other, trained)
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k])
