@@ -514,7 +514,7 @@ class JaxFunction:
                 dtype; nothing is written then.
         """
         self._check_state_keys(state)
-        targets = dict(model.named_parameters(remove_duplicate=False))
+        targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         targets.update(model.named_buffers(remove_duplicate=False))
         problems = []
         for name, value in state.items():
@@ -525,9 +525,7 @@ class JaxFunction:
                 problems.append(
                     f"'{name}': {tuple(np.shape(value))} here, {tuple(t.shape)} in the module"
                 )
-            elif TORCH_TO_JAX.get(t.dtype) != np.dtype(value.dtype) and not (
-                _NARROWED.get(TORCH_TO_JAX.get(t.dtype)) == np.dtype(value.dtype)
-            ):
+            elif not _fits(t.dtype, np.dtype(value.dtype)):
                 problems.append(f"'{name}': {value.dtype} here, {t.dtype} in the module")
         if problems:
             raise JaxFunctionError(
@@ -1038,6 +1036,13 @@ def _build(
         fallback_ops=fallback_ops,
         rebuild=rebuild,
     )
+
+
+def _fits(dtype: torch.dtype, array_dtype: np.dtype) -> bool:
+    """Whether an array of ``array_dtype`` holds a tensor of ``dtype`` (a 64-bit one as
+    32 bits when made with JAX's 64-bit mode off)."""
+    want = TORCH_TO_JAX.get(dtype)
+    return want is not None and (want == array_dtype or _NARROWED.get(want) == array_dtype)
 
 
 def _example_like(leaf: Any) -> Any:
