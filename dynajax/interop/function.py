@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import operator
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +36,7 @@ import sympy
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from jax.sharding import PartitionSpec
 from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
@@ -702,6 +703,32 @@ class JaxFunction:
             return tuple(results), found.result()
 
         arrays = [values[i] for i in positions]
+        mesh = _explicit_mesh(arrays)
+        if mesh is not None:
+            # Arrays on a mesh with Explicit axes (jax.make_mesh's default): the torch
+            # graph's ops carry no sharding annotations, which Explicit axes require of
+            # every contraction, so the function runs with those axes Auto (XLA's
+            # partitioner propagates), its outputs replicated back on the user's mesh.
+            explicit = tuple(
+                n
+                for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if t == jax.sharding.AxisType.Explicit
+            )
+            inner = self._interpret_arrays
+            with jax.sharding.use_abstract_mesh(mesh):
+                results, vector = jax.sharding.auto_axes(
+                    lambda *a: inner(primal, a, values, positions),
+                    axes=explicit,
+                    out_sharding=PartitionSpec(),
+                )(*arrays)
+        else:
+            results, vector = self._interpret_arrays(primal, arrays, values, positions)
+        checked = ValueCheckResult(vector, recorded) if check else None
+        return list(results), checked
+
+    def _interpret_arrays(
+        self, primal: Callable[..., Any], arrays: Any, values: list[Any], positions: list[int]
+    ) -> tuple[Any, Any]:
         if self.torch_backward is None or self.random_ops:
             results, vector = primal(*arrays)
         else:
@@ -721,8 +748,7 @@ class JaxFunction:
                 ],
             }
             results, vector = with_torch_backward(primal, self.torch_backward, layout)(*arrays)
-        checked = ValueCheckResult(vector, recorded) if check else None
-        return list(results), checked
+        return results, vector
 
     def _check_state_keys(self, state: Mapping[str, Any]) -> None:
         names = set(self.parameter_names) | set(self.buffer_names)
@@ -1036,6 +1062,19 @@ def _build(
         fallback_ops=fallback_ops,
         rebuild=rebuild,
     )
+
+
+def _explicit_mesh(arrays: Sequence[Any]) -> Any:
+    """The (abstract) mesh of the first array laid out on a mesh with an Explicit axis,
+    or None."""
+    explicit = jax.sharding.AxisType.Explicit
+    for a in arrays:
+        if not isinstance(a, jax.Array):
+            continue
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and explicit in tuple(mesh.axis_types):
+            return mesh
+    return None
 
 
 def _fits(dtype: torch.dtype, array_dtype: np.dtype) -> bool:

@@ -322,15 +322,13 @@ class _ResidentStore:
 
 def place(state: Mapping[str, Any], mesh: Mesh, rules: RulesLike = None) -> dict[str, jax.Array]:
     """``state`` (name -> array or tensor, e.g. ``jax_function``'s) laid out on ``mesh``
-    by ``rules``: each value a ``jax.Array`` with a ``NamedSharding``.
-
-    ``jax.jit`` of a function taking them compiles with those input shardings and lets
-    XLA's partitioner propagate the rest. The shardings use ``auto_axes(mesh)``: the
-    mesh's devices and axis names with ``Auto`` axis types, because a torch model's ops
-    carry no sharding annotations, which ``Explicit`` axes (``jax.make_mesh``'s
-    default) would require of every contraction; lay the function's other inputs out
-    on the same ``auto_axes(mesh)``. A spec that does not fit its tensor raises
-    ``ShardingError`` (or replicates under ``indivisible="replicate"``).
+    by ``rules``: each value a ``jax.Array`` with a ``NamedSharding`` on ``mesh`` as
+    given (``jax.make_mesh``'s Explicit axes included: lay the function's inputs out on
+    the same mesh; ``jax_function`` runs the torch graph with those axes Auto, since its
+    ops carry no sharding annotations). ``jax.jit`` of a function taking them compiles
+    with those input shardings and lets XLA's partitioner propagate the rest. A spec
+    that does not fit its tensor raises ``ShardingError`` (or replicates under
+    ``indivisible="replicate"``).
     """
     found = shardings(state, mesh, rules)
     out = {}
@@ -345,8 +343,7 @@ def shardings(
     state: Mapping[str, Any], mesh: Mesh, rules: RulesLike = None
 ) -> dict[str, NamedSharding]:
     """The ``NamedSharding`` ``rules`` give each entry of ``state`` on ``mesh`` (for
-    ``jax.jit(..., in_shardings=...)``), on ``auto_axes(mesh)``; values only need a
-    ``shape``."""
+    ``jax.jit(..., in_shardings=...)``); values only need a ``shape``."""
     if not isinstance(mesh, Mesh):
         raise OptionsError(
             f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('data',))), "
@@ -354,7 +351,6 @@ def shardings(
         )
     rules = ShardingRules.coerce(rules)
     rules.validate(mesh)
-    mesh = auto_axes(mesh)
     out = {}
     for name, value in state.items():
         shape = tuple(int(s) for s in np.shape(value))

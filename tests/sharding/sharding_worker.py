@@ -253,10 +253,10 @@ def interop() -> dict:
     model = mlp(32, 64, 16)
     x = torch.randn(16, 32)
     fn, state = dynajax.jax_function(model, x)
-    mesh = jax.make_mesh((2, 4), ("data", "model"))  # Explicit axes; placed on Auto ones
+    mesh = jax.make_mesh((2, 4), ("data", "model"))  # Explicit axes, as JAX makes them
     rules = dynajax.ShardingRules(MLP_TP)
     placed = dynajax.sharding.place(state, mesh, rules)
-    by_batch = NamedSharding(dynajax.sharding.auto_axes(mesh), P("data"))
+    by_batch = NamedSharding(mesh, P("data"))  # the input on the user's own mesh
     batch = jax.device_put(x.numpy(), by_batch)
     in_shardings = (dynajax.sharding.shardings(state, mesh, rules), by_batch)
     jitted = jax.jit(fn, in_shardings=in_shardings)
@@ -272,6 +272,8 @@ def interop() -> dict:
             for n, p in model.named_parameters()
         ),
         "specs": {k: str(v.sharding.spec) for k, v in placed.items()},
+        "grad_specs": {k: str(v.sharding.spec) for k, v in grads.items()},
+        "mesh_types": sorted({str(t) for v in placed.values() for t in v.sharding.mesh.axis_types}),
         "per_device": {
             k: sorted(set(dynajax.sharding.per_device_bytes(v).values())) for k, v in placed.items()
         },

@@ -128,9 +128,12 @@ def test_dynamic_batch_sizes_split_when_they_divide(facts) -> None:
 
 
 def test_jax_function_state_placed_by_the_same_rules(facts) -> None:
+    # On jax.make_mesh's Explicit axes, state and input alike (the user's own mesh).
     f = facts["interop"]
+    assert f["mesh_types"] == ["AxisType.Explicit"]
     assert f["diff"] < 1e-5
     assert f["grad_diff"] < 1e-5
     assert f["specs"]["0.weight"] == "P('model', None)"
+    assert f["grad_specs"]["0.weight"] == "P('model', None)"  # laid out as the parameter
     assert f["specs"]["2.bias"] == "P()"
     assert f["per_device"]["0.weight"] == [64 * 32 * 4 // 4]  # 4 devices on "model"
