@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import sympy
 import torch
+import torch._export.verifier
 import torch.fx
 import torch.utils._pytree as pytree
 from jax.sharding import PartitionSpec
@@ -197,9 +199,52 @@ def export(
     dynamic_shapes: Any = None,
 ) -> ExportedProgram:
     """The core ATen ``ExportedProgram`` of a module (in its current mode) or function."""
+    _register_cache_pytrees()
     module = module_or_fn if isinstance(module_or_fn, nn.Module) else _FunctionModule(module_or_fn)
     ep = torch.export.export(module, example_args, dynamic_shapes=dynamic_shapes, strict=False)
-    return ep.run_decompositions(export_decompositions())
+    try:
+        return ep.run_decompositions(export_decompositions())
+    except torch._export.verifier.SpecViolationError as e:
+        if "is not in the constants dictionary" in str(e) and _returns_cache(ep):
+            raise JaxFunctionError(
+                "torch.export's run_decompositions fails on this model's returned "
+                f"transformers cache ({e} pytorch/pytorch#164461, torch "
+                f"{torch.__version__}). Build the model with use_cache=False in its config "
+                "(or pass use_cache=False to its forward) to leave the cache out."
+            ) from e
+        raise
+
+
+def _register_cache_pytrees() -> None:
+    """``transformers``' ``DynamicCache`` as a torch pytree node (transformers' own
+    registration for torch.export), so that a model with its default config
+    (``use_cache=True``) can return its cache; only where transformers is imported."""
+    if "transformers" not in sys.modules:
+        return
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+    except ImportError:  # another transformers version: the model's export says what fails
+        return
+    register_dynamic_cache_export_support()
+
+
+def _returns_cache(ep: ExportedProgram) -> bool:
+    """Whether the program's outputs hold a transformers cache."""
+    pending = [ep.call_spec.out_spec]
+    while pending:
+        spec = pending.pop()
+        if spec is None or spec.is_leaf():
+            continue
+        if _is_cache(spec.type):
+            return True
+        pending.extend(spec.children())
+    return False
+
+
+def _is_cache(kind: Any) -> bool:
+    """Whether a pytree node type is one of transformers' cache classes."""
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    return cache is not None and isinstance(kind, type) and issubclass(kind, cache)
 
 
 # -- the function ------------------------------------------------------------------------
@@ -902,6 +947,8 @@ def _unflatten(spec: pytree.TreeSpec, leaves: Any) -> Any:
         return next(leaves)
     children = [_unflatten(c, leaves) for c in spec.children()]
     kind = spec.type
+    if _is_cache(kind):  # transformers' DynamicCache: {"key_cache": [...], "value_cache": [...]}
+        return dict(zip(spec.context[0], children, strict=True))
     if kind in (tuple, list):
         return kind(children)
     if isinstance(spec.context, type) and issubclass(spec.context, tuple):  # namedtuple
