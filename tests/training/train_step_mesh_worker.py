@@ -124,27 +124,21 @@ def case(
 def restore_on_another_mesh(directory: str, uninterrupted: list[float]) -> dict[str, Any]:
     """10 steps on 8 devices, a checkpoint, then a fresh model and optimizer on 4
     devices restoring it and running the last 10 steps."""
-    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)  # noqa: E731
+
+    def fsdp_step(model: torch.nn.Module, devices: int) -> Any:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        rules = dynajax.ShardingRules.fsdp()
+        return dynajax.train_step(
+            model, optimizer, regression, mesh=mesh_of(devices), sharding=rules
+        )
+
     batches = mlp_batches()
-    first = build_mlp()
-    step = dynajax.train_step(
-        first,
-        make(first.parameters()),
-        regression,
-        mesh=mesh_of(8),
-        sharding=dynajax.ShardingRules.fsdp(),
-    )
+    step = fsdp_step(build_mlp(), 8)
     before = [float(step(*b)) for b in batches[:10]]
     saved_at = step.save(directory)
     torch.manual_seed(123)
     second = mlp(32, 64, 16)  # other initial values: all of them come from the checkpoint
-    resumed = dynajax.train_step(
-        second,
-        make(second.parameters()),
-        regression,
-        mesh=mesh_of(4),
-        sharding=dynajax.ShardingRules.fsdp(),
-    )
+    resumed = fsdp_step(second, 4)
     restored_at = resumed.restore(directory)
     after = [float(resumed(*b)) for b in batches[10:]]
     arrays = [*resumed.params, *resumed.state.values()]
