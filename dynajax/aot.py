@@ -354,7 +354,7 @@ def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.f
     plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in examples]
     gm = make_fx(
         torch.func.functionalize(joint, remove="mutations_and_views"),
-        decomposition_table=decompositions(),
+        decomposition_table=eager_aware(decompositions()),
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
     )(*plain)
@@ -368,6 +368,13 @@ def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.f
     graph.lint()
     gm.recompile()
     return gm
+
+
+def eager_aware(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
+    """``table`` with each entry stepping aside (``_unless_eager_refuses``) for the
+    dtypes its op's eager kernel refuses: such an op stays whole, and the capability
+    stage sends it to eager PyTorch, which raises eager's error."""
+    return {op: _unless_eager_refuses(op, fn) for op, fn in table.items()}
 
 
 def _unless_eager_refuses(op: Any, decompose: Callable[..., Any]) -> Callable[..., Any]:
@@ -418,7 +425,7 @@ def _tracing_decompositions() -> dict[Any, Callable[..., Any]]:
     table = {**_post_autograd_decompositions(), **corrections()}
     for op in (*FUSED_KERNELS, *CHECKED_KERNELS):
         table.pop(op, None)
-    return {op: _unless_eager_refuses(op, fn) for op, fn in table.items()}
+    return eager_aware(table)
 
 
 def on_accelerator(example_inputs: Sequence[Any]) -> bool:

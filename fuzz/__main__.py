@@ -4,6 +4,7 @@
     python -m fuzz --seed 0 --programs 200      # exactly programs 0..199 of seed 0
     python -m fuzz --replay fuzz_failures/seed0-program17.json   # check one again
     python -m fuzz --seed 0 --minutes 30 --start 6663   # from program 6663 on
+    python -m fuzz --seed 0 --minutes 30 --through jax_function   # via jax_function
 
 Prints the programs tried, the failures (distinct signatures, known bugs apart) and
 where the reproducers are; exits 1 when a failure is new (not in ``fuzz.known_bugs``).
@@ -18,15 +19,16 @@ import pathlib
 import sys
 from typing import Any
 
+from fuzz import through_jax
 from fuzz.campaign import run, supervise
-from fuzz.check import check
+from fuzz.check import check, dynajax_backend
 from fuzz.program import Program, source
 
 
-def _replay(path: str) -> int:
+def _replay(path: str, backend: Any) -> int:
     program = Program.from_json(pathlib.Path(path).read_text())
     print(source(program))
-    outcome = check(program)
+    outcome = check(program, backend)
     print(f"status: {outcome.status}  signature: {outcome.signature or '-'}")
     if outcome.mismatch is not None:
         print(f"{outcome.mismatch.kind} at {outcome.mismatch.where}: {outcome.mismatch.detail}")
@@ -52,10 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--in-process", action="store_true", help="check in this process (no child process)"
     )
+    parser.add_argument(
+        "--through",
+        choices=["backend", "jax_function"],
+        default="backend",
+        help="what runs the programs: torch.compile with the dynajax backend (default), "
+        "or dynajax.jax_function (forward, and jax.grad against torch.autograd)",
+    )
     parser.add_argument("--state", help=argparse.SUPPRESS)  # a child's summary so far
     args = parser.parse_args(argv)
+    backend = {"backend": dynajax_backend, "jax_function": through_jax.BACKEND}[args.through]
     if args.replay:
-        return _replay(args.replay)
+        return _replay(args.replay, backend)
     if args.minutes is None and args.programs is None:
         parser.error("give --minutes or --programs")
     options: dict[str, Any] = {
@@ -67,9 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         "start": args.start,
     }
     if args.state:  # a child of supervise: the parent prints the summary
-        run(args.seed, state=pathlib.Path(args.state), **options)
+        run(args.seed, state=pathlib.Path(args.state), backend=backend, **options)
         return 0
-    summary = (run if args.in_process else supervise)(args.seed, **options)
+    if args.in_process:
+        summary = run(args.seed, backend=backend, **options)
+    else:
+        summary = supervise(args.seed, through=args.through, **options)
     print("\n".join(summary.lines()))
     return 1 if summary.new_failures else 0
 

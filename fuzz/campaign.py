@@ -271,6 +271,7 @@ def supervise(
     start: int = 0,
     log: Log = print,
     child: Callable[[list[str]], int] | None = None,
+    through: str = "backend",
 ) -> Summary:
     """``run``, in child processes: when one dies (XLA's compiler aborts the whole
     process on some programs, SIGABRT), the program it was checking is recorded as a
@@ -278,6 +279,7 @@ def supervise(
 
     ``child`` runs ``python -m fuzz`` with the given arguments and returns its exit
     status (negative: killed by that signal); by default in a new interpreter.
+    ``through``: ``"backend"`` (``torch.compile``) or ``"jax_function"``.
     """
     assert programs is not None or minutes is not None, "give programs or minutes"
     directory = pathlib.Path(out_dir)
@@ -292,7 +294,7 @@ def supervise(
     while True:
         args = ["--seed", str(seed), "--start", str(index), "--out", str(out_dir)]
         args += ["--shrink-seconds", str(shrink_seconds), "--max-ops", str(max_ops)]
-        args += ["--state", str(state)]
+        args += ["--state", str(state), "--through", through]
         if programs is not None:
             if programs - summary.programs <= 0:
                 break

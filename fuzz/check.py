@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 import dynajax
+from fuzz import through_jax
 from fuzz.ops import render
 from fuzz.program import (
     CONTIGUOUS,
@@ -80,7 +81,7 @@ OK, RAISED, FAIL, UPSTREAM = "ok", "raised", "fail", "upstream"
 SUBNORMAL, FLOAT64, AMPLIFIED = "subnormal", "float64", "amplified"
 CALLS = (0, 1)
 
-Backend = Callable[[], Any]
+Backend = Callable[[], Any] | str
 
 
 def dynajax_backend() -> Any:
@@ -385,7 +386,7 @@ def _op_alone(
     expected = fn(*args())
     torch._dynamo.reset()
     try:
-        actual = torch.compile(fn, backend=_backend_instance(backend))(*args())
+        actual = compiled(fn, backend)(*args())
     except Exception:
         return None
 
@@ -456,7 +457,7 @@ def _vjp_alone(
     expected = vjp(fn)
     torch._dynamo.reset()
     try:
-        actual = vjp(torch.compile(fn, backend=_backend_instance(backend)))
+        actual = vjp(compiled(fn, backend))
     except Exception:
         return None
 
@@ -579,10 +580,11 @@ def _accept(
 
 
 def compare(
-    actual: Run, expected: Run, refs: _References, call: int
+    actual: Run, expected: Run, refs: _References, call: int, *, requires_grad: bool = True
 ) -> tuple[Mismatch | None, list[str]]:
     """The first difference of a compiled run from eager's (None if none), and the
-    allowances used on the way."""
+    allowances used on the way. ``requires_grad``: whether outputs' ``requires_grad``
+    must be eager's (a JAX function's outputs carry no autograd history of their own)."""
     accepted: list[str] = []
     if expected.error is not None:
         etype = type(expected.error).__name__
@@ -625,7 +627,7 @@ def compare(
                 return Mismatch("dtype", where, dtype, f"{a.dtype} != {e.dtype}", call), []
             if a.shape != e.shape:
                 return Mismatch("shape", where, dtype, f"{a.shape} != {e.shape}", call), []
-            if group == "out" and a.requires_grad != e.requires_grad:
+            if requires_grad and group == "out" and a.requires_grad != e.requires_grad:
                 detail = f"requires_grad {a.requires_grad} != {e.requires_grad}"
                 return Mismatch("requires_grad", where, dtype, detail, call), []
             message = _close(a, e)
@@ -641,6 +643,18 @@ def compare(
 
 def _backend_instance(backend: Backend | str) -> Any:
     return backend if isinstance(backend, str) else backend()
+
+
+def compiled(fn: Callable[..., Any], backend: Backend | str, instance: Any = None) -> Any:
+    """``fn`` under test: ``torch.compile`` with the backend, or through
+    ``dynajax.jax_function`` for ``"jax_function"`` (``fuzz/through_jax.py``)."""
+    if backend == through_jax.BACKEND:
+        return through_jax.via_jax_function(fn)
+    if backend == through_jax.CONTROL:
+        return through_jax.via_torch_export(fn)
+    return torch.compile(
+        fn, backend=instance if instance is not None else _backend_instance(backend)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -680,12 +694,18 @@ def run_check(program: Program, backend: Backend | str = dynajax_backend) -> Ver
     collect = _Collect()
     try:
         with quiet(collect):
-            compiled = torch.compile(fn, backend=instance)
+            under_test = compiled(fn, backend, instance)
             for call in CALLS:
                 expected = execute(fn, program, call)
-                actual = execute(compiled, program, call)
+                actual = execute(under_test, program, call)
                 refs = _References(program, fn, call, backend)
-                mismatch, used = compare(actual, expected, refs, call)
+                mismatch, used = compare(
+                    actual,
+                    expected,
+                    refs,
+                    call,
+                    requires_grad=backend not in (through_jax.BACKEND, through_jax.CONTROL),
+                )
                 accepted += used
                 if mismatch is not None:
                     status = FAIL
@@ -750,11 +770,11 @@ def eager_misreads_strides(program: Program, call: int, backend: Backend | str) 
         with quiet():
             strided = execute(fn, program, call)
             dense = execute(fn, program, call, contiguous=True)
-            compiled = execute(torch.compile(fn, backend=_backend_instance(backend)), program, call)
+            compiled_run = execute(compiled(fn, backend), program, call)
             if dense.error is not None or _agree(strided, dense):
                 return False
             refs = _References(program, fn, call, backend)
-            return compare(compiled, dense, refs, call)[0] is None
+            return compare(compiled_run, dense, refs, call)[0] is None
     finally:
         forget_function(fn)
         torch._dynamo.reset()
@@ -839,7 +859,8 @@ def check(
         return Outcome(verdict.status, mismatch, verdict.accepted, verdict=verdict)
     status = FAIL
     try:
-        control = run_check(program, "aot_eager").mismatch
+        control_backend = through_jax.CONTROL if backend == through_jax.BACKEND else "aot_eager"
+        control = run_check(program, control_backend).mismatch
     except Exception:
         control = None
     if control is not None and (control.kind, control.dtype) == (mismatch.kind, mismatch.dtype):

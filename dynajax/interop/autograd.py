@@ -31,6 +31,7 @@ import jax
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
+from jax.custom_derivatives import SymbolicZero
 from torch import nn
 
 from dynajax.aot import functional_graph
@@ -85,19 +86,31 @@ class TorchBackward:
         self._graphs: dict[Any, tuple[torch.fx.GraphModule, dict[str, Any], list[int]]] = {}
 
     def vjp(
-        self, state: Sequence[Any], leaves: Sequence[Any], cotangents: Sequence[Any]
+        self,
+        state: Sequence[Any],
+        leaves: Sequence[Any],
+        cotangents: Sequence[Any],
+        perturbed: Sequence[bool],
     ) -> tuple[list[Any], list[Any]]:
         """The gradients of ``<cotangents, outputs>`` with respect to the state entries
-        and the user inputs (None where there is none: buffers, integers, unused).
-        ``leaves``: the user inputs, arrays or the Python values the export fixed."""
-        arrays = [a for a in (*state, *leaves, *cotangents) if _is_array(a)]
+        and the user inputs that are ``perturbed`` (being differentiated: one flag per
+        state entry and user input), None elsewhere (and for buffers, integers and
+        unused inputs). ``leaves``: the user inputs, arrays or the Python values the
+        export fixed."""
+        # JAX may pass NumPy-backed constants (empty arrays): the rules take jax.Arrays.
+        arrays = [
+            a if isinstance(a, jax.Array) else jax.numpy.asarray(a)
+            for a in (*state, *leaves, *cotangents)
+            if _is_array(a)
+        ]
         key = (
             tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays),
             tuple(repr(v) for v in leaves if not _is_array(v)),
+            tuple(perturbed),
         )
         found = self._graphs.get(key)
         if found is None:
-            found = self._graphs[key] = self._trace(state, leaves, cotangents)
+            found = self._graphs[key] = self._trace(state, leaves, cotangents, perturbed)
         gm, constants, positions = found
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
@@ -108,16 +121,21 @@ class TorchBackward:
         return out[: len(state)], out[len(state) :]
 
     def _trace(
-        self, state: Sequence[Any], leaves: Sequence[Any], cotangents: Sequence[Any]
+        self,
+        state: Sequence[Any],
+        leaves: Sequence[Any],
+        cotangents: Sequence[Any],
+        perturbed: Sequence[bool],
     ) -> tuple[torch.fx.GraphModule, dict[str, Any], list[int]]:
         n_state = len(state)
         traced = [i for i, a in enumerate([*state, *leaves]) if _is_array(a)]
+        # Only what JAX differentiates requires grad in the trace, as in the user's own
+        # torch program (BatchNorm's running statistics never do; an input written in
+        # place must not be a leaf that requires grad).
         wrt = [
             i
             for i, a in enumerate([*state, *leaves])
-            if _is_array(a)
-            and _inexact(a.dtype)
-            and (i >= n_state or self.state_names[i] in self.parameter_names)
+            if _is_array(a) and _inexact(a.dtype) and perturbed[i]
         ]
         positions: list[int] = []
 
@@ -210,15 +228,23 @@ def with_torch_backward(primal: Any, backward: TorchBackward, layout: Mapping[st
     def run(*arrays: Any) -> Any:
         return primal(*arrays)
 
-    def fwd(*arrays: Any) -> Any:
-        return primal(*arrays), arrays
+    def fwd(*primals: Any) -> Any:
+        arrays = [p.value for p in primals]
+        # Which inputs are differentiated, kept in the residuals' tree structure (static:
+        # () where perturbed, None where not), so bwd reads it as Python values.
+        flags = tuple(() if p.perturbed else None for p in primals)
+        return primal(*arrays), (arrays, flags)
 
-    def bwd(arrays: Any, cts: Any) -> Any:
+    def bwd(residuals: Any, cts: Any) -> Any:
+        arrays, flags = residuals
+        mask = [f is not None for f in flags]
         results_ct, _ = cts
         state = [arrays[p] for p in state_pos]
         leaves = [p[1] if isinstance(p, tuple) else arrays[p] for p in leaf_pos]
+        perturbed = [mask[p] for p in state_pos]
+        perturbed += [False if isinstance(p, tuple) else mask[p] for p in leaf_pos]
         outs = [_dense(results_ct[p]) for p in out_pos]
-        state_grads, leaf_grads = backward.vjp(state, leaves, outs)
+        state_grads, leaf_grads = backward.vjp(state, leaves, outs, perturbed)
         grads: list[Any] = [None] * len(arrays)
         for p, g in zip(state_pos, state_grads, strict=True):
             grads[p] = g
@@ -227,13 +253,15 @@ def with_torch_backward(primal: Any, backward: TorchBackward, layout: Mapping[st
                 grads[p] = g
         return tuple(grads)
 
-    run.defvjp(fwd, bwd)
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
     return run
 
 
 def _dense(ct: Any) -> Any:
-    """A cotangent as an array of a real dtype (JAX passes float0 for an integer
-    output, whose cotangent torch never reads)."""
+    """A cotangent as an array of a real dtype: zeros for a symbolic zero, float32
+    zeros for an integer output's float0 (torch never reads it)."""
     if ct.dtype == jax.dtypes.float0:
         return jax.numpy.zeros(ct.shape, jax.numpy.float32)
+    if isinstance(ct, SymbolicZero):
+        return jax.numpy.zeros(ct.shape, ct.dtype)
     return ct

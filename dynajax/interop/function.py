@@ -43,7 +43,7 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from dynajax.aot import decompositions
+from dynajax.aot import decompositions, eager_aware
 from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_of
 from dynajax.capability.verdict import source_line
 from dynajax.errors import CallbackOpsError, DynajaxError, JaxFunctionError
@@ -173,10 +173,11 @@ def _sdpa_as_exported(
 
 @functools.cache
 def export_decompositions() -> dict[Any, Callable[..., Any]]:
-    """The backend's decomposition table (``dynajax.aot.decompositions``), plus the
-    attention entry that ``run_decompositions`` needs (``_sdpa_as_exported``)."""
+    """The backend's decomposition table (``dynajax.aot.decompositions``, each entry
+    keeping its op whole for dtypes eager refuses, as the backend's tracing does), plus
+    the attention entry that ``run_decompositions`` needs (``_sdpa_as_exported``)."""
     return {
-        **decompositions(),
+        **eager_aware(decompositions()),
         aten.scaled_dot_product_attention.default: _sdpa_as_exported,
     }
 
@@ -738,7 +739,9 @@ class JaxFunction:
         def primal(*arrays: Any) -> tuple[tuple[Any, ...], Any]:
             vals = list(values)
             for i, a in zip(positions, arrays, strict=True):
-                vals[i] = a
+                # JAX may hand a custom VJP's function NumPy-backed constants (empty
+                # arrays): the rules take jax.Arrays.
+                vals[i] = a if isinstance(a, jax.Array) else jnp.asarray(a)
             interpreter = ExportInterpreter(self.graph_module, key, sizes)
             if not check:
                 return tuple(interpreter.run(*vals)), None
