@@ -6,6 +6,8 @@ run eagerly, must agree (``python -m fuzz``; a tool of the repository, not shipp
 - ``fuzz.ops``: the op catalog (how each kind renders and is generated);
 - ``fuzz.generate``: random programs, validated op by op by eager PyTorch;
 - ``fuzz.check``: eager against compiled, with the documented allowances;
+- ``fuzz.through_jax``: the programs through ``dynajax.jax_function`` instead
+  (``--through jax_function``), with ``torch.export`` as the upstream control;
 - ``fuzz.shrink``: a failing program reduced to a small one failing the same way;
 - ``fuzz.reproducer``: standalone reproducer files;
 - ``fuzz.known_bugs``: dynajax bugs found and not fixed yet, by signature;

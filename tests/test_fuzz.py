@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fuzz.check
-from fuzz import generate, program_seed, run, source
+from fuzz import generate, program_seed, run, source, through_jax
 from fuzz.campaign import supervise
 from fuzz.check import FAIL, OK, UPSTREAM, Mismatch, Outcome, Verdict, check, execute, fails_like
 from fuzz.known_bugs import KNOWN_BUGS
@@ -40,6 +40,25 @@ def test_seeded_run_agrees_with_eager(tmp_path: pathlib.Path) -> None:
     assert summary.statuses[OK] > CI_PROGRAMS // 2, summary.lines()
     new = [f"{f.signature}: {f.detail}\n  {f.reproducer}" for f in summary.new_failures]
     assert not new, "dynajax differs from eager:\n" + "\n".join(new)
+
+
+def test_seeded_run_through_jax_function_agrees_with_eager(tmp_path: pathlib.Path) -> None:
+    """Programs 0..59 of seed 0 through ``dynajax.jax_function`` (``--through
+    jax_function``): forward, and ``jax.vjp`` of the JAX function against
+    ``torch.autograd``; differences torch.export itself makes are upstream."""
+    summary = run(
+        CI_SEED,
+        programs=60,
+        out_dir=tmp_path,
+        shrink_seconds=0,
+        log=print,
+        backend=through_jax.BACKEND,
+    )
+    print("\n".join(summary.lines()))
+    assert summary.programs == 60
+    assert summary.statuses[OK] > 45, summary.lines()
+    new = [f"{f.signature}: {f.detail}\n  {f.reproducer}" for f in summary.new_failures]
+    assert not new, "jax_function differs from eager:\n" + "\n".join(new)
 
 
 def test_programs_are_deterministic_and_round_trip() -> None:
