@@ -28,6 +28,7 @@ from fuzz.check import (
     FAIL,
     OK,
     RAISED,
+    REFUSED,
     UPSTREAM,
     Backend,
     Mismatch,
@@ -105,6 +106,10 @@ class Summary:
             f"upstream (aot_eager alike, or eager misreads strides) {s[UPSTREAM]} "
             f"({len(upstream)} distinct)",
         ]
+        if s[REFUSED]:
+            out.append(
+                f"  refused by jax_function (data-dependent output sizes, named): {s[REFUSED]}"
+            )
         if self.allowances:
             used = ", ".join(f"{k} in {n}" for k, n in sorted(self.allowances.items()))
             out.append(f"  allowances used (programs): {used}")

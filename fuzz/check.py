@@ -78,6 +78,11 @@ from tests.opinfo_accuracy import distance
 from tests.tolerances import assert_same, tolerance
 
 OK, RAISED, FAIL, UPSTREAM = "ok", "raised", "fail", "upstream"
+# Through jax_function only: the program has an op a JAX function cannot hold (an output
+# size that depends on the data, as boolean-mask indexing makes), refused at build with
+# an error naming it, as documented; not a different answer.
+REFUSED = "refused"
+_REFUSAL = "cannot be part of a JAX function"
 SUBNORMAL, FLOAT64, AMPLIFIED = "subnormal", "float64", "amplified"
 CALLS = (0, 1)
 
@@ -855,6 +860,13 @@ def check(
     its signature (which runs prefixes of the program); the shrinker skips both."""
     verdict = run_check(program, backend)
     mismatch = verdict.mismatch
+    if (
+        backend == through_jax.BACKEND
+        and mismatch is not None
+        and mismatch.kind == "crash"
+        and _REFUSAL in mismatch.detail
+    ):
+        return Outcome(REFUSED, mismatch, verdict.accepted, verdict=verdict)
     if verdict.status != FAIL or mismatch is None or not classify:
         return Outcome(verdict.status, mismatch, verdict.accepted, verdict=verdict)
     status = FAIL

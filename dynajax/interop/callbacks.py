@@ -41,6 +41,21 @@ from dynajax.runtime.conversion import quiet_readonly_warning, to_jax
 
 _BF16 = np.dtype(TORCH_TO_JAX[torch.bfloat16])
 
+# The last exception an op raised in eager PyTorch inside a host callback: XLA reports
+# it as a JaxRuntimeError, and a direct call of a JAX function re-raises the original
+# (eager's exception type and message), as eager would.
+_RAISED: list[BaseException] = []
+
+
+def raised_on_host() -> BaseException | None:
+    """The exception the last failing host callback raised (None: none since
+    ``forget_host_error``)."""
+    return _RAISED[-1] if _RAISED else None
+
+
+def forget_host_error() -> None:
+    _RAISED.clear()
+
 
 @dataclasses.dataclass(frozen=True)
 class CallbackOp:
@@ -192,8 +207,12 @@ class HostCall:
 
     def forward(self, *arrays: Any) -> tuple[np.ndarray, ...]:
         """The host side of the forward callback."""
-        with torch.no_grad():
-            outs = self.run(self.tensors(arrays))
+        try:
+            with torch.no_grad():
+                outs = self.run(self.tensors(arrays))
+        except Exception as e:
+            _RAISED[:] = [e]
+            raise
         return tuple(_to_numpy(o, a, self.name) for o, a in zip(outs, self.avals, strict=True))
 
     def backward(

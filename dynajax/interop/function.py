@@ -48,7 +48,13 @@ from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_o
 from dynajax.capability.verdict import source_line
 from dynajax.errors import CallbackOpsError, DynajaxError, JaxFunctionError
 from dynajax.interop.autograd import TorchBackward, with_torch_backward
-from dynajax.interop.callbacks import CallbackOp, flat_outputs, from_numpy
+from dynajax.interop.callbacks import (
+    CallbackOp,
+    flat_outputs,
+    forget_host_error,
+    from_numpy,
+    raised_on_host,
+)
 from dynajax.interop.checked import ValueCheckResult
 from dynajax.interop.interpreter import TRUNCATION_WARNING, ExportInterpreter, SizeBindings
 from dynajax.lowering import attention
@@ -533,11 +539,22 @@ class JaxFunction:
 
     def _run_checked(self, state: Mapping[str, Any], args: tuple[Any, ...], key: Any) -> _Run:
         """A run that raises eager's error for a failed value check, when the call is
-        direct (no tracer among its arguments) and checks are on."""
-        direct = self.checks and not any(
+        direct (no tracer among its arguments) and checks are on, and eager's own
+        exception where an op run in eager PyTorch (a host callback) raised in a direct
+        call."""
+        traced = any(
             isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((dict(state), args, key))
         )
-        run = self._run(state, args, key, check=direct)
+        direct = self.checks and not traced
+        forget_host_error()
+        try:
+            run = self._run(state, args, key, check=direct)
+        except jax.errors.JaxRuntimeError as e:
+            original = None if traced else raised_on_host()
+            if original is None:
+                raise
+            # An op run in eager PyTorch raised: its own error, as eager gives it.
+            raise original from e
         if run.checked is not None:
             run.checked.throw()
         return run

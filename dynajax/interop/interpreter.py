@@ -37,6 +37,7 @@ from dynajax.capability import META_KEY, Reason, Unsupported
 from dynajax.capability.verdict import source_line
 from dynajax.errors import DynajaxError, JaxFunctionError
 from dynajax.interop.callbacks import call_on_host, flat_outputs
+from dynajax.lowering import checks as value_checks
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.interpreter import JaxInterpreter
 from dynajax.runtime.conversion import to_jax
@@ -239,6 +240,14 @@ class ExportInterpreter(JaxInterpreter):
                 )
             return None
         if target in _ASSERTIONS:
+            return None
+        if target in (aten._assert_async.msg, aten._assert_async.default):
+            # A check on tensor values (one_hot's "Class values must be non-negative."):
+            # recorded like the rules' value checks, raised with eager's error by a
+            # direct call or fn.checked (lowering/checks.py).
+            message = args[1] if len(args) > 1 else "Expected Tensor with single nonzero value"
+            text = str(message).replace("{", "{{").replace("}", "}}")
+            value_checks.fail_if(jnp.logical_not(args[0]), RuntimeError, text)
             return None
         if target in _SYM_FUNCTIONS:
             return _SYM_FUNCTIONS[target](*args, **kwargs)
