@@ -54,10 +54,18 @@ _JAX_DIRS = tuple(
 )
 
 
+class _NoHint(Exception):
+    """A symbolic size with no hint: only known after running an earlier op."""
+
+
 def _concrete(size: Any) -> int:
-    # Backed symbolic sizes (dynamic shapes) evaluate at their hint; unbacked ones
-    # never get here (DATA_DEPENDENT_SHAPE is decided first).
+    # Backed symbolic sizes (dynamic shapes) evaluate at their hint. Unbacked ones are
+    # mostly refused first (DATA_DEPENDENT_SHAPE); one that torch.export refined into
+    # an expression its symbol check does not see (a view of a boolean-mask index) has
+    # no hint either, and is refused the same way.
     if isinstance(size, torch.SymInt):
+        if size.node.hint is None:
+            raise _NoHint(str(size))
         return int(size.node.hint)
     return int(size)
 
@@ -237,12 +245,19 @@ class CapabilityChecker:
         # (convolution_backward's output_mask); the rule returns None there too.
         if not all(isinstance(t, torch.Tensor) or t is None for t in _flatten(out)):
             return self._refuse(node, Reason.CHECK_REFUSED, "output is not a tensor")
-        args = _abstract(node.args)
-        kwargs = {k: _abstract(v) for k, v in node.kwargs.items()}
+        try:
+            args = _abstract(node.args)
+            kwargs = {k: _abstract(v) for k, v in node.kwargs.items()}
+            expected = _abstract(out)
+        except _NoHint as e:
+            return self._refuse(
+                node,
+                Reason.DATA_DEPENDENT_SHAPE,
+                f"takes or makes {e}, a size only known after running an earlier op",
+            )
         if rule.needs_layout:
             # Rules that address storage see eager's layout; lowering reads it back.
             node.meta[LAYOUT_KEY] = kwargs["layout"] = node_layout(node)
-        expected = _abstract(out)
         # A few kernels differ by device (dtypes.eager_on_cuda): the rule is evaluated
         # as the one for the device the node's outputs are on.
         on_cuda = any(t.device.type == "cuda" for t in _tensors(out))
