@@ -540,7 +540,7 @@ class JaxFunction:
     def _run_checked(self, state: Mapping[str, Any], args: tuple[Any, ...], key: Any) -> _Run:
         """A run that raises eager's error for a failed value check, when the call is
         direct (no tracer among its arguments) and checks are on, and eager's own
-        exception where an op run in eager PyTorch (a host callback) raised in a direct
+        exception where an op run in eager PyTorch (a host callback) raised during the
         call."""
         traced = any(
             isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((dict(state), args, key))
@@ -550,7 +550,9 @@ class JaxFunction:
         try:
             run = self._run(state, args, key, check=direct)
         except jax.errors.JaxRuntimeError as e:
-            original = None if traced else raised_on_host()
+            # (Under an eager transformation, jax.vjp without jit, the op runs during
+            # this call too; under jit, callbacks run after tracing, outside it.)
+            original = raised_on_host()
             if original is None:
                 raise
             # An op run in eager PyTorch raised: its own error, as eager gives it.
