@@ -21,6 +21,7 @@ op and source line.
 
 from __future__ import annotations
 
+import builtins
 import math
 import operator
 from collections.abc import Callable, Mapping
@@ -34,6 +35,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from dynajax.capability import META_KEY, Reason, Unsupported
+from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.capability.verdict import source_line
 from dynajax.errors import DynajaxError, JaxFunctionError
 from dynajax.interop.callbacks import call_on_host, flat_outputs
@@ -201,6 +203,12 @@ class ExportInterpreter(JaxInterpreter):
             return args[0][args[1]]
         if verdict.reason is Reason.HOST_SCALAR:
             return self.host_scalar(n, args, kwargs)
+        if verdict.reason is Reason.EAGER_REFUSES:
+            # Eager's kernel refuses these dtypes whatever the values (an empty tensor
+            # too, where a host callback would never run): eager's error, now.
+            refusal = eager_refusal(n.target, n.args, n.kwargs, n.meta.get("val"))
+            if refusal is not None:
+                raise _eager_exception(refusal)
         structure = n.meta.get("val")
         avals = [
             jax.ShapeDtypeStruct(
@@ -257,6 +265,15 @@ class ExportInterpreter(JaxInterpreter):
             f"node '{n.name}' ({_verdict_text(n)}) computes a host scalar from a tensor; a JAX "
             "function cannot read tensor values while tracing."
         )
+
+
+def _eager_exception(text: str) -> Exception:
+    """``"NotImplementedError: message"`` (``eager_refusal``'s form) as that exception."""
+    name, _, message = text.partition(": ")
+    kind = getattr(builtins, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        return RuntimeError(text)
+    return kind(message)
 
 
 def graph_constants(gm: torch.fx.GraphModule) -> dict[str, Any]:
