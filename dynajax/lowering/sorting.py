@@ -127,8 +127,18 @@ def _median(x):
     return _order_stat(x.reshape(-1), 0, False, _median_pos)[0]
 
 
+def _nonempty_dim(x, dim, name):
+    """Eager's error for an order statistic along a dim of size 0 (a shape check,
+    raised by every call)."""
+    if x.ndim and x.shape[dim % x.ndim] == 0:
+        d = dim % x.ndim
+        message = f"{name}(): Expected reduction dim {d} to have non-zero size."
+        checks.fail_if(True, IndexError, message)
+
+
 @lower(aten.median.dim, check=_sort_check)
 def _median_dim(x, dim, keepdim=False):
+    _nonempty_dim(x, dim, "median")
     return _order_stat(x, dim, keepdim, _median_pos)
 
 
@@ -139,11 +149,13 @@ def _nanmedian(x):
 
 @lower(aten.nanmedian.dim, check=_sort_check)
 def _nanmedian_dim(x, dim, keepdim=False):
+    _nonempty_dim(x, dim, "median")  # eager's message says median() here too
     return _order_stat(x, dim, keepdim, _nanmedian_pos)
 
 
 @lower(aten.kthvalue.default, check=_sort_check)
 def _kthvalue(x, k, dim=-1, keepdim=False):
+    _nonempty_dim(x, dim, "kthvalue")
     return _order_stat(x, dim, keepdim, lambda nans, n: k - 1)
 
 

@@ -1091,3 +1091,21 @@ def test_half_bilinear_and_renorm_round_like_the_kernels(dtype: torch.dtype):
     assert torch.equal(actual[1], expected[1])
     if dtype == torch.bfloat16:
         assert torch.equal(actual[0], expected[0])
+
+
+@pytest.mark.parametrize("op", ["median", "nanmedian"])
+def test_an_order_statistic_along_an_empty_dim_raises_eagers_error(op: str):
+    # A shape check of eager's kernel (found by the fuzzer through jax_function): the
+    # rule used to return a value; backend and jax_function now raise eager's error.
+    def fn(x):
+        return getattr(torch, op)(x, dim=1).values
+
+    x = torch.zeros(1, 0, 1)
+    message = r"median\(\): Expected reduction dim 1 to have non-zero size\."
+    with pytest.raises(IndexError, match=message):
+        fn(x)
+    with pytest.raises(IndexError, match=message):
+        torch.compile(fn, backend=dynajax.Backend(cache_dir=""))(x)
+    jax_fn, _ = dynajax.jax_function(fn, x)
+    with pytest.raises(IndexError, match=message):
+        jax_fn({}, x.numpy())
