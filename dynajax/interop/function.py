@@ -1164,9 +1164,14 @@ def _example_like(leaf: Any) -> Any:
 
 
 def _example_tensor(value: Any) -> Any:
-    """An example argument for torch.export: arrays (JAX or NumPy) as tensors (copies)."""
+    """An example argument for torch.export: arrays (JAX or NumPy) as tensors (copies),
+    tensors contiguous. The function takes arrays, which are values in row-major order,
+    so ops that read memory order (``as_strided``) must be traced on that layout, not
+    on the example's strides."""
     if isinstance(value, jax.Array | np.ndarray):
         return from_numpy(np.array(value))
+    if isinstance(value, torch.Tensor) and not value.is_contiguous():
+        return value.contiguous()
     return value
 
 
