@@ -53,11 +53,11 @@ class _Call(torch.autograd.Function):
         holder["updates"] = updates  # the new values of inputs the program writes into
         ctx.out_dtypes = [o.dtype for o in outs]
         tensors = tuple(to_torch(jax.numpy.asarray(o)).clone() for o in outs)
-        flags = holder["differentiable"]
+        flags = holder["differentiable"] or [True] * len(tensors)
         ctx.mark_non_differentiable(
             *[
                 t
-                for t, d in zip(tensors, flags, strict=False)
+                for t, d in zip(tensors, flags, strict=True)
                 if not (d and (t.is_floating_point() or t.is_complex()))
             ]
         )
@@ -112,10 +112,10 @@ def via_jax_function(fn: Callable[..., Any]) -> Callable[..., list[torch.Tensor]
     return call
 
 
-def _differentiable_outputs(fn: Callable[..., Any], inputs: Any) -> list[bool]:
+def _differentiable_outputs(fn: Callable[..., Any], inputs: Any) -> list[bool] | None:
     """Which outputs of ``fn`` carry autograd history from the inputs that require
     grad (a JAX function's outputs have none of their own), from a run on fake
-    tensors; every floating output where that run fails."""
+    tensors; None (every floating output) where that run fails."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
@@ -124,7 +124,7 @@ def _differentiable_outputs(fn: Callable[..., Any], inputs: Any) -> list[bool]:
             outs = pytree.tree_leaves(fn(*fakes))
         return [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
     except Exception:
-        return [True] * 1_000  # zipped with the real outputs: floats stay differentiable
+        return None
 
 
 def via_torch_export(fn: Callable[..., Any]) -> Callable[..., list[torch.Tensor]]:

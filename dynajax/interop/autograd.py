@@ -23,8 +23,9 @@ autodiff of the rules, because its backward would draw other numbers than its fo
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -47,6 +48,26 @@ from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.passes import run_passes
 
 
+def recorded_modes(source: Any) -> list[tuple[nn.Module, bool]]:
+    """Each submodule of ``source`` (an ``nn.Module``; else none) with its train/eval
+    mode now."""
+    return [(m, m.training) for m in source.modules()] if isinstance(source, nn.Module) else []
+
+
+@contextlib.contextmanager
+def in_modes(modes: Sequence[tuple[nn.Module, bool]]) -> Iterator[None]:
+    """The submodules in the recorded ``modes`` for the length of the block (a trace
+    after the user switched the model to eval or train), restored after."""
+    saved = [(m, m.training) for m, _ in modes]
+    try:
+        for m, mode in modes:
+            m.training = mode
+        yield
+    finally:
+        for m, mode in saved:
+            m.training = mode
+
+
 def _inexact(dtype: Any) -> bool:
     return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
 
@@ -64,6 +85,8 @@ class TorchBackward:
         parameter_names: which of them are parameters (differentiated).
         in_spec: the pytree spec of ``(args, kwargs)`` of the user inputs.
         fallback_ops: the backend option (ops kept in eager PyTorch).
+        modes: each submodule's train/eval mode when ``jax_function`` was called
+            (``recorded_modes``): the trace runs in them, as the export did.
     """
 
     def __init__(
@@ -73,16 +96,14 @@ class TorchBackward:
         parameter_names: Sequence[str],
         in_spec: pytree.TreeSpec,
         fallback_ops: Sequence[str],
+        modes: Sequence[tuple[nn.Module, bool]] = (),
     ) -> None:
         self.source = source
         self.state_names = list(state_names)
         self.parameter_names = set(parameter_names)
         self.in_spec = in_spec
         self.fallback_ops = tuple(fallback_ops)
-        # The train/eval mode each submodule was exported in: the trace uses the same.
-        self._modes = (
-            [(m, m.training) for m in source.modules()] if isinstance(source, nn.Module) else []
-        )
+        self.modes = list(modes)
         self._graphs: dict[Any, tuple[torch.fx.GraphModule, dict[str, Any], list[int]]] = {}
 
     def vjp(
@@ -188,11 +209,9 @@ class TorchBackward:
             for a in (*state, *leaves, *cotangents)
             if _is_array(a)
         ]
-        saved = [(m, m.training) for m, _ in self._modes]
         try:
-            for m, mode in self._modes:
-                m.training = mode
-            gm = functional_graph(joint, examples)
+            with in_modes(self.modes):
+                gm = functional_graph(joint, examples)
         except JaxFunctionError:
             raise
         except Exception as e:
@@ -200,9 +219,6 @@ class TorchBackward:
                 "torch's backward of this function could not be traced for jax.grad: "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from e
-        finally:
-            for m, mode in saved:
-                m.training = mode
         gm = run_passes(gm)
         refused = CapabilityChecker(self.fallback_ops).annotate(gm)
         impossible = [v for v in refused if v.reason in (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE)]

@@ -47,7 +47,12 @@ from dynajax.aot import decompositions, eager_aware
 from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_of
 from dynajax.capability.verdict import source_line
 from dynajax.errors import CallbackOpsError, DynajaxError, JaxFunctionError
-from dynajax.interop.autograd import TorchBackward, with_torch_backward
+from dynajax.interop.autograd import (
+    TorchBackward,
+    in_modes,
+    recorded_modes,
+    with_torch_backward,
+)
 from dynajax.interop.callbacks import (
     CallbackOp,
     flat_outputs,
@@ -378,6 +383,7 @@ class JaxFunction:
         checks: bool = True,
         source: Any = None,
         fallback_ops: Iterable[str] = (),
+        modes: Sequence[tuple[nn.Module, bool]] = (),
         rebuild: Callable[[tuple[Any, ...]], JaxFunction] | None = None,
     ) -> None:
         self.exported_program = ep
@@ -467,6 +473,7 @@ class JaxFunction:
                 self.parameter_names,
                 self._in_spec,
                 tuple(fallback_ops),
+                modes,
             )
             if source is not None
             else None
@@ -1052,11 +1059,7 @@ def jax_function(
             depend on tensor data, dtypes JAX lacks, control-flow submodules).
     """
     examples = pytree.tree_map(_example_tensor, tuple(example_args))
-    modes = (
-        [(m, m.training) for m in module_or_fn.modules()]
-        if isinstance(module_or_fn, nn.Module)
-        else []
-    )
+    modes = recorded_modes(module_or_fn)
 
     def build(examples: tuple[Any, ...]) -> JaxFunction:
         return _build(
@@ -1091,14 +1094,8 @@ def _build(
 ) -> JaxFunction:
     """The ``JaxFunction`` of one export of ``module_or_fn`` at ``examples``' sizes (each
     submodule in the train/eval mode it had when ``jax_function`` was called)."""
-    saved = [(m, m.training) for m, _ in modes]
-    try:
-        for m, mode in modes:
-            m.training = mode
+    with in_modes(modes):
         ep = export(module_or_fn, examples, dynamic_shapes)
-    finally:
-        for m, mode in saved:
-            m.training = mode
     gm = run_passes(ep.graph_module)
     refused = CapabilityChecker(fallback_ops).annotate(gm)
     impossible = [v for v in refused if v.reason in (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE)]
@@ -1129,6 +1126,7 @@ def _build(
         checks,
         source=module_or_fn,
         fallback_ops=fallback_ops,
+        modes=modes,
         rebuild=rebuild,
     )
 

@@ -131,6 +131,7 @@ class TrainStep:
             )
         self._param_names = [names[id(p)] for p in self._params]
         self._buffer_names = [n for n, _ in model.named_buffers()]
+        self._state_names = [*self._param_names, *self._buffer_names]  # as the view's tensors
         self._buffers = [b for _, b in model.named_buffers()]
         self._programs: dict[Any, _Program] = {}
         self.steps = 0
@@ -296,7 +297,7 @@ class TrainStep:
         )
         view = self._view
         if view is not None and view.kept:
-            names = [*self._param_names, *self._buffer_names]
+            names = self._state_names
             lines.append("  kept whole in the module (not released between syncs):")
             lines += [f"    {names[i]}: {why}" for i, why in view.kept.items()]
         return "\n".join(lines)
@@ -309,7 +310,7 @@ class TrainStep:
         self._own()
         view = self._view
         assert view is not None
-        edited = view.check_not_edited([*self._param_names, *self._buffer_names])
+        edited = view.check_not_edited(self._state_names)
         if edited:
             # The user changed the module's tensors (load_state_dict, an assignment under
             # no_grad); the optimizer's state stays the step's, as it would in eager.
