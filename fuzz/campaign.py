@@ -108,7 +108,8 @@ class Summary:
         ]
         if s[REFUSED]:
             out.append(
-                f"  refused by jax_function (data-dependent output sizes, named): {s[REFUSED]}"
+                "  refused (jax_function: data-dependent output sizes, named; eager: an "
+                f"in-place write into an input that requires grad): {s[REFUSED]}"
             )
         if self.allowances:
             used = ", ".join(f"{k} in {n}" for k, n in sorted(self.allowances.items()))

@@ -80,9 +80,14 @@ from tests.tolerances import assert_same, tolerance
 OK, RAISED, FAIL, UPSTREAM = "ok", "raised", "fail", "upstream"
 # Through jax_function only: the program has an op a JAX function cannot hold (an output
 # size that depends on the data, as boolean-mask indexing makes), refused at build with
-# an error naming it, as documented; not a different answer.
+# an error naming it, as documented; not a different answer. Or eager refuses the
+# program for a reason of autograd's own, not of its values: it writes in place into an
+# input that requires grad (a leaf, or a view of one). A JAX function takes values, with
+# no leaves, so eager has no answer to compare with (through the backend, dynajax
+# raises eager's error: torch.compile keeps autograd's check).
 REFUSED = "refused"
 _REFUSAL = "cannot be part of a JAX function"
+_LEAF_WRITE = "leaf Variable that requires grad is being used in an in-place operation"
 SUBNORMAL, FLOAT64, AMPLIFIED = "subnormal", "float64", "amplified"
 CALLS = (0, 1)
 
@@ -143,8 +148,10 @@ class Outcome:
     Attributes:
         status: ``ok``; ``raised`` (eager raised and dynajax raised the same type);
             ``fail``; ``upstream`` (fails the same way under ``aot_eager``, or eager
-            misreads its inputs' strides: ``eager_misreads_strides``).
-        mismatch: the first difference, for ``fail`` and ``upstream``.
+            misreads its inputs' strides: ``eager_misreads_strides``); through
+            ``jax_function``, ``refused`` (see ``REFUSED``).
+        mismatch: the first difference, for ``fail`` and ``upstream``; for
+            ``refused``, jax_function's refusal or eager's error.
         accepted: the allowances some value needed (``subnormal``, ``float64``).
         signature: ``kind:op:detail``, what known bugs and de-duplication key on (the op
             from the shortest prefix of the program that fails the same way).
@@ -667,9 +674,10 @@ class Verdict:
     """One comparison of a program with eager (``run_check``).
 
     Attributes:
-        status: ``ok``, ``raised`` (eager raised, dynajax raised the same type) or
-            ``fail``.
-        mismatch: the first difference, for ``fail``.
+        status: ``ok``, ``raised`` (eager raised, dynajax raised the same type),
+            ``fail``, or (through ``jax_function``) ``refused``: eager refused an
+            in-place write into an input that requires grad (``writes_a_leaf``).
+        mismatch: the first difference, for ``fail``; eager's error, for ``refused``.
         accepted: the allowances some value needed (``subnormal``, ``float64``).
         aten_ops: ATen ops in the graphs the backend compiled (a dynajax backend).
         jax_ops: of those, the ops that ran in a JAX partition.
@@ -705,6 +713,9 @@ def run_check(program: Program, backend: Backend | str = dynajax_backend) -> Ver
                 # A JAX function takes values, not storage: its reference is eager on
                 # contiguous copies (as_strided past a view's elements has no JAX meaning).
                 expected = execute(fn, program, call, contiguous=values_only)
+                if values_only and writes_a_leaf(expected.error):
+                    status, mismatch = REFUSED, _raised(expected, call)
+                    break
                 actual = execute(under_test, program, call)
                 refs = _References(program, fn, call, backend)
                 mismatch, used = compare(
@@ -739,6 +750,19 @@ def run_check(program: Program, backend: Backend | str = dynajax_backend) -> Ver
         fallbacks,
         logged,
     )
+
+
+def writes_a_leaf(error: BaseException | None) -> bool:
+    """Whether ``error`` is autograd's refusal of an in-place write into a leaf tensor
+    that requires grad (or into a view of one)."""
+    return isinstance(error, RuntimeError) and _LEAF_WRITE in str(error)
+
+
+def _raised(run: Run, call: int) -> Mismatch:
+    """What eager raised in ``run``, as a ``raises`` record (kept with a refusal)."""
+    assert run.error is not None
+    where = f"op {run.error_op}" if run.error_op is not None else run.stage
+    return Mismatch("raises", where, type(run.error).__name__, str(run.error), call)
 
 
 def _agree(a: Run, b: Run) -> bool:
@@ -863,6 +887,8 @@ def check(
     its signature (which runs prefixes of the program); the shrinker skips both."""
     verdict = run_check(program, backend)
     mismatch = verdict.mismatch
+    if verdict.status == REFUSED:
+        return Outcome(REFUSED, mismatch, verdict.accepted, verdict=verdict)
     if (
         backend == through_jax.BACKEND
         and mismatch is not None

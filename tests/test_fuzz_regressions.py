@@ -859,3 +859,62 @@ def test_integer_division_by_zero_of_an_empty_tensor(fn) -> None:
     actual, expected = compiled(empty, zero), fn(empty, zero)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     _assert_raises_like_eager(fn, torch.ones(2, 3, dtype=torch.int64), zero)  # still raises
+
+
+# --------------------------------------------------------------------------------------
+# Through jax_function (``python -m fuzz --through jax_function``): the harness's
+# verdicts and dynajax's bugs the runs found.
+# --------------------------------------------------------------------------------------
+
+
+def _jax_function_outcome(
+    ops: tuple[Any, ...], outputs: tuple[int, ...], *, grad: bool, layout: str = "contiguous"
+) -> Any:
+    from fuzz import through_jax
+    from fuzz.check import check
+    from fuzz.program import Program, TensorInput
+
+    x0 = TensorInput((3, 4), "float32", seed=1, layout=layout, requires_grad=True)
+    return check(Program((x0,), ops, outputs, grad=grad), through_jax.BACKEND)
+
+
+# Was: a program writing in place into an input that requires grad, where eager raises
+# autograd's "a leaf Variable that requires grad is being used in an in-place operation"
+# (the generator keeps a raising op as the last one now and then), was a failure
+# ("raises:RuntimeError->nothing") through jax_function whenever no gradient was taken
+# (a JAX function takes values, with no leaves to refuse). Eager has no answer to compare
+# with there: the harness classifies it as refused, with eager's error, whatever
+# jax_function does (where it differentiated, torch's backward trace raised too).
+@pytest.mark.parametrize(
+    "case", ["leaf-no-grad", "leaf-bool-output", "leaf-with-grad", "view-of-leaf"]
+)
+def test_jax_function_harness_refuses_an_in_place_write_into_a_leaf(case: str) -> None:
+    from fuzz.check import REFUSED
+    from fuzz.program import OUT_BASE, OpRecord
+
+    v = OUT_BASE
+    double = (("s", 2.0),)
+    ops, outputs, grad = {
+        "leaf-no-grad": ((OpRecord("Tensor.mul_(scalar)", (0,), double),), (0,), False),
+        "leaf-bool-output": (
+            (OpRecord("Tensor.mul_(scalar)", (0,), double), OpRecord("torch.signbit", (0,), (), v)),
+            (v,),
+            True,
+        ),
+        "leaf-with-grad": (
+            (OpRecord("torch.sin", (0,), (), v), OpRecord("Tensor.mul_(scalar)", (0,), double)),
+            (v,),
+            True,
+        ),
+        "view-of-leaf": (
+            (OpRecord("Tensor.t", (0,), (), v), OpRecord("Tensor.mul_(scalar)", (v,), double)),
+            (v,),
+            False,
+        ),
+    }[case]
+    outcome = _jax_function_outcome(ops, outputs, grad=grad)
+    assert outcome.status == REFUSED, outcome
+    assert outcome.mismatch is not None
+    assert "leaf Variable that requires grad" in outcome.mismatch.detail
+    write = next(i for i, r in enumerate(ops) if r.kind == "Tensor.mul_(scalar)")
+    assert outcome.mismatch.where == f"op {write}"  # eager's error, at the write
