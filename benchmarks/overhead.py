@@ -3,6 +3,7 @@
     python -m benchmarks.overhead
     python -m benchmarks.overhead --calls 5000 --rounds 21
     python -m benchmarks.overhead --device cuda
+    python -m benchmarks.overhead --plot docs/overhead.png   # the guide's plot (and .json)
 
 Two functions: ``x + 1`` on a 1-element float32 tensor, and the sum of 100 float32[4]
 inputs. Each layer is timed on its own; layers are interleaved round by round (the
@@ -39,6 +40,7 @@ small graph's speed on a GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -210,9 +212,15 @@ def main(argv: list[str] | None = None) -> None:
         metavar="CALLS",
         help="also profile this many whole dynajax and inductor calls with cProfile",
     )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="write the medians as a bar chart to PNG and as JSON beside it "
+        "(docs/overhead.png is the guide's; needs matplotlib, the bench extra)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    import os
     import warnings
 
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -234,9 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         f"(best round); load average at start {os.getloadavg()[0]:.1f}, "
         f"{os.cpu_count()} cpus; tensors on {device}"
     )
+    recorded: dict[str, dict[str, dict[str, tuple[float, float]]]] = {}
     for case, (f, xs) in cases.items():
         steps = layers(f, xs)
         results = {m: measure(steps, between, args.calls, args.rounds) for m, between in modes}
+        recorded[case] = results
         width = max(map(len, steps))
         head = "".join(f"  {mode + ' (best)':>22}" for mode, _ in modes)
         print(f"\n{case:<{width}}{head}")
@@ -259,6 +269,66 @@ def main(argv: list[str] | None = None) -> None:
                 f"{dynamo_dj:.1f} (dynajax) / {dynamo_ind:.1f} (inductor); partition / "
                 f"jax.jit with torch in/out {r['dynajax partition'][0] / floor:.2f}"
             )
+
+    if args.plot:
+        meta = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "device": str(device),
+            "cpus": os.cpu_count(),
+            "load_average": round(os.getloadavg()[0], 1),
+            "calls": args.calls,
+            "rounds": args.rounds,
+            "torch": torch.__version__,
+        }
+        write_plot(args.plot, recorded, meta)
+
+
+def write_plot(
+    path: str,
+    recorded: dict[str, dict[str, dict[str, tuple[float, float]]]],
+    meta: dict[str, Any],
+) -> None:
+    """Writes ``recorded`` (case -> mode -> layer -> (median, best) µs) as JSON beside
+    ``path`` and as one bar chart per case: a bar per layer and mode, the median."""
+    import json
+
+    base, _ = os.path.splitext(path)
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "us_per_call": recorded}, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"\nwrote {base}.json; no plot: matplotlib is missing (pip install -e '.[bench]')")
+        return
+    cases = list(recorded)
+    fig, axes = plt.subplots(1, len(cases), figsize=(6.5 * len(cases), 4.2))
+    for ax, case in zip(np.atleast_1d(axes), cases, strict=True):
+        modes = list(recorded[case])
+        names = list(recorded[case][modes[0]])
+        height = 0.8 / len(modes)
+        for i, mode in enumerate(modes):
+            ys = [j + i * height for j in range(len(names))]
+            values = [recorded[case][mode][n][0] for n in names]
+            ax.barh(ys, values, height=height, label=mode)
+            for y, v in zip(ys, values, strict=True):
+                ax.text(v, y, f" {v:.1f}", va="center", fontsize=7)
+        ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))], names, fontsize=8)
+        ax.invert_yaxis()
+        ax.margins(x=0.15)
+        ax.set_title(case)
+        ax.set_xlabel("µs per call (median of rounds)")
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(
+        f"benchmarks.overhead, {meta['date']}, {meta['cpus']} cpus, load {meta['load_average']}"
+        f", tensors on {meta['device']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nwrote {path} and {base}.json")
 
 
 if __name__ == "__main__":
