@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-full opinfo-full bench bench-quick lint fuzz
+.PHONY: install demo test test-full opinfo-full bench bench-quick lint fuzz docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e ".[test,viz,bench,lint]"
+	$(PIP) install -q -e ".[test,viz,bench,lint,docs]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -53,3 +53,7 @@ lint: install
 	$(PY) -m ruff check dynajax tests benchmarks examples fuzz
 	$(PY) -m ruff format --check dynajax tests benchmarks examples fuzz
 	$(PY) -m mypy
+
+# The user guide (docs/, mkdocs.yml) into site/; --strict: a warning or a broken link fails.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

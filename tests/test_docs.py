@@ -113,6 +113,37 @@ def test_every_document_is_collected() -> None:
             assert examples, f"{document.name}: Python blocks, but none collected"
 
 
+def _hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_options_table_has_every_option() -> None:
+    from dynajax.config import Options
+
+    table = _hooks().options_table()
+    for name in Options.names():
+        row = next((r for r in table.splitlines() if r.startswith(f"| `{name}` |")), None)
+        assert row is not None, f"option {name} missing from the generated table"
+        assert row.split("|")[4].strip(), f"option {name}: no description in Options' docstring"
+
+
+def test_generated_pages_name_their_markers() -> None:
+    """Every ``<!-- generated: X -->`` of the guide has a generator (else the build fails
+    late, in mkdocs); the pages that promise generated tables still ask for them."""
+    hooks = _hooks()
+    asked = set()
+    for document in DOCUMENTS:
+        asked |= set(hooks.MARKER.findall(document.read_text()))
+    assert asked <= set(hooks.GENERATORS)
+    assert {"options", "ops", "opinfo", "sweep"} <= asked
+
+
 if __name__ == "__main__":
     import warnings
 
