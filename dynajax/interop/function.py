@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -35,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 import sympy
 import torch
-import torch._export.verifier
 import torch.fx
 import torch.utils._pytree as pytree
 from jax.sharding import PartitionSpec
@@ -47,6 +45,7 @@ from dynajax.aot import decompositions, eager_aware
 from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_of
 from dynajax.capability.verdict import source_line
 from dynajax.errors import CallbackOpsError, DynajaxError, JaxFunctionError
+from dynajax.interop import caches
 from dynajax.interop.autograd import (
     TorchBackward,
     in_modes,
@@ -211,52 +210,10 @@ def export(
     dynamic_shapes: Any = None,
 ) -> ExportedProgram:
     """The core ATen ``ExportedProgram`` of a module (in its current mode) or function."""
-    _register_cache_pytrees()
+    caches.register()
     module = module_or_fn if isinstance(module_or_fn, nn.Module) else _FunctionModule(module_or_fn)
     ep = torch.export.export(module, example_args, dynamic_shapes=dynamic_shapes, strict=False)
-    try:
-        return ep.run_decompositions(export_decompositions())
-    except torch._export.verifier.SpecViolationError as e:
-        if "is not in the constants dictionary" in str(e) and _returns_cache(ep):
-            raise JaxFunctionError(
-                "torch.export's run_decompositions fails on this model's returned "
-                f"transformers cache ({e} pytorch/pytorch#164461, torch "
-                f"{torch.__version__}). Build the model with use_cache=False in its config "
-                "(or pass use_cache=False to its forward) to leave the cache out."
-            ) from e
-        raise
-
-
-def _register_cache_pytrees() -> None:
-    """``transformers``' ``DynamicCache`` as a torch pytree node (transformers' own
-    registration for torch.export), so that a model with its default config
-    (``use_cache=True``) can return its cache; only where transformers is imported."""
-    if "transformers" not in sys.modules:
-        return
-    try:
-        from transformers.integrations.executorch import register_dynamic_cache_export_support
-    except ImportError:  # another transformers version: the model's export says what fails
-        return
-    register_dynamic_cache_export_support()
-
-
-def _returns_cache(ep: ExportedProgram) -> bool:
-    """Whether the program's outputs hold a transformers cache."""
-    pending = [ep.call_spec.out_spec]
-    while pending:
-        spec = pending.pop()
-        if spec is None or spec.is_leaf():
-            continue
-        if _is_cache(spec.type):
-            return True
-        pending.extend(spec.children())
-    return False
-
-
-def _is_cache(kind: Any) -> bool:
-    """Whether a pytree node type is one of transformers' cache classes."""
-    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
-    return cache is not None and isinstance(kind, type) and issubclass(kind, cache)
+    return caches.run_decompositions(ep, export_decompositions())
 
 
 # -- the function ------------------------------------------------------------------------
@@ -460,8 +417,15 @@ class JaxFunction:
             for k, t in self._outputs
             if k is OutputKind.USER_INPUT_MUTATION and t in self._user_positions
         )
+        # Whether every new value of an input is also an output (a transformers
+        # StaticCache, updated in place and returned): fn(...) then loses nothing.
+        updated = {s.arg.name for s in sig.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION}
+        returned = {s.arg.name for s in sig.output_specs if s.kind is OutputKind.USER_OUTPUT}
+        self._updates_returned = updated <= returned
         self._in_spec = ep.call_spec.in_spec
         self._out_spec = ep.call_spec.out_spec
+        # The arguments as JAX values: a transformers cache as its dict (interop/caches.py).
+        self._jax_in_spec = caches.jax_spec(self._in_spec, jax_tree)
         self._range = dict(ep.range_constraints)
         self._warned = False
         self._warned_inputs = False
@@ -533,7 +497,7 @@ class JaxFunction:
         return CheckedJaxFunction(self)
 
     def _warn_inputs_dropped(self) -> None:
-        if self.mutated_inputs and not self._warned_inputs:
+        if self.mutated_inputs and not self._updates_returned and not self._warned_inputs:
             self._warned_inputs = True
             warnings.warn(
                 f"this model updates its inputs in place (positions {list(self.mutated_inputs)} "
@@ -672,12 +636,7 @@ class JaxFunction:
                 f"{type(state).__name__}."
             )
         self._check_state_keys(state)
-        leaves, spec = pytree.tree_flatten((tuple(args), {}))
-        if spec != self._in_spec:
-            raise JaxFunctionError(
-                f"fn takes its arguments nested as the example arguments were: {self._in_spec}; "
-                f"got {spec}."
-            )
+        leaves, spec = caches.flatten_as((tuple(args), {}), self._in_spec, self._jax_in_spec)
         variant = self._variant_for(leaves)
         if variant is not self:
             return variant._run(state, args, key, check=check)
@@ -709,7 +668,7 @@ class JaxFunction:
                     assert target is not None
                     new_leaves[self._user_positions[target]] = value
             new_args, _ = pytree.tree_unflatten(new_leaves, spec)
-            outputs = _unflatten(self._out_spec, iter(user_outputs))
+            outputs = jax_tree(self._out_spec, iter(user_outputs))
             return _Run(outputs, updates, tuple(new_args), checked)
 
     def _variant_for(self, leaves: list[Any]) -> JaxFunction:
@@ -968,16 +927,24 @@ def _array(value: Any, example: Any, where: str, *, static_only: bool = False) -
     return value
 
 
-def _unflatten(spec: pytree.TreeSpec, leaves: Any) -> Any:
+def jax_values(tree: Any) -> Any:
+    """Torch values as a JAX function takes them: tensors as ``jax.Array`` (zero-copy
+    where the device allows), transformers caches as their dicts, containers as
+    ``jax_tree`` gives them."""
+    leaves, spec = pytree.tree_flatten(tree)
+    return jax_tree(spec, iter(to_jax(v) if isinstance(v, torch.Tensor) else v for v in leaves))
+
+
+def jax_tree(spec: pytree.TreeSpec, leaves: Any) -> Any:
     """The torch output structure, with containers JAX can trace: tuples, lists,
     namedtuples and dicts as themselves, any other container with keys (a
     ``transformers`` ModelOutput) as a dict of its fields, the rest as tuples."""
     if spec.is_leaf():
         return next(leaves)
-    children = [_unflatten(c, leaves) for c in spec.children()]
+    children = [jax_tree(c, leaves) for c in spec.children()]
     kind = spec.type
-    if _is_cache(kind):  # transformers' DynamicCache: {"key_cache": [...], "value_cache": [...]}
-        return dict(zip(spec.context[0], children, strict=True))
+    if caches.is_cache(kind):  # a transformers cache: a dict of its arrays (interop/caches.py)
+        return dict(zip(caches.keys(spec), children, strict=True))
     if kind in (tuple, list):
         return kind(children)
     if isinstance(spec.context, type) and issubclass(spec.context, tuple):  # namedtuple

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.custom_derivatives import SymbolicZero
 
 TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
     torch.bool: np.dtype(np.bool_),
@@ -177,7 +178,8 @@ def float_to_int(x: jax.Array, dtype: Any) -> jax.Array:
     (``sum(acos(x), dtype=int64)`` of an x past 1).
     """
     dtype = np.dtype(dtype)
-    wide = np.dtype(np.int64 if dtype.itemsize == 8 else np.int32)
+    # With JAX's 64-bit mode off int64 is int32, and so is its minimum.
+    wide = np.dtype(jax.dtypes.canonicalize_dtype(np.int64 if dtype.itemsize == 8 else np.int32))
     x = jnp.trunc(x)
     out = x.astype(wide)
     if _X86 and not eager_is_on_cuda():
@@ -243,6 +245,29 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
     """
     if a.dtype in _EXACT_IN_FLOAT64:
         return (a.astype(np.float64) / b.astype(np.float64)).astype(a.dtype)
+    return _divide_behind_barrier(a, b)
+
+
+@jax.custom_jvp
+def _divide_behind_barrier(a: jax.Array, b: jax.Array) -> jax.Array:
     b = jnp.broadcast_to(b, jnp.broadcast_shapes(a.shape, b.shape))
     a, b = jax.lax.optimization_barrier((a, b))
     return a / b
+
+
+def _divide_jvp(primals: Any, tangents: Any) -> tuple[jax.Array, jax.Array]:
+    """torch's forward-mode derivative of ``a / b``, ``(a_t - b_t * out) / b``, with a
+    tangent that is zero left out: ``optimization_barrier``'s own JVP makes a zero
+    tangent a zero array, and ``0 / b`` is NaN where ``b`` is 0 (the second derivative of
+    ``sqrt`` at 0, torch's ``-inf``, came out NaN under ``jax.hessian``)."""
+    a, b = primals
+    a_t, b_t = (None if isinstance(t, SymbolicZero) else t for t in tangents)
+    out = _divide_behind_barrier(a, b)
+    numerator = a_t
+    if b_t is not None:
+        numerator = -(b_t * out) if numerator is None else numerator - b_t * out
+    assert numerator is not None  # JAX calls the rule only with a nonzero tangent
+    return out, jnp.broadcast_to(numerator / b, out.shape).astype(out.dtype)
+
+
+_divide_behind_barrier.defjvp(_divide_jvp, symbolic_zeros=True)

@@ -29,17 +29,15 @@ import jax
 import numpy as np
 import sympy
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from dynajax.capability import Unsupported
 from dynajax.errors import CallbackOpsError, ExportError, ExportOpsError, JaxFunctionError
-from dynajax.interop.function import JaxFunction, jax_function
+from dynajax.interop.function import JaxFunction, jax_function, jax_tree, jax_values
 from dynajax.interop.interpreter import SizeBindings
 from dynajax.lowering.dtypes import TORCH_TO_JAX
-from dynajax.runtime.conversion import to_jax
 
 Weights = Literal["embedded", "separate"]
 
@@ -155,9 +153,7 @@ class ExportedModel:
         """Runs the program on ``args`` (arrays or tensors, nested as the example
         arguments), with the separate state where there is one, in JAX's 64-bit mode
         where the program needs it."""
-        args = tuple(
-            pytree.tree_map(lambda v: to_jax(v) if isinstance(v, torch.Tensor) else v, args)
-        )
+        args = jax_values(args)
         if self.state is not None:
             args = (self.state, *args)
         if not self.needs_x64:
@@ -290,18 +286,19 @@ def _input_avals(
         if spec.kind is InputKind.USER_INPUT
     ]
     for position, fake in enumerate(fakes):
-        if not isinstance(fake, torch.Tensor):
+        if fake is not None and not isinstance(fake, torch.Tensor):  # None: an empty pytree
             raise ExportError(
                 f"input {position} is {fake!r}, not a tensor; an exported program takes "
                 "arrays only. Close over Python values (functools.partial, or a module "
                 "attribute) so that they are constants of the program."
             )
     symbols: dict[sympy.Symbol, None] = {}  # in order of appearance
-    for fake in fakes:
+    tensors = [fake for fake in fakes if fake is not None]
+    for fake in tensors:
         for size in fake.shape:
             if isinstance(size, torch.SymInt):
                 symbols.update(dict.fromkeys(sorted(size.node.expr.free_symbols, key=str)))
-    names = _dim_names(fakes, list(symbols))
+    names = _dim_names(tensors, list(symbols))
     dims: dict[str, tuple[int, int | None]] = {}
     constraints = []
     for symbol, name in names.items():
@@ -316,10 +313,14 @@ def _input_avals(
         jax_dims = jax.export.symbolic_shape(", ".join(names.values()), constraints=constraints)
         sizes.values.update(zip(names, jax_dims, strict=True))
     leaves = [
-        jax.ShapeDtypeStruct(tuple(sizes.resolve(s) for s in fake.shape), TORCH_TO_JAX[fake.dtype])
+        None
+        if fake is None
+        else jax.ShapeDtypeStruct(
+            tuple(sizes.resolve(s) for s in fake.shape), TORCH_TO_JAX[fake.dtype]
+        )
         for fake in fakes
     ]
-    args, _ = pytree.tree_unflatten(leaves, ep.call_spec.in_spec)
+    args, _ = jax_tree(ep.call_spec.in_spec, iter(leaves))  # a cache as its dict
     return tuple(args), dims
 
 

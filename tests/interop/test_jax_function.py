@@ -703,26 +703,6 @@ def test_a_new_batch_size_is_exported_again_once() -> None:
     assert batched.shape == (4, 2, 8, 64) and len(fn._variants) == 2
 
 
-def test_a_default_config_decoder_returning_its_cache_says_what_to_do() -> None:
-    # transformers' DynamicCache is registered as a pytree (its own torch.export
-    # support), export succeeds, and torch's run_decompositions then loses a lifted
-    # constant of the cache (pytorch/pytorch#164461): a clear error, not the verifier's.
-    import transformers
-
-    config = transformers.LlamaConfig(
-        num_hidden_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=64,
-    )
-    assert config.use_cache
-    model = transformers.LlamaForCausalLM(config).eval()
-    with pytest.raises(JaxFunctionError, match="returned transformers cache.*use_cache=False"):
-        dynajax.jax_function(model, torch.randint(0, 64, (2, 8)))
-
-
 def test_call_errors_say_what_is_wrong() -> None:
     model = models.mlp()
     fn, state = dynajax.jax_function(model, torch.randn(4, 32))
