@@ -13,7 +13,7 @@ from dynajax.diagnostics import GraphReport, Report, WhatIf
 from dynajax.diagnostics.explain import explain
 from dynajax.errors import DynajaxError, OptionsError, ShardingError, UnsupportedNodesError
 from dynajax.extending import RuleOverrideWarning, register_rule, unregister_rule
-from dynajax.interop import JaxFunction, jax_function
+from dynajax.interop import JaxFunction, jax_function, jax_values
 from dynajax.interop.call_jax import call_jax
 from dynajax.lowering.registry import supported_ops
 from dynajax.passes.user import Rewrite, RewriteRecord
@@ -60,6 +60,7 @@ __all__ = [
     "explain",
     "export",
     "jax_function",
+    "jax_values",
     "register_rule",
     "supported_ops",
     "train_step",

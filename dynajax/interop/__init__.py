@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         InputUpdatesDiscardedWarning,
         JaxFunction,
         jax_function,
+        jax_values,
     )
 
 # public name -> the submodule that defines it
@@ -31,6 +32,7 @@ _LAZY = {
     "JaxFunction": "dynajax.interop.function",
     "ValueCheckResult": "dynajax.interop.checked",
     "jax_function": "dynajax.interop.function",
+    "jax_values": "dynajax.interop.function",
 }
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "JaxFunction",
     "ValueCheckResult",
     "jax_function",
+    "jax_values",
 ]
 
 

@@ -15,7 +15,6 @@ import torch.utils._pytree as pytree
 
 import dynajax
 from dynajax.errors import JaxFunctionError
-from dynajax.interop.function import jax_values
 
 transformers = pytest.importorskip("transformers")
 T = transformers
@@ -55,7 +54,7 @@ def _build(make: Any) -> Any:
 
 def _assert_tree_close(got: Any, expected: Any) -> None:
     """``got`` (JAX values) equals ``expected`` (torch values, caches included)."""
-    want = jax_values(expected)
+    want = dynajax.jax_values(expected)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=2e-6)
@@ -126,7 +125,9 @@ def test_export_takes_a_cache_as_the_object_or_its_dict() -> None:
     exported = dynajax.export(model, nxt, None, None, cache)
     with torch.no_grad():
         _assert_tree_close(exported.call(nxt, None, None, model(ids).cache), expected)
-        _assert_tree_close(exported.call(nxt, None, None, jax_values(model(ids).cache)), expected)
+        _assert_tree_close(
+            exported.call(nxt, None, None, dynajax.jax_values(model(ids).cache)), expected
+        )
 
 
 def test_gradients_of_a_default_config_model_are_torchs() -> None:
@@ -170,7 +171,7 @@ def test_greedy_decoding_in_jax_with_a_static_cache_equals_generate() -> None:
     step, _ = dynajax.jax_function(
         model, ids[:, :1], None, None, _static_cache(model, batch, prompt + new)
     )
-    assert set(jax_values(_static_cache(model, 1, 4))) == {
+    assert set(dynajax.jax_values(_static_cache(model, 1, 4))) == {
         "key_cache",
         "value_cache",
         "cumulative_length",
@@ -190,7 +191,9 @@ def test_greedy_decoding_in_jax_with_a_static_cache_equals_generate() -> None:
         _, rest = jax.lax.scan(body, (token, out["cache"]), None, length=new - 1)
         return jnp.concatenate([token[:, None], rest.T], axis=1)
 
-    tokens = generate(state, ids.numpy(), jax_values(_static_cache(model, batch, prompt + new)))
+    tokens = generate(
+        state, ids.numpy(), dynajax.jax_values(_static_cache(model, batch, prompt + new))
+    )
     expected = model.generate(
         ids, do_sample=False, max_new_tokens=new, cache_implementation="static"
     )[:, prompt:]
