@@ -14,6 +14,10 @@ generates greedily two ways, each peer with the same static cache:
 * ``loop``: a hand-written decode loop (``StaticDecoder``): the same weights, one KV
   buffer per layer updated in place with ``index_copy_``, one compiled prefill function
   and one compiled decode-step function called once per token.
+* ``jax`` (dynajax only): the model as shipped in JAX (``JaxGreedy``): a prefill and a
+  decode step, each ``dynajax.jax_function`` of the ``transformers`` model over a
+  ``StaticCache`` (its arrays in and out) under ``jax.jit``, called once per token, the
+  cache staying ``jax.Array``s from step to step.
 
 Per peer and path: the *cold* time to first token (prefill including its compile, in
 this process with the compile caches off) and the first decode step (its compile),
@@ -40,7 +44,7 @@ from torch import nn
 from benchmarks.harness import graph_summary
 
 PEERS = ("eager", "inductor", "dynajax")
-PATHS = ("generate", "loop")
+PATHS = ("generate", "loop", "jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +160,62 @@ def _compile_fn(peer: str) -> tuple[Callable[[Callable[..., Any]], Callable[...,
     return (lambda f: torch.compile(_own_code(f, peer), backend=backend)), backend
 
 
+class JaxGreedy:
+    """Greedy decoding of the ``transformers`` model in JAX: ``jax_function`` of the
+    model with a ``StaticCache`` for the prefill and for a one-token step, each under
+    ``jax.jit`` returning the greedy token and the new cache (a dict of arrays)."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, size: Size) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        import dynajax
+
+        self.jax, self.ids = jax, ids
+        self.new_cache = functools.partial(
+            _static_cache, model, ids.shape[0], size.prompt + size.new_tokens
+        )
+        prefill, self.state = dynajax.jax_function(model, ids, None, None, self.new_cache())
+        step, _ = dynajax.jax_function(model, ids[:, :1], None, None, self.new_cache())
+
+        def greedy(fn: Any) -> Any:
+            def run(state: Any, ids: Any, cache: Any) -> Any:
+                out = fn(state, ids, None, None, cache)
+                return jnp.argmax(out["logits"][:, -1:], -1), out["cache"]
+
+            return jax.jit(run)
+
+        self.prefill, self.step = greedy(prefill), greedy(step)
+
+    def run(self, new_tokens: int) -> tuple[torch.Tensor, float, list[float]]:
+        """Greedy tokens (batch, new_tokens), the prefill's seconds, each step's."""
+        import dynajax
+
+        block = self.jax.block_until_ready
+        cache = dynajax.jax_values(self.new_cache())
+        t0 = time.perf_counter()
+        tok, cache = block(self.prefill(self.state, self.ids.numpy(), cache))
+        prefill_s = time.perf_counter() - t0
+        toks, steps = [tok], []
+        for _ in range(new_tokens - 1):
+            t0 = time.perf_counter()
+            tok, cache = block(self.step(self.state, tok, cache))
+            steps.append(time.perf_counter() - t0)
+            toks.append(tok)
+        return torch.cat([torch.from_dlpack(t) for t in toks], 1), prefill_s, steps
+
+
+def _static_cache(model: nn.Module, batch: int, length: int) -> Any:
+    """An initialized ``transformers.StaticCache`` of ``length`` tokens for ``model``."""
+    import transformers
+
+    cfg = model.config
+    cache = transformers.StaticCache(config=cfg, max_cache_len=length)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    cache.early_initialization(batch, cfg.num_key_value_heads, head_dim, model.dtype, model.device)
+    return cache
+
+
 class Timed:
     """One peer's generation on one path: ``run(n)`` -> tokens, with its timings."""
 
@@ -164,7 +224,12 @@ class Timed:
         compile, self.backend = _compile_fn(peer)
         self.prefill_s = 0.0
         self.decode_s: list[float] = []
-        if path == "generate":
+        if path == "jax":
+            if peer != "dynajax":
+                raise ValueError("the jax path is dynajax's alone")
+            self.model, self.greedy = model, None  # built on the first run, as compiles are
+            self.backend = None  # no torch.compile here
+        elif path == "generate":
             self.model = model
             self.forward = compile(type(model).forward.__get__(model))
         else:
@@ -175,6 +240,14 @@ class Timed:
     def run(self, new_tokens: int) -> torch.Tensor:
         """Greedy tokens (batch, new_tokens); sets prefill_s and decode_s (per step)."""
         with torch.no_grad():
+            if self.path == "jax":
+                t0 = time.perf_counter()
+                if self.greedy is None:  # its exports count in the cold prefill
+                    self.greedy = JaxGreedy(self.model, self.ids, self.size)
+                built = time.perf_counter() - t0
+                toks, prefill_s, self.decode_s = self.greedy.run(new_tokens)
+                self.prefill_s = built + prefill_s
+                return toks
             if self.path == "generate":
                 return self._generate(new_tokens)
             return self._loop(new_tokens)
@@ -272,6 +345,8 @@ def measure(
     runners: dict[tuple[str, str], Timed] = {}
     for path in paths:
         for peer in peers:
+            if path == "jax" and peer != "dynajax":
+                continue  # JAX itself: dynajax's alone
             log(f"{path} / {peer}: first generation (compiles)")
             r = Timed(peer, path, model, ids, size)
             t0 = time.perf_counter()
@@ -415,7 +490,7 @@ def print_report(out: dict[str, Any]) -> None:
     lines = [head]
     for key, r in res.items():
         path, peer = key.split("/")
-        ind = res.get(f"{path}/inductor", {}).get("tokens_per_s")
+        ind = res.get(f"{path}/inductor", res.get("loop/inductor", {})).get("tokens_per_s")
         lines.append(
             [
                 path,

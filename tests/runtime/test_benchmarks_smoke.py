@@ -112,18 +112,22 @@ def test_device_setting_places_rows(monkeypatch) -> None:
 
 
 def test_decode_benchmark_tokens_match_eager_generate() -> None:
-    """Both paths (transformers' generate with a static cache, the hand-written loop
-    over ``StaticDecoder``) give eager generate's tokens, eager and compiled by
-    dynajax, each dynajax graph one partition with no fallback."""
+    """Every path (transformers' generate with a static cache, the hand-written loop
+    over ``StaticDecoder``, and the model in JAX over a StaticCache) gives eager
+    generate's tokens, eager and compiled by dynajax, each dynajax graph one partition
+    with no fallback."""
     from benchmarks import decode
 
     size = decode.Size(layers=2, width=64, heads=4, kv_heads=2, vocab=128, prompt=6, new_tokens=5)
     out = decode.measure(size, peers=("eager", "dynajax"), rounds=1)
-    assert set(out["results"]) == {f"{p}/{q}" for p in decode.PATHS for q in ("eager", "dynajax")}
+    torch_paths = ("generate", "loop")
+    assert set(out["results"]) == {
+        f"{p}/{q}" for p in torch_paths for q in ("eager", "dynajax")
+    } | {"jax/dynajax"}
     for key, res in out["results"].items():
         assert res["matches_eager"], key
         assert res["tokens_per_s"] > 0 and res["ttft_s"] > 0, key
-    for path in decode.PATHS:
+    for path in torch_paths:
         graphs = out["results"][f"{path}/dynajax"]["graphs"]
         assert graphs.startswith("2 graph(s), partitions per graph [1, 1]"), graphs
         assert graphs.endswith("fallbacks none"), graphs
