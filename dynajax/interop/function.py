@@ -45,7 +45,7 @@ from dynajax.aot import decompositions, eager_aware
 from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_of
 from dynajax.capability.verdict import source_line
 from dynajax.errors import CallbackOpsError, DynajaxError, JaxFunctionError
-from dynajax.interop import caches
+from dynajax.interop import caches, user_passes
 from dynajax.interop.autograd import (
     TorchBackward,
     in_modes,
@@ -66,6 +66,7 @@ from dynajax.lowering import checks as value_checks
 from dynajax.lowering.dtypes import JAX_TO_TORCH, TORCH_TO_JAX
 from dynajax.lowering.registry import get_rule
 from dynajax.passes import run_passes
+from dynajax.passes.user import RewriteRecord
 from dynajax.runtime.conversion import to_jax
 from dynajax.sharding.placement import gather_to_torch
 
@@ -326,6 +327,7 @@ class JaxFunction:
             (``fn.checked(state, *args) -> (outputs, ValueCheckResult)``).
         random_ops: the random ops that draw from ``key`` (empty: no key needed).
         callbacks: every op that runs in eager PyTorch through a host callback.
+        rewrites: what each of the user's ``rewrites`` matched (``RewriteRecord``).
         graph_module: the annotated core ATen graph the function interprets.
         exported_program: the ``ExportedProgram`` it came from.
     """
@@ -342,8 +344,10 @@ class JaxFunction:
         fallback_ops: Iterable[str] = (),
         modes: Sequence[tuple[nn.Module, bool]] = (),
         rebuild: Callable[[tuple[Any, ...]], JaxFunction] | None = None,
+        rewrites: Sequence[RewriteRecord] = (),
     ) -> None:
         self.exported_program = ep
+        self.rewrites = tuple(rewrites)
         # Another export of the source at other sizes, per input shapes (_variant_for).
         self._rebuild = rebuild
         self._variants: dict[Any, JaxFunction] = {}
@@ -607,6 +611,7 @@ class JaxFunction:
             lines.append(f"  random ops (need key=): {', '.join(self.random_ops)}")
         if self.mutated_buffers:
             lines.append(f"  buffers updated (fn.with_state): {', '.join(self.mutated_buffers)}")
+        lines += user_passes.describe(self.rewrites)
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -985,6 +990,8 @@ def jax_function(
     strict: bool = False,
     fallback_ops: Iterable[str] = (),
     checks: bool = True,
+    passes: Any = None,
+    rewrites: Any = (),
 ) -> tuple[JaxFunction, State]:
     """A torch model as a pure JAX function, and the model's state as a pytree.
 
@@ -1013,6 +1020,14 @@ def jax_function(
             value checks and raises eager's error (an index out of range, an integer
             division by zero). Under JAX transformations ``fn`` computes none either
             way; ``fn.checked`` returns them as a value (``err.throw()`` raises).
+        passes: the user's graph passes by stage, as the backend's option of that name
+            (``{"pre_aot": [...], "post_aot": [...], "post_passes": [...]}``):
+            ``pre_aot`` on the model's torch-level graph (captured with Dynamo),
+            ``post_aot``/``post_passes`` on the exported ATen graph, before/after
+            dynajax's passes (``interop/user_passes.py``).
+        rewrites: ``dynajax.Rewrite``s applied to the torch-level graph, as the
+            backend's option; ``fn.rewrites`` and ``fn.report`` say what matched. The
+            gradients are those of the rewritten model.
 
     Returns:
         ``(fn, state)``: the ``JaxFunction`` (``fn(state, *args, key=None)``; see its
@@ -1027,6 +1042,7 @@ def jax_function(
     """
     examples = pytree.tree_map(_example_tensor, tuple(example_args))
     modes = recorded_modes(module_or_fn)
+    user = user_passes.UserPasses.of(passes, rewrites)
 
     def build(examples: tuple[Any, ...]) -> JaxFunction:
         return _build(
@@ -1038,6 +1054,7 @@ def jax_function(
             checks=checks,
             modes=modes,
             rebuild=build,
+            user=user,
         )
 
     fn = build(examples)
@@ -1058,12 +1075,15 @@ def _build(
     checks: bool,
     modes: list[tuple[nn.Module, bool]],
     rebuild: Callable[[tuple[Any, ...]], JaxFunction] | None,
+    user: user_passes.UserPasses,
 ) -> JaxFunction:
     """The ``JaxFunction`` of one export of ``module_or_fn`` at ``examples``' sizes (each
-    submodule in the train/eval mode it had when ``jax_function`` was called)."""
+    submodule in the train/eval mode it had when ``jax_function`` was called), with the
+    user's rewrites and passes."""
     with in_modes(modes):
-        ep = export(module_or_fn, examples, dynamic_shapes)
-    gm = run_passes(ep.graph_module)
+        source, records = user_passes.rewritten(module_or_fn, examples, user)
+        ep = export(source, examples, dynamic_shapes)
+    gm = user_passes.run_aten_passes(ep.graph_module, user, run_passes)
     refused = CapabilityChecker(fallback_ops).annotate(gm)
     impossible = [v for v in refused if v.reason in (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE)]
     if impossible:
@@ -1091,10 +1111,11 @@ def _build(
         _random_ops(gm),
         _tied_names(module_or_fn),
         checks,
-        source=module_or_fn,
+        source=source,
         fallback_ops=fallback_ops,
         modes=modes,
         rebuild=rebuild,
+        rewrites=records,
     )
 
 

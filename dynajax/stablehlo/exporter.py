@@ -178,6 +178,8 @@ def export(
     dynamic_shapes: Any = None,
     weights: Weights = "embedded",
     platforms: Sequence[str] | None = None,
+    passes: Any = None,
+    rewrites: Any = (),
 ) -> ExportedModel:
     """A torch model as a serializable JAX program (StableHLO), which runs without torch.
 
@@ -202,6 +204,8 @@ def export(
             file stays small.
         platforms: the platforms the program is lowered for (``("cpu", "cuda")``);
             default: JAX's default backend here.
+        passes, rewrites: the user's graph passes and ``dynajax.Rewrite``s, applied as
+            ``jax_function`` applies them (the backend's options of those names).
 
     Returns:
         An ``ExportedModel``: the ``jax.export.Exported`` (``.exported``), the separate
@@ -224,7 +228,12 @@ def export(
     with jax.enable_x64(True):
         try:
             fn, state = jax_function(
-                model, *example_args, dynamic_shapes=dynamic_shapes, strict=True
+                model,
+                *example_args,
+                dynamic_shapes=dynamic_shapes,
+                strict=True,
+                passes=passes,
+                rewrites=rewrites,
             )
         except CallbackOpsError as e:
             raise ExportOpsError(e.verdicts) from None

@@ -217,3 +217,70 @@ def test_no_match_records_nothing() -> None:
     assert_same(compiled(x), x.cos())
     assert all(not g.rewrites for g in report_of(backend).graphs)
     assert "rewrites" not in str(report_of(backend))
+
+
+# -- the same passes and rewrites in jax_function and export ---------------------------
+
+
+class SinModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.sin(self.lin(x))
+
+
+def test_jax_function_and_export_apply_post_aot_passes() -> None:
+    import jax
+    import numpy as np
+
+    torch.manual_seed(0)
+    model, x = SinModel(), torch.randn(3, 4)
+    seen = RecordTargets()
+    fn, state = dynajax.jax_function(
+        model, x, passes={"post_aot": _sin_to_cos, "post_passes": seen}
+    )
+    with torch.no_grad():
+        expected = torch.cos(model.lin(x))
+    assert_same(torch.from_dlpack(jax.jit(fn)(state, x.numpy())), expected)
+    assert "aten.cos.default" in seen.seen[-1] and "aten.sin.default" not in seen.seen[-1]
+    assert set(state) == {"lin.weight", "lin.bias"}
+    exported = dynajax.export(model, x, passes={"post_aot": [_sin_to_cos]})
+    np.testing.assert_allclose(np.asarray(exported.call(x)), expected.numpy(), rtol=1e-6)
+    # pre_aot: Dynamo's torch-level graph, as in the backend (torch.sin, not aten.sin).
+    torch_level = RecordTargets()
+    fn, state = dynajax.jax_function(model, x, passes={"pre_aot": torch_level})
+    assert any("sin" in t and "aten" not in t for t in torch_level.seen[0])
+    assert set(state) == {"lin.weight", "lin.bias"}
+
+
+def test_jax_function_applies_rewrites_and_their_gradients() -> None:
+    import jax
+    import numpy as np
+
+    torch.manual_seed(0)
+    model, x = TwoGelus(), torch.randn(4, 8)
+    rewrite = dynajax.Rewrite(gelu_tanh_pattern, gelu_tanh_replacement, name="gelu-tanh")
+    fn, state = dynajax.jax_function(model, x, rewrites=[rewrite])
+    (record,) = fn.rewrites
+    assert (record.name, record.matches) == ("gelu-tanh", 1)
+    assert "gelu-tanh (pattern gelu_tanh_pattern): 1 match(es)" in fn.report
+    assert "dynajax.call_jax.default" in {str(n.target) for n in fn.graph_module.graph.nodes}
+    # The state is the model's, by its torch names, not Dynamo's.
+    assert set(state) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+    with torch.no_grad():
+        expected = model(x)
+    assert_same(torch.from_dlpack(jax.jit(fn)(state, x.numpy())), expected)
+    # jax.grad differentiates the rewritten model (the replacement is JAX's own gelu,
+    # equal to the pattern up to rounding): torch.autograd's gradients of the model.
+    params, buffers = fn.split_state(state)
+    grads = jax.grad(lambda p: fn({**p, **buffers}, x.numpy()).sum())(params)
+    model.zero_grad()
+    model(x).sum().backward()
+    for name, g in grads.items():
+        np.testing.assert_allclose(
+            np.asarray(g), model.get_parameter(name).grad.numpy(), rtol=1e-5, atol=1e-6
+        )
+    exported = dynajax.export(model, x, rewrites=[rewrite])
+    np.testing.assert_allclose(np.asarray(exported.call(x)), expected.numpy(), rtol=1e-5, atol=1e-6)
