@@ -127,8 +127,8 @@ def core_aten_summary() -> str:
             other.append(f"| `{op}` | {_md(verdict)} |")
     return "\n".join(
         [
-            " ".join(header[:2]) + " (`tests/lowering/core_aten_coverage.txt`, which a "
-            "test keeps true). The core overloads without a rule of their own:",
+            " ".join(header[:2]).rstrip(".") + ", from `tests/lowering/core_aten_coverage.txt`, "
+            "which a test keeps true. The core overloads without a rule of their own:",
             "",
             "| overload | verdict |",
             "|---|---|",
