@@ -132,7 +132,11 @@ def build_step(w: Workload, peer: str) -> Step | None:
     """The step for ``peer``; None where the peer has no version of this workload."""
     if peer == "jax":
         return w.jax_setup() if w.jax_setup is not None else dynajax_lowered_step(w)
-    return synchronized(in_grad_mode(w, w.setup(compile_fn(peer))))
+    inner = w.setup(compile_fn(peer))
+    step = synchronized(in_grad_mode(w, inner))
+    if hasattr(inner, "parts"):  # an interleaved row's per-call times, kept by the step
+        step.parts = inner.parts  # type: ignore[attr-defined]
+    return step
 
 
 def synchronized(step: Step) -> Step:
@@ -283,10 +287,15 @@ def time_steady(
             # next peer's first calls (the MLP row's JAX floor measured 1.38 ms right
             # after PyTorch's peers against 1.20 ms alone, one untimed call apart).
             settle(step)
+            parts = getattr(step, "parts", None)  # an interleaved row's calls, each timed
             for _ in range(w.inner):  # each call timed alone: preemptions stay outliers
                 t0 = time.perf_counter()
                 step()
                 samples.append(time.perf_counter() - t0)
+                if parts:
+                    kept = results[peer].setdefault("part_samples", {})
+                    for k, v in parts.items():
+                        kept.setdefault(k, []).append(v[-1])
         if r >= 2 and time.perf_counter() - start > budget_s:
             break
     for peer in order:
@@ -296,6 +305,9 @@ def time_steady(
         results[peer]["min_s"] = min(s)
         results[peer]["n"] = len(s)
         del results[peer]["samples"]
+        kept = results[peer].pop("part_samples", None)
+        if kept:
+            results[peer]["parts_median_s"] = {k: statistics.median(v) for k, v in kept.items()}
     if w.memory_calls and "dynajax" in steps:
         results["dynajax"]["memory"] = measure_memory(steps["dynajax"], w.memory_calls)
     return results

@@ -168,6 +168,11 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         g = _geomean([s["ratios"][n]["first_call dynajax/inductor"] for n in models])
         if g is not None:
             target("models first-call geomean: dynajax/inductor", g, 0.5)
+    for n, parts in interleaved_parts(rows).items():
+        target(f"{n}: interleaved sum dynajax/inductor", s["ratios"][n]["dynajax/inductor"], 1.0)
+        for call in ("compiled", "eager"):
+            ratio = parts.get("dynajax", {}).get(f"{call} vs alone")
+            target(f"{n}: dynajax row's {call} call vs alone", ratio, 1.1)
     training = [n for n, r in rows.items() if r["group"] == "training"]
     if training:  # no target of their own: reported beside the model rows
         s["training geomean"] = {
@@ -186,6 +191,29 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
             "met": all(m["flat"] for m in mem.values()),
         }
     return s
+
+
+def interleaved_parts(rows: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per interleaved row and peer: the compiled call's and the eager call's median
+    seconds, and each against its time alone (the row's model row in the same run: the
+    peer's call there, and eager's)."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for name, r in rows.items():
+        if r["group"] != "interleaved":
+            continue
+        alone = rows.get(name.removesuffix("-interleaved"), {}).get("steady", {})
+        out[name] = {}
+        for peer, res in r["steady"].items():
+            parts = res.get("parts_median_s")
+            if not parts:
+                continue
+            out[name][peer] = {
+                "compiled": parts["compiled"],
+                "eager": parts["eager"],
+                "compiled vs alone": _ratio(parts["compiled"], _median(alone, peer)),
+                "eager vs alone": _ratio(parts["eager"], _median(alone, "eager")),
+            }
+    return out
 
 
 def print_report(out: dict[str, Any]) -> None:
@@ -247,6 +275,29 @@ def print_report(out: dict[str, Any]) -> None:
             cells.append(f"{v:.2f}" if v else "-")
             lines.append(cells)
         _table("first call (compile + run), cold caches, fresh process", lines)
+
+    split = interleaved_parts(rows)
+    if any(split.values()):
+        lines = [["workload", "peer", "compiled call", "eager call", "sum", "vs alone"]]
+        for name, by_peer in split.items():
+            for peer, p in by_peer.items():
+                vs = [p["compiled vs alone"], p["eager vs alone"]]
+                total = rows[name]["steady"][peer]["median_s"]
+                lines.append(
+                    [
+                        name,
+                        peer,
+                        _fmt_time(p["compiled"]),
+                        _fmt_time(p["eager"]),
+                        _fmt_time(total),
+                        " / ".join(f"{v:.2f}" if v else "-" for v in vs),
+                    ]
+                )
+        _table(
+            "interleaved: each call's median (vs alone: the compiled call against the "
+            "peer's model row, the eager call against eager's)",
+            lines,
+        )
 
     mem_lines = [["workload", "calls", "RSS before", "RSS delta", "live arrays", "flat"]]
     for name, r in rows.items():

@@ -22,13 +22,15 @@ To add a row (e.g. a training step), append a ``Workload`` with ``register``:
     register(Workload("mlp-train", "training", _mlp_train, description="..."))
 
 Groups: ``overhead`` rows measure per-call cost; ``model`` and ``training`` rows enter
-the geometric means of the targets.
+the geometric means of the targets; ``interleaved`` rows time a compiled call and an
+eager PyTorch call of the same size in turn (``step.parts`` keeps each call's time).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +75,7 @@ WORKLOADS: dict[str, Workload] = {}
 
 
 def register(w: Workload) -> Workload:
-    if w.group not in ("overhead", "model", "training"):
+    if w.group not in ("overhead", "model", "training", "interleaved"):
         raise ValueError(f"workload {w.name!r}: unknown group {w.group!r}")
     WORKLOADS[w.name] = w
     return w
@@ -341,6 +343,58 @@ register(
         "model",
         _model_step(resnet_model),
         description="ResNet-18-shaped CNN on (8, 3, 64, 64)",
+    )
+)
+
+
+# -- interleaved rows: a compiled call, then an eager PyTorch call, repeated -----------
+
+
+def _interleaved(build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]) -> Callable[..., Step]:
+    """The row's model compiled, each call followed by an eager call of another model of
+    the same size, as a real program runs eager work between compiled calls. The step
+    records each call's seconds in ``step.parts`` (``"compiled"``, ``"eager"``); eager's
+    own row is two eager calls."""
+
+    def setup(compile: Compile) -> Step:
+        _seeded()
+        model, args = placed(*build())
+        other, other_args = placed(*build())
+        f = compile(model.eval())
+        other.eval()
+        clock = time.perf_counter
+        parts: dict[str, list[float]] = {"compiled": [], "eager": []}
+
+        def step() -> Any:
+            t0 = clock()
+            out = f(*args)
+            t1 = clock()
+            other(*other_args)
+            t2 = clock()
+            parts["compiled"].append(t1 - t0)
+            parts["eager"].append(t2 - t1)
+            return out
+
+        step.parts = parts  # type: ignore[attr-defined]
+        return step
+
+    return setup
+
+
+register(
+    Workload(
+        "mlp-interleaved",
+        "interleaved",
+        _interleaved(mlp_model),
+        description="the MLP row's call, then an eager call of another MLP of its size",
+    )
+)
+register(
+    Workload(
+        "gpt2-interleaved",
+        "interleaved",
+        _interleaved(gpt2_model),
+        description="the GPT-2 row's call, then an eager call of another GPT-2 of its size",
     )
 )
 
