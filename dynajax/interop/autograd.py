@@ -16,9 +16,16 @@ through the same rules as the forward, and runs it as the VJP. The forward stays
 exported program. The backward graph recomputes the forward it needs (XLA shares what it
 can with the forward's program under ``jax.jit``).
 
-Forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) of a custom VJP is refused by
-JAX with its own error; a model with random ops (dropout in train mode) keeps JAX's
-autodiff of the rules, because its backward would draw other numbers than its forward.
+Forward mode of the function itself (``jax.jvp``, ``jax.jacfwd``) has no torch rule here:
+JAX refuses forward mode of a custom VJP, and torch's backward gives VJPs only. The call
+raises ``JaxFunctionError`` (``FORWARD_MODE_ERROR``: why, and what works instead) where
+JAX would raise its own "can't apply forward-mode autodiff (jvp) to a custom_vjp
+function". Forward mode over the backward works: ``jax.hessian`` (``jacfwd`` of
+``jacrev``) and Hessian-vector products (``jax.jvp`` of ``jax.grad``) differentiate
+torch's backward graph, ordinary JAX operations, and give ``torch.func.hessian``'s
+answer. A model with random ops (dropout in train mode) keeps JAX's autodiff of the
+rules, forward mode included, because its backward would draw other numbers than its
+forward.
 """
 
 from __future__ import annotations
@@ -46,6 +53,22 @@ from dynajax.interop.interpreter import (
 )
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.passes import run_passes
+
+FORWARD_MODE_ERROR = (
+    "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) of a jax_function is not "
+    "supported: its derivatives are torch's backward (the function is a jax.custom_vjp whose "
+    "VJP is torch.autograd.grad of the model, so that jax.grad equals torch.autograd), and "
+    "JAX has no forward mode for a custom_vjp. Use reverse mode: jax.grad, jax.vjp, "
+    "jax.value_and_grad or jax.jacrev (a Jacobian row by row). Second derivatives work: "
+    "jax.hessian and jax.jvp of jax.grad run forward mode over torch's backward, which is "
+    "ordinary JAX."
+)
+# JAX's own message for forward mode of a custom_vjp, which FORWARD_MODE_ERROR replaces.
+_JAX_FORWARD_MODE = "forward-mode autodiff (jvp) to a custom_vjp"
+# Forward mode's tracer (a public module of JAX's; None if a release drops it): with
+# direct linearization (JAX's default) reverse mode traces with other tracers, so an
+# input that is one means the call is being differentiated in forward mode.
+_JVP_TRACER = getattr(getattr(jax.interpreters, "ad", None), "JVPTracer", None)
 
 
 def recorded_modes(source: Any) -> list[tuple[nn.Module, bool]]:
@@ -270,7 +293,29 @@ def with_torch_backward(primal: Any, backward: TorchBackward, layout: Mapping[st
         return tuple(grads)
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
-    return run
+
+    def call(*arrays: Any) -> Any:
+        if any(_in_forward_mode(a) for a in arrays):
+            raise JaxFunctionError(FORWARD_MODE_ERROR)
+        try:
+            return run(*arrays)
+        except TypeError as e:  # JAX's refusal, where it meets one here (jacfwd of a vmap)
+            if _JAX_FORWARD_MODE in str(e) and not isinstance(e, JaxFunctionError):
+                raise JaxFunctionError(FORWARD_MODE_ERROR) from e
+            raise
+
+    return call
+
+
+def _in_forward_mode(value: Any) -> bool:
+    """Whether ``value`` is being differentiated in forward mode (``jax.jvp``,
+    ``jax.jacfwd``; under ``jax.jit`` too, where JAX's own error would come only when
+    XLA lowers the program). False when unknown: JAX's error is caught after the call."""
+    return (
+        _JVP_TRACER is not None
+        and isinstance(value, _JVP_TRACER)
+        and bool(getattr(jax.config, "jax_use_direct_linearize", True))
+    )
 
 
 def _dense(ct: Any) -> Any:

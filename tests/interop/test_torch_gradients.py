@@ -145,6 +145,118 @@ def test_vjp_and_value_and_grad_are_torchs_and_forward_mode_says_why() -> None:
             jax.jvp(lambda a: fn({}, a), (x.numpy(),), (jnp.ones(3),))
 
 
+# Forward mode of the function itself has no torch rule (a custom_vjp): each way of asking
+# for it raises dynajax's error, which says why and what works instead, not JAX's
+# "can't apply forward-mode autodiff (jvp) to a custom_vjp function" (under jax.jit, JAX's
+# came only when XLA lowered the program).
+FORWARD_MODE = {
+    "jvp": lambda f, x: jax.jvp(f, (x,), (jnp.ones_like(x),)),
+    "jit_of_jvp": lambda f, x: jax.jit(lambda a: jax.jvp(f, (a,), (a,)))(x),
+    "jacfwd": lambda f, x: jax.jacfwd(f)(x),
+    "jit_of_jacfwd": lambda f, x: jax.jit(jax.jacfwd(f))(x),
+    "vmap_of_jvp": lambda f, x: jax.vmap(lambda t: jax.jvp(f, (x,), (t,)))(jnp.eye(3)),
+    "grad_of_jvp": lambda f, x: jax.grad(lambda a: jax.jvp(f, (a,), (a,))[1].sum())(x),
+}
+
+
+@pytest.mark.parametrize("how", list(FORWARD_MODE))
+def test_forward_mode_raises_an_error_that_says_why(how: str) -> None:
+    x = _f64(0.5, -2.0, 3.0)
+    fn, _ = dynajax.jax_function(lambda x: torch.sin(x) * 2, x)
+    with jax.enable_x64(True), pytest.raises(JaxFunctionError) as raised:
+        FORWARD_MODE[how](lambda a: fn({}, a), jnp.asarray(x.numpy()))
+    message = str(raised.value)
+    assert "forward-mode autodiff" in message and "torch's backward" in message
+    assert "custom_vjp" in message and "jax.jacrev" in message and "jax.hessian" in message
+    assert isinstance(raised.value, TypeError)  # what JAX raises, for code that catches it
+    with jax.enable_x64(True):  # reverse mode is untouched
+        g = jax.grad(lambda a: fn({}, a).sum())(x.numpy())
+    np.testing.assert_allclose(np.asarray(g), 2 * np.cos(x.numpy()), rtol=1e-15)
+
+
+def test_forward_mode_of_a_module_with_state_says_why() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with jax.enable_x64(True):
+        fn, state = dynajax.jax_function(model, x)
+        tangents = jax.tree_util.tree_map(jnp.ones_like, state)
+        with pytest.raises(JaxFunctionError, match="torch's backward"):
+            jax.jvp(lambda s: fn(s, x.numpy()), (state,), (tangents,))
+
+
+# Forward mode over the backward is ordinary JAX (torch's backward graph, lowered), so
+# second derivatives are torch.func's: jax.hessian (jacfwd of jacrev) as
+# torch.func.hessian, jacrev of jacrev as torch.func's, and Hessian-vector products (jvp of
+# grad), also at the points where torch's first derivative is its own (CASES above).
+# Was: sqrt's second derivative at 0 was NaN where torch's is -inf: the float64 division's
+# optimization barrier made the cotangent's zero tangent an array of zeros, and 0 / 0 is
+# NaN (dtypes.divide now has torch's forward-mode formula, zero tangents left out).
+SECOND_ORDER = {
+    **CASES,
+    "smooth": (lambda x: (x.sin() * x.exp()).sum() + (x**3).prod(), _f64(0.3, -1.2, 2.0)),
+    "softmax": (
+        lambda x: (torch.softmax(x, 0) * torch.arange(3.0, dtype=torch.float64)).sum(),
+        _f64(0.3, -1.2, 2.0),
+    ),
+    "matmul_tanh": (
+        lambda x: torch.tanh(x.reshape(2, 2) @ x.reshape(2, 2)).sum(),
+        _f64(0.3, -1.2, 2.0, 0.5),
+    ),
+    "logsumexp": (lambda x: torch.logsumexp(x, 0), _f64(0.3, -1.2, 2.0)),
+    "gelu": (lambda x: F.gelu(x).sum(), _f64(0.3, -1.2, 2.0)),
+    "division": (lambda x: (x[0] / x[1]) + (2.0 / x).sum(), _f64(1.5, 0.0, -2.0)),
+}
+
+
+def _same(actual, expected: torch.Tensor) -> None:
+    np.testing.assert_allclose(
+        np.asarray(actual), expected.numpy(force=True), rtol=1e-12, atol=1e-12, equal_nan=True
+    )
+
+
+@pytest.mark.parametrize("name", list(SECOND_ORDER))
+def test_second_derivatives_are_torch_funcs(name: str) -> None:
+    f, x = SECOND_ORDER[name]
+    fn, _ = dynajax.jax_function(f, x)
+    v = torch.linspace(-1, 2, x.numel(), dtype=torch.float64)
+    with jax.enable_x64(True):
+        g = lambda a: fn({}, a)  # noqa: E731
+        hessian = jax.hessian(g)(x.numpy())
+        reverse_over_reverse = jax.jacrev(jax.jacrev(g))(x.numpy())
+        hvp = jax.jvp(jax.grad(g), (x.numpy(),), (v.numpy(),))[1]
+    _same(hessian, torch.func.hessian(f)(x))
+    _same(reverse_over_reverse, torch.func.jacrev(torch.func.jacrev(f))(x))
+    _same(hvp, torch.func.jvp(torch.func.grad(f), (x,), (v,))[1])
+
+
+def test_hessian_of_a_module_wrt_its_input_and_parameters() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with jax.enable_x64(True):  # the state in float64
+        fn, state = dynajax.jax_function(model, x)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, inputs):
+        return torch.func.functional_call(model, p, (inputs,)).pow(2).sum()
+
+    with jax.enable_x64(True):
+        by_input = jax.hessian(lambda a: (fn(state, a) ** 2).sum())(x.numpy())
+        by_bias = jax.hessian(lambda b: (fn({**state, "2.bias": b}, x.numpy()) ** 2).sum())(
+            state["2.bias"]
+        )
+        by_weight = jax.hessian(lambda w: (fn({**state, "0.weight": w}, x.numpy()) ** 2).sum())(
+            state["0.weight"]
+        )
+    _same(by_input, torch.func.hessian(lambda a: loss(params, a))(x))
+    _same(by_bias, torch.func.hessian(lambda b: loss({**params, "2.bias": b}, x))(params["2.bias"]))
+    _same(
+        by_weight,
+        torch.func.hessian(lambda w: loss({**params, "0.weight": w}, x))(params["0.weight"]),
+    )
+
+
 def test_bert_fine_tuned_with_optax_equals_torch_adamw() -> None:
     import optax
 
