@@ -204,8 +204,10 @@ def export(
             file stays small.
         platforms: the platforms the program is lowered for (``("cpu", "cuda")``);
             default: JAX's default backend here.
-        passes, rewrites: the user's graph passes and ``dynajax.Rewrite``s, applied as
-            ``jax_function`` applies them (the backend's options of those names).
+        passes: the user's graph passes, applied as ``jax_function`` applies them (the
+            backend's option of that name).
+        rewrites: the user's ``dynajax.Rewrite``s, applied as ``jax_function`` applies
+            them (the backend's option of that name).
 
     Returns:
         An ``ExportedModel``: the ``jax.export.Exported`` (``.exported``), the separate
