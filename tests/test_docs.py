@@ -133,6 +133,22 @@ def test_generated_options_table_has_every_option() -> None:
         assert row.split("|")[4].strip(), f"option {name}: no description in Options' docstring"
 
 
+def test_api_reference_lists_every_public_name() -> None:
+    """docs/reference.md names each entry of ``dynajax.__all__`` (mkdocstrings renders
+    its docstring), so a new public name cannot go undocumented."""
+    import dynajax
+
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    missing = [
+        name
+        for name in dynajax.__all__
+        if name != "__version__"
+        and f"::: dynajax.{name}" not in reference
+        and not reference.count(f"::: dynajax.{name}.")
+    ]
+    assert not missing, f"add to docs/reference.md: {missing}"
+
+
 def test_generated_pages_name_their_markers() -> None:
     """Every ``<!-- generated: X -->`` of the guide has a generator (else the build fails
     late, in mkdocs); the pages that promise generated tables still ask for them."""
