@@ -470,16 +470,23 @@ class ExecutableCache:
             return None, None, why
         value = None
         try:
-            if program:  # (authenticated: only now is the body unpickled)
-                payload, in_tree, out_tree, written, value = pickle.loads(body)
+            # (authenticated: only now is the body unpickled)
+            payload, in_tree, out_tree, *trailer = pickle.loads(body)
+            # The devices it runs on, last (entries written before they were kept lack
+            # them: JAX then loads the executable onto every device of the platform).
+            devices = trailer.pop() if len(trailer) in (1, 3) else None
+            if program:
+                written, value = trailer
                 stale = _stale(written)
                 if stale:
                     log.info("cache entry %s is stale (%s changed); compiling", path.name, stale)
                     return None, None, f"stale entry ({stale} changed)"
-            else:
-                payload, in_tree, out_tree = pickle.loads(body)
             compiled = serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, backend=platform_name
+                payload,
+                in_tree,
+                out_tree,
+                backend=platform_name,
+                execution_devices=_devices_by_id(devices, platform_name),
             )
         except Exception as e:  # noqa: BLE001 - an authentic entry that cannot be loaded
             # (e.g. written by a jaxlib that serializes differently) is stale, not
@@ -536,7 +543,8 @@ class ExecutableCache:
         if self._unwritable:
             return False
         try:
-            body = pickle.dumps((*serialize_executable.serialize(compiled), *trailer))
+            devices = [d.id for d in compiled.runtime_executable().local_devices()]
+            body = pickle.dumps((*serialize_executable.serialize(compiled), *trailer, devices))
         except (
             ValueError,
             NotImplementedError,
@@ -848,3 +856,15 @@ def stats_of(items: Any) -> CompileStats:
     for s in items:
         total += s
     return total
+
+
+def _devices_by_id(ids: list[int] | None, platform_name: str) -> list[Any] | None:
+    """The platform's devices of these ids, in order: an executable compiled for one
+    device of eight loads onto that one (without them, JAX's loader gives it every
+    device, and its call expects a shard per device). None where unknown or absent."""
+    if ids is None:
+        return None
+    by_id = {d.id: d for d in jax.devices(platform_name)}
+    if not all(i in by_id for i in ids):
+        return None
+    return [by_id[i] for i in ids]

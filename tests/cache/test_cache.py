@@ -129,6 +129,44 @@ def test_reused_across_processes(tmp_path) -> None:
     assert s1 == s2
 
 
+def test_an_entry_for_one_device_loads_onto_that_device_among_eight(tmp_path) -> None:
+    # JAX's loader gives an executable every device of the platform unless told which:
+    # with 8 CPU devices a cached single-device executable then expected 8 shards per
+    # argument ("Expected args to execute_sharded_on_local_devices to have 8 shards").
+    code = textwrap.dedent(
+        """
+        import torch, dynajax
+        from tests.models import mlp
+        torch.manual_seed(0)
+        model = mlp().eval()
+        x = torch.randn(8, 32)
+        outs = []
+        for _ in range(2):  # the second backend loads the first one's entry
+            torch._dynamo.reset()
+            backend = dynajax.Backend()
+            with torch.no_grad():
+                outs.append(torch.compile(model, backend=backend)(x))
+        torch.testing.assert_close(outs[1], outs[0])
+        print(dynajax.Report(backend.graphs).compile_stats.cache_hits)
+        """
+    )
+    env = dict(
+        os.environ,
+        DYNAJAX_CACHE_DIR=str(tmp_path),
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "1"
+
+
 def test_corrupt_entry_warns_and_recompiles(tmp_path) -> None:
     x = torch.randn(4, 3)
     _run(tmp_path, _f, x)
