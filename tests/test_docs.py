@@ -7,9 +7,8 @@ snippet writes (``model.stablehlo``) land in a temporary directory. Hidden setup
 small model, an input) sits in ``<!-- invisible-code-block: python ... -->`` comments.
 
 A document that holds ``<!-- docs-test: devices=8 -->`` runs with 8 XLA CPU devices
-(``--xla_force_host_platform_device_count=8``) and without the persistent cache (a
-cached executable loaded in such a process can expect 8 shards for a one-device
-program); the others with one device and a cache in the temporary directory.
+(``--xla_force_host_platform_device_count=8``), the others with one; each with a
+persistent cache in the temporary directory.
 
 A block that cannot run here (a GPU, several hosts) follows a
 ``<!-- skip: next "why" -->`` comment: it is compiled, so at least its syntax is
@@ -89,10 +88,9 @@ def test_code_blocks_run(document: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if many_devices:
             env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-            env["DYNAJAX_CACHE_DIR"] = ""
         else:
             env.pop("XLA_FLAGS", None)
-            env["DYNAJAX_CACHE_DIR"] = os.path.join(tmp, "cache")
+        env["DYNAJAX_CACHE_DIR"] = os.path.join(tmp, "cache")
         env["XDG_CONFIG_HOME"] = os.path.join(tmp, "config")
         done = subprocess.run(
             [sys.executable, "-m", "tests.test_docs", str(document)],
