@@ -45,6 +45,7 @@ from torch import nn
 from dynajax.aot import functional_graph
 from dynajax.capability import CapabilityChecker, Reason
 from dynajax.errors import JaxFunctionError
+from dynajax.interop.callbacks import in_forward_mode
 from dynajax.interop.interpreter import (
     TRUNCATION_WARNING,
     ExportInterpreter,
@@ -65,10 +66,6 @@ FORWARD_MODE_ERROR = (
 )
 # JAX's own message for forward mode of a custom_vjp, which FORWARD_MODE_ERROR replaces.
 _JAX_FORWARD_MODE = "forward-mode autodiff (jvp) to a custom_vjp"
-# Forward mode's tracer (a public module of JAX's; None if a release drops it): with
-# direct linearization (JAX's default) reverse mode traces with other tracers, so an
-# input that is one means the call is being differentiated in forward mode.
-_JVP_TRACER = getattr(getattr(jax.interpreters, "ad", None), "JVPTracer", None)
 
 
 def recorded_modes(source: Any) -> list[tuple[nn.Module, bool]]:
@@ -295,27 +292,16 @@ def with_torch_backward(primal: Any, backward: TorchBackward, layout: Mapping[st
     run.defvjp(fwd, bwd, symbolic_zeros=True)
 
     def call(*arrays: Any) -> Any:
-        if any(_in_forward_mode(a) for a in arrays):
+        if any(in_forward_mode(a) for a in arrays):
             raise JaxFunctionError(FORWARD_MODE_ERROR)
         try:
             return run(*arrays)
-        except TypeError as e:  # JAX's refusal, where it meets one here (jacfwd of a vmap)
+        except TypeError as e:  # JAX's own refusal, where the check above could not tell
             if _JAX_FORWARD_MODE in str(e) and not isinstance(e, JaxFunctionError):
                 raise JaxFunctionError(FORWARD_MODE_ERROR) from e
             raise
 
     return call
-
-
-def _in_forward_mode(value: Any) -> bool:
-    """Whether ``value`` is being differentiated in forward mode (``jax.jvp``,
-    ``jax.jacfwd``; under ``jax.jit`` too, where JAX's own error would come only when
-    XLA lowers the program). False when unknown: JAX's error is caught after the call."""
-    return (
-        _JVP_TRACER is not None
-        and isinstance(value, _JVP_TRACER)
-        and bool(getattr(jax.config, "jax_use_direct_linearize", True))
-    )
 
 
 def _dense(ct: Any) -> Any:

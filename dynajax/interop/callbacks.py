@@ -16,7 +16,10 @@ tensors viewing the callback's NumPy buffers (no copy on CPU):
   whose backward recomputes the op on the host with autograd on and returns
   ``torch.autograd.grad`` of it; the residuals are the op's inputs (nothing of torch's
   graph survives between the two callbacks). Integer and boolean inputs get no
-  cotangent; outputs that do not depend on an input give it zeros.
+  cotangent; outputs that do not depend on an input give it zeros. Forward mode through
+  it (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``: the Hessian's forward mode runs
+  over the forward's values too) raises ``JaxFunctionError`` naming the op: torch's
+  autograd on the host gives VJPs only, and JAX has no forward mode for a custom VJP.
 
 Each call crosses from XLA to Python and back, so a callback costs microseconds to
 tens of microseconds per call more than a rule would (``benchmarks/interop.py``), and a
@@ -35,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from dynajax.capability import Reason, Unsupported
-from dynajax.errors import DynajaxError
+from dynajax.errors import DynajaxError, JaxFunctionError
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.runtime.conversion import quiet_readonly_warning, to_jax
 
@@ -45,6 +48,21 @@ _BF16 = np.dtype(TORCH_TO_JAX[torch.bfloat16])
 # it as a JaxRuntimeError, and a direct call of a JAX function re-raises the original
 # (eager's exception type and message), as eager would.
 _RAISED: list[BaseException] = []
+
+# Forward mode's tracer (a public module of JAX's; None if a release drops it): with
+# direct linearization (JAX's default) reverse mode traces with other tracers, so a value
+# that is one is being differentiated in forward mode.
+_JVP_TRACER = getattr(getattr(jax.interpreters, "ad", None), "JVPTracer", None)
+
+
+def in_forward_mode(value: Any) -> bool:
+    """Whether ``value`` is being differentiated in forward mode (``jax.jvp``,
+    ``jax.jacfwd``, under ``jax.jit`` and ``jax.vmap`` too); False when unknown."""
+    return (
+        _JVP_TRACER is not None
+        and isinstance(value, _JVP_TRACER)
+        and bool(getattr(jax.config, "jax_use_direct_linearize", True))
+    )
 
 
 def raised_on_host() -> BaseException | None:
@@ -328,5 +346,13 @@ def call_on_host(
         return tuple(full)
 
     op.defvjp(op_fwd, op_bwd)
+    if any(in_forward_mode(x) for x in operands):
+        raise JaxFunctionError(
+            f"forward-mode autodiff (jax.jvp, jax.jacfwd, jax.hessian) through {name}, which "
+            "runs in eager PyTorch through a host callback (it has no JAX rule, or is in "
+            "fallback_ops), is not supported: its derivative is torch.autograd.grad on the "
+            "host, a VJP (jax.custom_vjp), and JAX has no forward mode for it. Use reverse "
+            "mode (jax.grad, jax.vjp, jax.jacrev; jax.jacrev(jax.jacrev(f)) for a Hessian)."
+        )
     outs = op(*operands)
     return rebuild_outputs(structure, iter(outs)), True

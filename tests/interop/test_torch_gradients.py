@@ -349,3 +349,22 @@ def test_state_trained_with_optax_goes_back_into_the_module(tmp_path) -> None:
         fn.load_into(other, trained)
     for k, v in other.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+# An op run in eager PyTorch (a host callback: no rule, or fallback_ops) has torch's VJP
+# only: forward mode through it names the op (jax.hessian's forward mode runs over the
+# forward's values too, where JAX's message was dynajax's general one), and reverse over
+# reverse still gives torch's Hessian.
+def test_forward_mode_through_a_host_callback_names_the_op() -> None:
+    x = _f64(0.3, -1.2, 2.0)
+    f = lambda t: torch.sin(t).sum()  # noqa: E731
+    with jax.enable_x64(True):
+        fn, _ = dynajax.jax_function(f, x, fallback_ops=("aten.sin",))
+        assert [c.op for c in fn.callbacks] == ["aten.sin.default"]
+        g = lambda a: fn({}, a)  # noqa: E731
+        with pytest.raises(JaxFunctionError, match=r"through aten\.sin\.default.*host callback"):
+            jax.hessian(g)(x.numpy())
+        with pytest.raises(JaxFunctionError, match="torch's backward"):
+            jax.jvp(g, (x.numpy(),), (x.numpy(),))
+        reverse_over_reverse = jax.jacrev(jax.jacrev(g))(x.numpy())
+    _same(reverse_over_reverse, torch.func.hessian(f)(x))
