@@ -108,8 +108,8 @@ class Summary:
         ]
         if s[REFUSED]:
             out.append(
-                "  refused (jax_function: data-dependent output sizes, named; eager: an "
-                f"in-place write into an input that requires grad): {s[REFUSED]}"
+                "  refused (jax_function: data-dependent output sizes, named; eager's "
+                f"autograd: an in-place write into a leaf or a multi-output view): {s[REFUSED]}"
             )
         if self.allowances:
             used = ", ".join(f"{k} in {n}" for k, n in sorted(self.allowances.items()))

@@ -82,12 +82,17 @@ OK, RAISED, FAIL, UPSTREAM = "ok", "raised", "fail", "upstream"
 # size that depends on the data, as boolean-mask indexing makes), refused at build with
 # an error naming it, as documented; not a different answer. Or eager refuses the
 # program for a reason of autograd's own, not of its values: it writes in place into an
-# input that requires grad (a leaf, or a view of one). A JAX function takes values, with
-# no leaves, so eager has no answer to compare with (through the backend, dynajax
-# raises eager's error: torch.compile keeps autograd's check).
+# input that requires grad (a leaf, or a view of one), or into one of several views an op
+# returned (chunk, split, unbind) of a value that requires grad. A JAX function takes
+# values, with no leaves and no autograd views, so eager has no answer to compare with
+# (through the backend, dynajax raises eager's error: torch.compile keeps autograd's
+# checks).
 REFUSED = "refused"
 _REFUSAL = "cannot be part of a JAX function"
-_LEAF_WRITE = "leaf Variable that requires grad is being used in an in-place operation"
+_AUTOGRAD_REFUSALS = (
+    "leaf Variable that requires grad is being used in an in-place operation",
+    "is a view and is being modified inplace",
+)
 SUBNORMAL, FLOAT64, AMPLIFIED = "subnormal", "float64", "amplified"
 CALLS = (0, 1)
 
@@ -675,8 +680,8 @@ class Verdict:
 
     Attributes:
         status: ``ok``, ``raised`` (eager raised, dynajax raised the same type),
-            ``fail``, or (through ``jax_function``) ``refused``: eager refused an
-            in-place write into an input that requires grad (``writes_a_leaf``).
+            ``fail``, or (through ``jax_function``) ``refused``: autograd refused an
+            in-place write in eager (``autograd_refuses_the_write``).
         mismatch: the first difference, for ``fail``; eager's error, for ``refused``.
         accepted: the allowances some value needed (``subnormal``, ``float64``).
         aten_ops: ATen ops in the graphs the backend compiled (a dynajax backend).
@@ -713,7 +718,7 @@ def run_check(program: Program, backend: Backend | str = dynajax_backend) -> Ver
                 # A JAX function takes values, not storage: its reference is eager on
                 # contiguous copies (as_strided past a view's elements has no JAX meaning).
                 expected = execute(fn, program, call, contiguous=values_only)
-                if values_only and writes_a_leaf(expected.error):
+                if values_only and autograd_refuses_the_write(expected.error):
                     status, mismatch = REFUSED, _raised(expected, call)
                     break
                 actual = execute(under_test, program, call)
@@ -752,10 +757,11 @@ def run_check(program: Program, backend: Backend | str = dynajax_backend) -> Ver
     )
 
 
-def writes_a_leaf(error: BaseException | None) -> bool:
-    """Whether ``error`` is autograd's refusal of an in-place write into a leaf tensor
-    that requires grad (or into a view of one)."""
-    return isinstance(error, RuntimeError) and _LEAF_WRITE in str(error)
+def autograd_refuses_the_write(error: BaseException | None) -> bool:
+    """Whether ``error`` is autograd's refusal of an in-place write: into a leaf tensor
+    that requires grad (or a view of one), or into one of several views an op returned
+    of a tensor that requires grad."""
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _AUTOGRAD_REFUSALS)
 
 
 def _raised(run: Run, call: int) -> Mismatch:
