@@ -20,12 +20,14 @@ Forward mode of the function itself (``jax.jvp``, ``jax.jacfwd``) has no torch r
 JAX refuses forward mode of a custom VJP, and torch's backward gives VJPs only. The call
 raises ``JaxFunctionError`` (``FORWARD_MODE_ERROR``: why, and what works instead) where
 JAX would raise its own "can't apply forward-mode autodiff (jvp) to a custom_vjp
-function". Forward mode over the backward works: ``jax.hessian`` (``jacfwd`` of
-``jacrev``) and Hessian-vector products (``jax.jvp`` of ``jax.grad``) differentiate
-torch's backward graph, ordinary JAX operations, and give ``torch.func.hessian``'s
-answer. A model with random ops (dropout in train mode) keeps JAX's autodiff of the
-rules, forward mode included, because its backward would draw other numbers than its
-forward.
+function" (JAX's remains where the function was traced before forward mode began:
+``jax.jvp`` of a ``jax.jit`` of it, and applying ``jax.linearize``'s result). Forward
+mode over the backward works: ``jax.hessian`` (``jacfwd`` of ``jacrev``) and
+Hessian-vector products (``jax.jvp`` of ``jax.grad``) differentiate torch's backward
+graph, ordinary JAX operations, and give ``torch.func.hessian``'s answer, except through
+an op run in eager PyTorch (a host callback: its error names the op). A model with random
+ops (dropout in train mode) keeps JAX's autodiff of the rules, forward mode included,
+because its backward would draw other numbers than its forward.
 """
 
 from __future__ import annotations
