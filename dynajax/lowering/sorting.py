@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from dynajax.lowering import checks
+from dynajax.lowering import checks, eager_sorting
 from dynajax.lowering.dtypes import is_floating, result_type
 from dynajax.lowering.registry import lower
 
@@ -50,38 +50,74 @@ def sort_along(x, dim, descending):
     return values, indices
 
 
+def _on_rows(x, d, fn):
+    """``fn`` on the 2-D rows of ``x`` along ``d`` (a (values, indices) pair back in
+    ``x``'s layout; ``fn`` may return fewer columns)."""
+    moved = jnp.moveaxis(x, d, -1)
+    lead = moved.shape[:-1]
+    v, i = fn(moved.reshape(math.prod(lead), moved.shape[-1]))
+    v, i = v.reshape(*lead, v.shape[-1]), i.reshape(*lead, i.shape[-1]).astype(np.int64)
+    return jnp.moveaxis(v, -1, d), jnp.moveaxis(i, -1, d)
+
+
+def eager_sort_along(x, dim, descending):
+    """(values, int64 indices) of eager's CPU ``sort(stable=False)`` along ``dim``:
+    where values tie, the indices ``std::sort`` leaves (``eager_sorting``); the stable
+    sort's otherwise (the same answer without ties)."""
+    values, indices = sort_along(x, dim, descending)
+    if x.ndim == 0 or x.shape[dim % x.ndim] < 2 or x.size == 0:
+        return values, indices
+    d = dim % x.ndim
+    comp = eager_sorting.comparator(x.dtype, descending)
+    return jax.lax.cond(
+        eager_sorting.ties(values, d, comp),
+        lambda: _on_rows(x, d, lambda rows: eager_sorting.sort_rows(rows, descending)),
+        lambda: (values, indices),
+    )
+
+
 @lower(aten.sort.default, check=_sort_check)
 def _sort(x, dim=-1, descending=False):
-    return sort_along(x, dim, descending)
+    return eager_sort_along(x, dim, descending)
 
 
 @lower(aten.sort.stable, check=_sort_check)
 def _sort_stable(x, *, stable=None, dim=-1, descending=False):
-    # A stable sort is one valid result of an unstable one.
-    return sort_along(x, dim, descending)
+    return sort_along(x, dim, descending) if stable else eager_sort_along(x, dim, descending)
 
 
 @lower(aten.argsort.default, check=_sort_check)
 def _argsort(x, dim=-1, descending=False):
-    return sort_along(x, dim, descending)[1]
+    return eager_sort_along(x, dim, descending)[1]
 
 
 @lower(aten.argsort.stable, check=_sort_check)
 def _argsort_stable(x, *, stable, dim=-1, descending=False):
-    return sort_along(x, dim, descending)[1]
+    return _sort_stable(x, stable=stable, dim=dim, descending=descending)[1]
 
 
 @lower(aten.topk.default, check=_sort_check)
 def _topk(x, k, dim=-1, largest=True, sorted=True):
-    # Sorted output is one valid answer for sorted=False, whose order PyTorch leaves open.
+    """Eager's CPU topk: without ties among the first k + 1 values (or with
+    ``sorted=False``, whose order is the introselect's), the indices that
+    ``eager_sorting`` computes as the kernel does; else the stable sort's first k
+    (the same answer)."""
     values, indices = sort_along(x, dim, largest)
     if x.ndim == 0:
         return values, indices
     d = dim % x.ndim
-    return (
+    n = x.shape[d]
+    fast = (
         jax.lax.slice_in_dim(values, 0, k, axis=d),
         jax.lax.slice_in_dim(indices, 0, k, axis=d),
     )
+    if k == 0 or n < 2 or x.size == 0:
+        return fast
+    exact = lambda: _on_rows(x, d, lambda rows: eager_sorting.topk_rows(rows, k, largest, sorted))  # noqa: E731
+    if not sorted:
+        return exact()
+    comp = eager_sorting.comparator(x.dtype, largest)
+    return jax.lax.cond(eager_sorting.ties(values, d, comp, upto=k + 1), exact, lambda: fast)
 
 
 # ---------------------------------------------------------------------------------
