@@ -1,0 +1,42 @@
+"""A fast subset of the architecture sweep (``python -m benchmarks.sweep``): one tiny
+random model per family, and a mixture of experts whose fresh router has tied scores
+(AFMoE: every token's top-2 experts tie; with a stable sort's choice of experts the
+backend's logits were 0.09 from eager's), give eager's answer through the backend and
+through ``jax_function`` (``jax.jit`` forward, ``jax.grad`` against ``torch.autograd``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import sweep
+
+CASES = {
+    "llama": ("causal-lm", "LlamaForCausalLM"),
+    "bert": ("masked-lm", "BertForMaskedLM"),
+    "bart": ("seq2seq", "BartForConditionalGeneration"),
+    "vit": ("image-classification", "ViTForImageClassification"),
+    "afmoe": ("causal-lm", "AfmoeForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_architecture_gives_eagers_answer(model_type: str) -> None:
+    family, cls = CASES[model_type]
+    res = sweep.run_case(family, model_type, cls, aot_eager=False)
+    stages = res["stages"]
+    for stage in ("build", "eager", "dynajax", "jax_forward"):
+        assert stages[stage]["ok"], f"{stage}: {stages[stage]}"
+    assert stages["dynajax"]["fallbacks"] == [], stages["dynajax"]
+    assert stages["jax_forward"]["callbacks"] == [], stages["jax_forward"]
+    grad = stages["jax_grad"]
+    if model_type == "afmoe":
+        # Known failure, not upstream (aot_eager's backward gives autograd's gradients):
+        # jax_function's trace of torch's backward reaches torch._grouped_mm (the
+        # experts' matmul), whose meta kernel takes bfloat16 only ("Expected inputs of
+        # BF16 type"), so float32 experts cannot be differentiated yet. The error says
+        # so; when it is fixed, this case must give autograd's gradients like the rest.
+        assert grad["ok"] or (
+            "could not be traced for jax.grad" in grad["error"] and "BF16" in grad["error"]
+        ), grad
+    else:
+        assert grad["ok"], grad
