@@ -89,7 +89,9 @@ SHRINK: dict[str, int] = {
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
     **dict.fromkeys(("expert_intermediate_size", "intermediate_size_mlp"), 32),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_k", "top_k", "moe_topk"), 2),
+    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k"), 2),
+    **dict.fromkeys(("moe_topk", "moe_top_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("rotary_dim", "rotary_emb_dim"), 8),
     **dict.fromkeys(("n_group", "topk_group"), 1),
     "first_k_dense_replace": 0,
     **dict.fromkeys(("mamba_n_heads", "mamba_n_groups"), 4),
@@ -154,6 +156,11 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
             for k in ("num_hidden_layers", "num_layers"):
                 if k in out:
                     out[k] = len(idx)
+    # Per-layer settings keyed by layer index: those of the kept layers.
+    n_layers = out.get("num_hidden_layers")
+    for key, value in d.items():
+        if key.startswith("per_layer") and isinstance(value, dict) and isinstance(n_layers, int):
+            out[key] = {k: v for k, v in value.items() if str(k).isdigit() and int(k) < n_layers}
     # Grouped-query attention keeps its kind: as many kv heads as heads (MHA, MLA), one
     # (MQA), or fewer (GQA).
     for heads_key, kv_key in (
@@ -171,15 +178,29 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _changed(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``new`` that differ from ``old`` (sub-configs: theirs, as dicts)."""
+    out = {}
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(old.get(k), dict) and "model_type" in v:
+            sub = _changed(v, old[k])
+            if sub:
+                out[k] = sub
+        elif k not in old or old[k] != v:
+            out[k] = v
+    return out
+
+
 def tiny_config(model_type: str) -> Any:
+    """The config class's defaults with the entries of ``SHRINK`` lowered: only those
+    entries are passed to its constructor (so what it derives, it derives again)."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    cls = type(default)
-    d = _shrink(default.to_dict())
-    d.pop("model_type", None)
-    d.pop("transformers_version", None)
-    return cls.from_dict(d)
+    d = default.to_dict()
+    overrides = _changed(_shrink(d), d)
+    overrides.pop("model_type", None)
+    return type(default)(**overrides)
 
 
 def inputs_for(family: str, model: Any) -> dict[str, Any]:
@@ -295,7 +316,17 @@ def run_case(
         kwargs = inputs_for(family, model)
     except Exception as e:  # noqa: BLE001 - the sweep records every failure as data
         stages["build"] = {"ok": False, "error": _short(e)}
-        result["status"] = "unbuilt"
+        # Upstream where the config class's own defaults build no model either (on
+        # the meta device: no memory for the full-size weights).
+        try:
+            from transformers import AutoConfig
+
+            with torch.device("meta"):
+                getattr(transformers, cls_name)(AutoConfig.for_model(model_type))
+            result["status"] = "unbuilt"
+        except Exception as e2:  # noqa: BLE001
+            stages["build"]["upstream"] = f"the default config fails too: {_short(e2)}"
+            result["status"] = "upstream"
         return result
     stages["build"] = {"ok": True, "parameters": sum(p.numel() for p in model.parameters())}
     names = list(kwargs)
@@ -448,7 +479,7 @@ OURS = ("dynajax", "jax_forward", "jax_grad")
 
 def classify(stages: dict[str, Any]) -> str:
     if not stages.get("build", {}).get("ok"):
-        return "unbuilt"
+        return "upstream" if stages.get("build", {}).get("upstream") else "unbuilt"
     if not stages.get("eager", {}).get("ok") or not stages.get("aot_eager", {}).get("ok"):
         return "upstream"
     upstream = False
