@@ -933,3 +933,45 @@ def test_jax_function_harness_refuses_a_write_autograd_refuses(case: str) -> Non
     assert refusal in outcome.mismatch.detail
     write = next(i for i, r in enumerate(ops) if r.kind == "Tensor.mul_(scalar)")
     assert outcome.mismatch.where == f"op {write}"  # eager's error, at the write
+
+
+def _jax_function_agrees_with_eager(fn: Callable[..., Any], *args: torch.Tensor) -> None:
+    """``fn`` through ``dynajax.jax_function`` gives eager's answer, called directly (op
+    by op, each rounded to its dtype) and under ``jax.jit`` (where XLA may fuse them)."""
+    import jax
+
+    from dynajax.runtime.conversion import to_jax, to_torch
+
+    jf, _ = dynajax.jax_function(fn, *args)
+    arrays = [to_jax(a) for a in args]
+    for call in (jf, jax.jit(jf)):
+        assert_same(jax.tree_util.tree_map(to_torch, call({}, *arrays)), fn(*args))
+
+
+# Found by seed 11 (program 981) through jax_function: var of float16 values of ~200 with
+# correction 2 was inf where eager's is 35872 (called directly; under jax.jit XLA fused
+# it). The rule rounded the variance to float16 and then scaled it by N / (N -
+# correction), whose var * N overflowed; eager computes in float32 and rounds once, as
+# the rule now does (bfloat16 was rounded twice).
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("correction", [0, 1, 2])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda t, c: torch.var(t, dim=0, keepdim=True, correction=c),
+        lambda t, c: torch.std(t, dim=0, correction=c),
+        lambda t, c: torch.var_mean(t, dim=0, correction=c),
+    ],
+    ids=["var", "std", "var_mean"],
+)
+def test_half_variance_is_computed_in_float32_and_rounded_once(
+    fn: Callable[..., Any], correction: int, dtype: torch.dtype
+) -> None:
+    values = [192.125, 106.5, 12.2656, -194.125, 89.4375, -222.5]
+    x = torch.tensor(values, dtype=dtype).reshape(6, 1)
+
+    def f(t: torch.Tensor) -> Any:
+        return fn(t, correction)
+
+    _jax_function_agrees_with_eager(f, x)
+    compare_with_eager(f, x)

@@ -194,12 +194,19 @@ def _variance(x, ax, ddof, keepdim):
     # Around the first element along the reduced dims: a constant slice's variance is
     # then exactly 0, as eager's is. (Around the rounded mean it was not: 3e-14 for three
     # copies of 1.7, and std's gradient, which eager zeroes where std is 0, was 1e5.)
+    # Half types are computed in float32 and rounded once, correction included, as
+    # eager's kernel does: var * N in float16 overflowed to inf where the variance itself
+    # fits (six float16 values of ~200, correction 2; fuzz seed 11, program 981).
+    half = opmath(x.dtype) != x.dtype
+    out_dtype = x.dtype
+    if half:
+        x = x.astype(opmath(x.dtype))
     n = int(np.prod([x.shape[a] for a in ax]))
     first = x[tuple(slice(0, 1) if a in ax else slice(None) for a in range(x.ndim))]
     var = jnp.var(x - first, axis=ax, ddof=0, keepdims=keepdim)
-    if ddof == 0:
-        return var
-    return (var * n / jnp.asarray(max(n - ddof, 0), var.dtype)).astype(var.dtype)
+    if ddof != 0:
+        var = (var * n / jnp.asarray(max(n - ddof, 0), var.dtype)).astype(var.dtype)
+    return var.astype(out_dtype) if half else var
 
 
 @lower(aten.var.correction)
