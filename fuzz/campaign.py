@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import jax
 
+from fuzz import through_jax
 from fuzz.check import (
     FAIL,
     OK,
@@ -319,7 +320,7 @@ def supervise(
         checking.unlink()
         index = killed.pop("index")
         program = Program.from_json(json.dumps(killed)) if "ops" in killed else None
-        _record_death(summary, index, program, -status, directory, log)
+        _record_death(summary, index, program, -status, directory, log, through)
         summary.programs += 1
         state.write_text(summary.to_json() + "\n")
         index += 1
@@ -341,8 +342,10 @@ def _record_death(
     signal: int,
     directory: pathlib.Path,
     log: Log,
+    through: str = "backend",
 ) -> None:
-    """Records a program that killed the process.
+    """Records a program that killed the process (checked ``through`` the backend or
+    ``jax_function``).
 
     Killed while checking it: a ``crash`` failure with a reproducer (every such death
     shares one signature per signal: which op did it is not known without running its
@@ -372,12 +375,13 @@ def _record_death(
     failure.ops = (len(program.ops), len(program.ops))
     mismatch = Mismatch("crash", "the process", "-", detail)
     outcome = Outcome(FAIL, mismatch, signature=sig)
+    option = " --through jax_function" if through == "jax_function" else ""
     origin = (
-        f"Found by `python -m fuzz --seed {summary.seed}` (program {index}): checking it "
-        f"killed the process (signal {signal}); not shrunk."
+        f"Found by `python -m fuzz --seed {summary.seed}{option}` (program {index}): "
+        f"checking it killed the process (signal {signal}); not shrunk."
     )
     path = write_reproducer(
-        directory, f"seed{summary.seed}-program{index}", program, outcome, origin
+        directory, f"seed{summary.seed}-program{index}", program, outcome, origin, through
     )
     failure.reproducer = str(path)
     log(f"    reproducer: {path}")
@@ -428,12 +432,14 @@ def _record(
     if small_outcome.signature and small_outcome.signature != sig:
         log(f"    shrunk program's signature: {small_outcome.signature}")
     where = directory if outcome.status == FAIL else directory / "upstream"
+    option = " --through jax_function" if backend == through_jax.BACKEND else ""
     origin = (
-        f"Found by `python -m fuzz --seed {summary.seed}` (program {index}, "
+        f"Found by `python -m fuzz --seed {summary.seed}{option}` (program {index}, "
         f"signature {sig}); shrunk from {len(program.ops)} to {len(small.ops)} ops."
     )
     stem = f"seed{summary.seed}-program{index}"
     small_outcome = dataclasses.replace(small_outcome, signature=sig)
-    path = write_reproducer(where, stem, small, small_outcome, origin)
+    through = "jax_function" if backend == through_jax.BACKEND else "backend"
+    path = write_reproducer(where, stem, small, small_outcome, origin, through)
     failure.reproducer = str(path)
     log(f"    reproducer: {path}")

@@ -1,5 +1,8 @@
 """Standalone reproducer files: plain torch code, the ``torch.compile`` call and the
-comparison, runnable with nothing but torch and dynajax installed.
+comparison, runnable with nothing but torch and dynajax installed. A failure found
+through ``jax_function`` (``--through jax_function``) is replayed by the fuzzer's own
+harness (``fuzz/through_jax.py``: forward, ``jax.vjp`` against autograd, in-place
+updates), so its file runs from the repository's root.
 
 The comparison in the file is the tolerance table's (``tests/tolerances.py``, copied
 in), without the fuzzer's allowances: a reproducer is only written for a difference
@@ -105,8 +108,25 @@ if __name__ == "__main__":
 '''
 
 
-def reproducer_source(program: Program, outcome: Outcome, origin: str, filename: str) -> str:
-    """The text of a standalone reproducer of ``outcome`` on ``program``."""
+_JAX_FUNCTION_MAIN = """def main():
+    # Found through dynajax.jax_function: replayed by the fuzzer's harness, which runs
+    # the program through jax_function (forward, jax.vjp against torch.autograd, in-place
+    # updates) and compares with eager; run from the repository's root.
+    import pathlib
+    import sys
+
+    from fuzz.__main__ import main as fuzz_main
+
+    replay = str(pathlib.Path(__file__).with_suffix(".json"))
+    sys.exit(fuzz_main(["--replay", replay, "--through", "jax_function"]))
+"""
+
+
+def reproducer_source(
+    program: Program, outcome: Outcome, origin: str, filename: str, through: str = "backend"
+) -> str:
+    """The text of a standalone reproducer of ``outcome`` on ``program``; ``through``:
+    what found it, ``"backend"`` (``torch.compile``) or ``"jax_function"``."""
     m = outcome.mismatch
     assert m is not None
     tolerances = ", ".join(
@@ -114,7 +134,7 @@ def reproducer_source(program: Program, outcome: Outcome, origin: str, filename:
         for d, (rtol, atol) in TOLERANCES.items()
     )
     detail = textwrap.indent("\n".join(m.detail.strip().splitlines()[:12]), "    ")
-    return _TEMPLATE.format(
+    text = _TEMPLATE.format(
         signature=outcome.signature or m.key,
         origin=origin,
         kind=m.kind,
@@ -129,15 +149,24 @@ def reproducer_source(program: Program, outcome: Outcome, origin: str, filename:
         inputs="\n".join(f"        {input_call(s)}," for s in program.inputs),
         calls=repr(CALLS),
     )
+    if through == "jax_function":
+        start, end = text.index("def main():"), text.index("\n\nif __name__")
+        text = text[:start] + _JAX_FUNCTION_MAIN.rstrip("\n") + text[end:]
+    return text
 
 
 def write_reproducer(
-    directory: pathlib.Path, stem: str, program: Program, outcome: Outcome, origin: str
+    directory: pathlib.Path,
+    stem: str,
+    program: Program,
+    outcome: Outcome,
+    origin: str,
+    through: str = "backend",
 ) -> pathlib.Path:
     """Writes ``<directory>/<stem>.py`` (the reproducer) and ``<stem>.json`` (the
     program, which ``python -m fuzz --replay`` reads); returns the ``.py`` path."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{stem}.py"
-    path.write_text(reproducer_source(program, outcome, origin, str(path)))
+    path.write_text(reproducer_source(program, outcome, origin, str(path), through))
     (directory / f"{stem}.json").write_text(program.to_json() + "\n")
     return path

@@ -248,6 +248,24 @@ def test_reproducer_runs_standalone(
     assert "dynajax agrees with eager" in capsys.readouterr().out
 
 
+def test_reproducer_of_a_jax_function_failure_replays_through_jax_function(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: a reproducer of a failure found ``--through jax_function`` ran the program
+    through ``torch.compile`` and passed (seed 11, program 981); it replays it through
+    jax_function now. Here a program eager refuses (an in-place write into a leaf that
+    requires grad), which only the jax_function harness calls ``refused``."""
+    x0 = TensorInput((3, 4), "float32", seed=1, requires_grad=True)
+    program = Program((x0,), (OpRecord("Tensor.mul_(scalar)", (0,), (("s", 2.0),)),), (0,))
+    outcome = Outcome(FAIL, Mismatch("raises", "op 0", "RuntimeError->nothing", "example"))
+    path = write_reproducer(tmp_path, "example", program, outcome, "An example.", "jax_function")
+    assert "torch.compile" not in path.read_text().split("def main():")[1]
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(path), run_name="__main__")
+    assert exited.value.code == 0
+    assert "status: refused" in capsys.readouterr().out
+
+
 def test_known_bugs_have_reasons() -> None:
     for signature, reason in KNOWN_BUGS.items():
         assert signature.count(":") >= 2 and len(reason) > 20, signature
