@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--state", help=argparse.SUPPRESS)  # a child's summary so far
     args = parser.parse_args(argv)
-    backend = {"backend": dynajax_backend, "jax_function": through_jax.BACKEND}[args.through]
+    backend: Any = {"backend": dynajax_backend, "jax_function": through_jax.BACKEND}[args.through]
     if args.replay:
         return _replay(args.replay, backend)
     if args.minutes is None and args.programs is None:
