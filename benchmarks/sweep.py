@@ -208,8 +208,10 @@ def inputs_for(family: str, model: Any) -> dict[str, Any]:
 
     g = torch.Generator().manual_seed(0)
     config = model.config
-    vocab = getattr(config, "vocab_size", None) or getattr(
-        getattr(config, "text_config", None), "vocab_size", VOCAB
+    vocab = int(
+        getattr(config, "vocab_size", None)
+        or getattr(getattr(config, "text_config", None), "vocab_size", None)
+        or VOCAB
     )
     low = 3 if vocab > 8 else 0  # clear of the pad/bos/eos ids the sweep sets
 
@@ -422,9 +424,11 @@ def run_case(
 
                 grads = timed("jax_grad", lambda: jax.jit(jax.grad(loss))(params))
                 worst, where = None, None
-                for n, e in want.items():
-                    scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
-                    d = _compare(grads[n], e, 1e-3, 1e-4 * scale)
+                for n, torch_grad in want.items():
+                    if n not in grads:
+                        continue  # counted below
+                    scale = max(1.0, float(torch_grad.abs().max())) if torch_grad.numel() else 1.0
+                    d = _compare(grads[n], torch_grad, 1e-3, 1e-4 * scale)
                     if d is not None and worst is None:
                         worst, where = d, n
                 missing = sorted(set(want) - set(grads))
@@ -517,7 +521,8 @@ def _worker(conn: Any) -> None:
         if case is None:
             return
         try:
-            res = run_case(*case, stage_cb=lambda s: conn.send(("stage", s)))
+            family, model_type, cls_name = case
+            res = run_case(family, model_type, cls_name, stage_cb=lambda s: conn.send(("stage", s)))
         except BaseException as e:  # noqa: BLE001 - report, then let the parent decide
             res = {"status": "failing", "error": _short(e), "trace": traceback.format_exc()}
         conn.send(("done", res))
@@ -705,7 +710,17 @@ def main(argv: list[str] | None = None) -> int:
         help="merge these results into an earlier run's JSON (its rows for the same model "
         "types and families are replaced) and redraw the table and plot from it",
     )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="with --update: take the results of these earlier runs' JSONs instead of "
+        "running anything",
+    )
     args = p.parse_args(argv)
+    if args.merge and not args.update:
+        p.error("--merge needs --update (the JSON to merge into)")
 
     import transformers
 
@@ -753,6 +768,10 @@ def main(argv: list[str] | None = None) -> int:
         if worker is not None:
             worker.close()
 
+    if args.merge:
+        pending.clear()
+        merged = [json.loads(m.read_text()) for m in args.merge]
+        results = [r for m in merged for r in m["results"]]
     threads = [threading.Thread(target=loop) for _ in range(max(1, args.workers))]
     for th in threads:
         th.start()
@@ -781,6 +800,7 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(argv if argv is not None else sys.argv[1:]),
             "runtime_s": round(elapsed, 1),
             **({"updated_from": earlier["meta"]} if earlier else {}),
+            **({"merged_from": [m["meta"] for m in merged]} if args.merge else {}),
             "workers": args.workers,
             "timeout_s": args.timeout,
             "python": platform.python_version(),
