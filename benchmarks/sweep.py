@@ -691,6 +691,15 @@ def plot(results: list[dict[str, Any]], path: Path, date: str) -> None:
     plt.close(fig)
 
 
+def _load(path: Path) -> dict[str, Any]:
+    """A run's JSON, or an interrupted run's ``.partial.jsonl`` (one result a line)."""
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return {"meta": {"partial": str(path), "rows": len(rows)}, "results": rows}
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -735,7 +744,10 @@ def main(argv: list[str] | None = None) -> int:
     out_json = args.json or (DOCS / "sweep.json" if full else None)
     out_png = args.png or (DOCS / "sweep.png" if full else None)
 
-    # Longest-running kinds first would balance workers; the mapping order is fine.
+    # Each result as it comes, one JSON line (an interrupted run's, for --merge).
+    jsonl = out_json.with_suffix(".partial.jsonl") if out_json else None
+    if jsonl is not None and jsonl.exists():
+        jsonl.unlink()
     ctx = mp.get_context("spawn")
     t0 = time.monotonic()
     results: list[dict[str, Any] | None] = [None] * len(cases)
@@ -759,6 +771,9 @@ def main(argv: list[str] | None = None) -> int:
             res = worker.run(case, args.timeout)
             res["wall_s"] = round(time.monotonic() - t, 1)
             results[i] = res
+            if jsonl is not None:
+                with lock, jsonl.open("a") as f:
+                    f.write(json.dumps(res) + "\n")
             stage, err = first_failure(res)
             print(
                 f"[{sum(r is not None for r in results):>3}/{len(cases)}] {case[0]:<20} "
@@ -770,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.merge:
         pending.clear()
-        merged = [json.loads(m.read_text()) for m in args.merge]
+        merged = [_load(m) for m in args.merge]
         results = [r for m in merged for r in m["results"]]
     threads = [threading.Thread(target=loop) for _ in range(max(1, args.workers))]
     for th in threads:
