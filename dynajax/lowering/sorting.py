@@ -96,28 +96,61 @@ def _argsort_stable(x, *, stable, dim=-1, descending=False):
     return _sort_stable(x, stable=stable, dim=dim, descending=descending)[1]
 
 
+def _topk_keys(x, largest):
+    """float32 keys whose ``lax.top_k`` order is eager's (``largest``) order of ``x``
+    wherever the keys differ: -0.0 as 0.0 (eager's comparator has them equal), and for
+    the smallest the negation with NaN as -inf (last). Distinct values may share a key
+    (float64 and 64-bit integers rounded, NaN and -inf): such ties are looked for where
+    they matter, as ties of the values are."""
+    if x.dtype == np.bool_:
+        x = x.astype(np.float32)
+    key = x.astype(np.float32)
+    key = jnp.where(key == 0, jnp.zeros_like(key), key)
+    if largest:
+        return key  # NaN first, as top_k ranks it
+    return jnp.where(jnp.isnan(key), -jnp.inf, -key)
+
+
+def _top_k_along(x, k, d, largest):
+    """(key values, int64 indices) of ``lax.top_k`` of ``_topk_keys`` along ``d``:
+    ``k`` entries in eager's order, equal keys by index (as the stable sort's); XLA's
+    TopK, where a full sort of the row would be 10-300x slower on the CPU."""
+    moved = jnp.moveaxis(_topk_keys(x, largest), d, -1)
+    # The barrier keeps XLA's TopK: the tie check's two slices of its values, merged
+    # into the sort that TopK is first written as, stop XLA:CPU from rewriting that
+    # sort back into TopK (a (64, 32000) row set: 570 ms, against 5 ms).
+    keys, indices = jax.lax.optimization_barrier(jax.lax.top_k(moved, k))
+    return jnp.moveaxis(keys, -1, d), jnp.moveaxis(indices.astype(np.int64), -1, d)
+
+
 @lower(aten.topk.default, check=_sort_check)
 def _topk(x, k, dim=-1, largest=True, sorted=True):
-    """Eager's CPU topk: without ties among the first k + 1 values (or with
-    ``sorted=False``, whose order is the introselect's), the indices that
-    ``eager_sorting`` computes as the kernel does; else the stable sort's first k
-    (the same answer)."""
-    values, indices = sort_along(x, dim, largest)
+    """Eager's CPU topk: XLA's TopK (``_top_k_along``) where no two of the first k + 1
+    keys tie; where some do (or with ``sorted=False``, whose order is the
+    introselect's), the indices ``eager_sorting`` computes as the kernel does."""
     if x.ndim == 0:
-        return values, indices
+        return x, jnp.zeros((), np.int64)
     d = dim % x.ndim
     n = x.shape[d]
-    fast = (
-        jax.lax.slice_in_dim(values, 0, k, axis=d),
-        jax.lax.slice_in_dim(indices, 0, k, axis=d),
-    )
-    if k == 0 or n < 2 or x.size == 0:
+    if k == 0 or x.size == 0:
+        values, indices = sort_along(x, d, largest)
+        return (
+            jax.lax.slice_in_dim(values, 0, k, axis=d),
+            jax.lax.slice_in_dim(indices, 0, k, axis=d),
+        )
+    keys, indices = _top_k_along(x, min(k + 1, n), d, largest)
+    indices_k = jax.lax.slice_in_dim(indices, 0, k, axis=d)
+    fast = (jnp.take_along_axis(x, indices_k, axis=d), indices_k)
+    if n < 2:
         return fast
     exact = lambda: _on_rows(x, d, lambda rows: eager_sorting.topk_rows(rows, k, largest, sorted))  # noqa: E731
     if not sorted:
         return exact()
-    comp = eager_sorting.comparator(x.dtype, largest)
-    return jax.lax.cond(eager_sorting.ties(values, d, comp, upto=k + 1), exact, lambda: fast)
+    tied = jnp.any(
+        jax.lax.slice_in_dim(keys, 0, keys.shape[d] - 1, axis=d)
+        == jax.lax.slice_in_dim(keys, 1, keys.shape[d], axis=d)
+    )
+    return jax.lax.cond(tied, exact, lambda: fast)
 
 
 # ---------------------------------------------------------------------------------
