@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dynajax.lowering import checks, eager_sorting
-from dynajax.lowering.dtypes import is_floating, result_type
+from dynajax.lowering.dtypes import eager_is_on_cuda, is_floating, result_type
 from dynajax.lowering.registry import lower
 
 aten = torch.ops.aten
@@ -65,7 +65,8 @@ def eager_sort_along(x, dim, descending):
     where values tie, the indices ``std::sort`` leaves (``eager_sorting``); the stable
     sort's otherwise (the same answer without ties)."""
     values, indices = sort_along(x, dim, descending)
-    if x.ndim == 0 or x.shape[dim % x.ndim] < 2 or x.size == 0:
+    if x.ndim == 0 or x.shape[dim % x.ndim] < 2 or x.size == 0 or eager_is_on_cuda():
+        # (CUDA's kernels are not libstdc++'s: the stable order, as before)
         return values, indices
     d = dim % x.ndim
     comp = eager_sorting.comparator(x.dtype, descending)
@@ -141,7 +142,7 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
     keys, indices = _top_k_along(x, min(k + 1, n), d, largest)
     indices_k = jax.lax.slice_in_dim(indices, 0, k, axis=d)
     fast = (jnp.take_along_axis(x, indices_k, axis=d), indices_k)
-    if n < 2:
+    if n < 2 or eager_is_on_cuda():  # CUDA's kernels are not libstdc++'s
         return fast
     exact = lambda: _on_rows(x, d, lambda rows: eager_sorting.topk_rows(rows, k, largest, sorted))  # noqa: E731
     if not sorted:
