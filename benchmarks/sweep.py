@@ -608,10 +608,10 @@ def first_failure(res: dict[str, Any]) -> tuple[str, str]:
         st = stages.get(s)
         if st is not None and not st.get("ok") and not st.get("upstream"):
             return s, st.get("error", "")
-    for s in OURS:  # upstream: aot_eager's backward fails too
-        st = stages.get(s)
-        if st is not None and st.get("upstream"):
-            return s, f"{st.get('error', '')} | aot_eager: {st.get('aot_eager_grad', '')}"
+    for s, st in stages.items():  # upstream: the default config, or aot_eager's backward
+        if st.get("upstream"):
+            why = st.get("aot_eager_grad") or st["upstream"]
+            return s, f"{st.get('error', '')} | upstream: {why}"
     return "", ""
 
 
