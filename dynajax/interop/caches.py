@@ -3,8 +3,8 @@
 Causal LMs with their default config (``use_cache=True``) return a ``DynamicCache``,
 encoder-decoders an ``EncoderDecoderCache``, and a decode step that JAX can compile
 once takes and returns a ``StaticCache``. torch.export needs each as a pytree node;
-``register()`` makes them so (``DynamicCache`` by transformers' own registration, the
-other two here), once, and only where ``transformers`` is imported.
+``register()`` makes them so, once, and only where ``transformers`` is imported (a
+class the user or transformers registered first keeps that registration).
 
 On the JAX side a cache is a dict of its arrays, the shape ``fn`` returns and takes:
 
