@@ -9,8 +9,9 @@ call. This measures, for one setting at a time in a fresh process (thread settin
 read when each library starts): the MLP 512-2048-512 (batch 64, ``torch.no_grad()``)
 compiled by dynajax and by inductor, each call alone and interleaved with an eager call
 of another MLP of the same size, medians over ``--calls`` calls per figure, the peers
-in alternating blocks. Settings (``SETTINGS``) are environment variables set before
-torch and JAX start, and torch's thread count.
+in alternating blocks; and how much CPU the process burns in the 20 ms after a call
+(a pool spinning for work). Settings (``SETTINGS``) are environment variables set
+before torch and JAX start, and torch's thread count.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SETTINGS: dict[str, tuple[dict[str, str], int | None]] = {
         {"OMP_WAIT_POLICY": "PASSIVE", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"},
         None,
     ),
+    "gomp-spin-10k": ({"GOMP_SPINCOUNT": "10000"}, None),
     "torch-1-thread": ({}, 1),
 }
 
@@ -81,7 +83,23 @@ def _worker(calls: int, threads: int | None) -> dict[str, float]:
                     t2 = clock()
                     comp.append(t1 - t0)
                     eag.append(t2 - t1)
+        # What each pool does after a call: the process's CPU time during 20 ms of
+        # sleep right after it (a spinning pool burns it; a sleeping one does not).
+        for peer, f in peers.items():
+            spent = samples.setdefault(f"{peer} spin", [])
+            for _ in range(15):
+                f(x)
+                c0 = _cpu_seconds()
+                time.sleep(0.02)
+                spent.append(_cpu_seconds() - c0)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def run(setting: str, calls: int) -> dict[str, float]:
@@ -108,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {os.getloadavg()}, cpus: {os.cpu_count()}")
     head = ["setting", "dj alone", "dj inter", "eager after dj", "dj sum"]
     head += ["ind alone", "ind inter", "eager after ind", "ind sum", "sum dj/ind"]
+    head += ["eager alone", "spin after eager", "spin after dj"]
     rows: list[list[str]] = [head]
     for setting in args.settings.split(","):
         r: dict[str, Any] = run(setting, args.calls)
@@ -128,11 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 f"{ind:.2f}",
                 f"{dj / ind:.2f}",
+                f"{ms['eager alone']:.2f}",
+                f"{ms['eager spin']:.2f}",
+                f"{ms['dynajax spin']:.2f}",
             ]
         )
-        print(f"{setting}: eager alone {ms['eager alone']:.2f} ms", flush=True)
+        print(f"{setting}: done", flush=True)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    print("\nms per call, medians")
+    print("\nms per call, medians; spin: ms of CPU the process used in the 20 ms after a call")
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
     return 0
