@@ -684,7 +684,9 @@ def plot(results: list[dict[str, Any]], path: Path, date: str) -> None:
         left = [a + b for a, b in zip(left, counts, strict=True)]
     ax.invert_yaxis()
     ax.set_xlabel("architectures")
-    ax.set_title(f"transformers architectures through dynajax (tiny random configs), {date}")
+    ax.set_title(
+        f"transformers architectures, tiny random configs, through dynajax ({date})", fontsize=10
+    )
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
