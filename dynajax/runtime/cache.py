@@ -543,7 +543,8 @@ class ExecutableCache:
         if self._unwritable:
             return False
         try:
-            devices = [d.id for d in compiled.runtime_executable().local_devices()]
+            executable: Any = compiled.runtime_executable()
+            devices = [d.id for d in executable.local_devices()]
             body = pickle.dumps((*serialize_executable.serialize(compiled), *trailer, devices))
         except (
             ValueError,
