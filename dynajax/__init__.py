@@ -5,6 +5,13 @@ compiled = torch.compile(model, backend="dynajax")
 print(dynajax.explain(model, x))
 """
 
+# ruff: noqa: E402 (the imports below follow omp.shorten_spin(), which must run first)
+# Before torch loads libgomp: its threads' spin after each parallel region shortened
+# (runtime/omp.py), unless torch is imported already or the environment says otherwise.
+from dynajax.runtime import omp
+
+omp.shorten_spin()
+
 from dynajax import debug  # dynajax.debug.compare: the accuracy debugger
 from dynajax.backend import Backend, dynajax_backend, register_name
 from dynajax.capability import Reason, Supported, Unsupported

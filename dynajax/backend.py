@@ -32,7 +32,7 @@ from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitched_callable
 from dynajax.passes import run_passes
 from dynajax.passes.user import RewriteRecord, apply_rewrites, passes_at, run_pass_list
-from dynajax.runtime import aot_cache, cpu_client
+from dynajax.runtime import aot_cache, cpu_client, omp
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import compile_partition
 from dynajax.sharding import GraphSharding, Placement, StateName, dynamo_input_names
@@ -98,6 +98,7 @@ class Backend:
                 'or torch.compile(m, backend="dynajax", options={...}).'
             )
         cpu_client.explain_once()
+        omp.explain_once()
         compile_aten_graph: Callable[..., Any] = self.compile_aten_graph
         # The user's rewrites and pre_aot passes change Dynamo's torch-level graph.
         rewrites = apply_rewrites(gm, self.options.rewrites)
