@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as pytree
+import transformers
 
 import dynajax
 from dynajax.errors import JaxFunctionError
 
-transformers = pytest.importorskip("transformers")
 T = transformers
 
 DECODER = dict(
