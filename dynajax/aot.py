@@ -348,9 +348,10 @@ def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.f
     the inputs become values, which ``fn`` must return itself (functionalization's
     ``copy_`` back into an input, and the profiler's markers, are dropped)."""
     table = {op: torch._decomp.decomposition_table[op] for op in _UNANNOTATED_MUTATIONS}
-    joint = make_fx(
-        fn, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True
-    )(*examples)
+    with _as_compiling():
+        joint = make_fx(
+            fn, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True
+        )(*examples)
     plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in examples]
     gm = make_fx(
         torch.func.functionalize(joint, remove="mutations_and_views"),
@@ -368,6 +369,17 @@ def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.f
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _as_compiling() -> contextlib.AbstractContextManager[Any]:
+    """``torch.compiler.is_compiling()`` true while ``functional_graph`` traces, as during
+    torch.export and torch.compile: model code takes its traceable paths, the same ones
+    ``jax_function``'s export took for the forward (transformers' experts call its
+    ``grouped_mm_fallback`` op, not ``torch._grouped_mm``, whose fake kernel takes
+    bfloat16 only: torch's backward of float32 experts could not be traced). A torch
+    without the private context traces as before."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    return session() if session is not None else contextlib.nullcontext()
 
 
 def eager_aware(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
