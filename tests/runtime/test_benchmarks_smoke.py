@@ -19,10 +19,26 @@ from tests.tolerances import assert_same
 
 def test_registry_rows_are_well_formed() -> None:
     assert {"add-one", "100-inputs", "mlp", "encoder-layer", "gpt2", "resnet18"} <= set(WORKLOADS)
+    assert {"mlp-interleaved", "gpt2-interleaved"} <= set(WORKLOADS)
     for name, w in WORKLOADS.items():
         assert w.name == name
-        assert w.group in ("overhead", "model", "training")
+        assert w.group in ("overhead", "model", "training", "interleaved")
         assert callable(w.setup)
+
+
+def test_interleaved_row_times_each_call(tmp_path, capsys) -> None:
+    argv = ["--workloads", "mlp,mlp-interleaved", "--peers", "eager,dynajax", "--repeats", "2"]
+    argv += ["--warmup", "1", "--no-first-call", "--no-memory", "--no-plot", "--out", str(tmp_path)]
+    assert run.main(argv) == 0
+    assert "interleaved: each call's median" in capsys.readouterr().out
+    out = json.loads((tmp_path / "latest.json").read_text())
+    for peer in ("eager", "dynajax"):
+        res = out["workloads"]["mlp-interleaved"]["steady"][peer]
+        parts = res["parts_median_s"]
+        assert set(parts) == {"compiled", "eager"} and all(v > 0 for v in parts.values())
+        assert parts["compiled"] + parts["eager"] <= res["median_s"] * 1.5
+    targets = out["summary"]["targets"]
+    assert "mlp-interleaved: interleaved sum dynajax/inductor" in targets
 
 
 def test_run_tiniest_workload(tmp_path, capsys) -> None:
