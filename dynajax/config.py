@@ -16,7 +16,7 @@ import jax
 import torch
 
 from dynajax.errors import OptionsError
-from dynajax.passes.user import Rewrite, normalize_passes
+from dynajax.passes.user import normalize_passes, normalize_rewrites
 from dynajax.sharding.rules import ShardingRules
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -177,10 +177,7 @@ class Options:
             )
         try:
             object.__setattr__(self, "passes", normalize_passes(self.passes))
-            rewrites = self.rewrites
-            if isinstance(rewrites, Rewrite) or callable(rewrites):
-                rewrites = [rewrites]
-            object.__setattr__(self, "rewrites", tuple(Rewrite.coerce(r) for r in rewrites))
+            object.__setattr__(self, "rewrites", normalize_rewrites(self.rewrites))
         except (TypeError, ValueError) as e:  # the validators' own refusals
             raise OptionsError(str(e)) from None
         if self.mesh is not None:

@@ -1083,7 +1083,7 @@ def _build(
     with in_modes(modes):
         source, records = user_passes.rewritten(module_or_fn, examples, user)
         ep = export(source, examples, dynamic_shapes)
-    gm = user_passes.run_aten_passes(ep.graph_module, user, run_passes)
+    gm = run_passes(ep.graph_module, before=user.at("post_aot"), after=user.at("post_passes"))
     refused = CapabilityChecker(fallback_ops).annotate(gm)
     impossible = [v for v in refused if v.reason in (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE)]
     if impossible:

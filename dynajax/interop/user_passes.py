@@ -30,6 +30,7 @@ from dynajax.passes.user import (
     RewriteRecord,
     apply_rewrites,
     normalize_passes,
+    normalize_rewrites,
     passes_at,
     run_pass_list,
 )
@@ -47,9 +48,7 @@ class UserPasses:
     def of(cls, passes: Any, rewrites: Any) -> UserPasses:
         """Validates ``passes`` (``{"post_aot": [...], ...}``) and ``rewrites`` (a
         ``Rewrite``, a pattern function's pair, or a list of them) as ``Options`` does."""
-        if isinstance(rewrites, Rewrite) or callable(rewrites):
-            rewrites = [rewrites]
-        return cls(normalize_passes(passes), tuple(Rewrite.coerce(r) for r in rewrites or ()))
+        return cls(normalize_passes(passes), normalize_rewrites(rewrites or ()))
 
     @property
     def torch_level(self) -> bool:
@@ -129,14 +128,6 @@ def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         value = getattr(value, part)
     return value
-
-
-def run_aten_passes(
-    gm: torch.fx.GraphModule, user: UserPasses, run: Callable[..., torch.fx.GraphModule]
-) -> torch.fx.GraphModule:
-    """dynajax's passes (``run``: ``run_passes``) with the user's ``post_aot`` passes
-    before and ``post_passes`` after, on the exported ATen graph."""
-    return run(gm, before=user.at("post_aot"), after=user.at("post_passes"))
 
 
 def describe(records: Sequence[RewriteRecord]) -> list[str]:

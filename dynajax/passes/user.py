@@ -94,6 +94,18 @@ def as_pass(value: Any) -> PassBase:
     )
 
 
+def normalize_rewrites(value: Any) -> tuple[Rewrite, ...]:
+    """The ``rewrites`` option as a tuple of ``Rewrite``s: one rewrite (a ``Rewrite`` or
+    what ``Rewrite.coerce`` takes) or an iterable of them.
+
+    Raises:
+        TypeError: an entry is not a rewrite.
+    """
+    if isinstance(value, Rewrite) or callable(value):
+        value = [value]
+    return tuple(Rewrite.coerce(r) for r in value)
+
+
 def normalize_passes(value: Any) -> tuple[tuple[str, tuple[PassBase, ...]], ...]:
     """The ``passes`` option as ``((stage, (pass, ...)), ...)`` in ``STAGES`` order.
 

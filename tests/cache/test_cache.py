@@ -19,6 +19,7 @@ import dynajax
 from dynajax.lowering import attention
 from dynajax.runtime import cache
 from dynajax.runtime.cache import default_cache_dir
+from tests.helpers import run_python
 from tests.models import mlp
 from tests.tolerances import assert_same
 
@@ -150,21 +151,14 @@ def test_an_entry_for_one_device_loads_onto_that_device_among_eight(tmp_path) ->
         print(dynajax.Report(backend.graphs).compile_stats.cache_hits)
         """
     )
-    env = dict(
-        os.environ,
+    hits = run_python(
+        "-c",
+        code,
+        timeout=300,
         DYNAJAX_CACHE_DIR=str(tmp_path),
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "1"
+    assert hits == "1"
 
 
 def test_corrupt_entry_warns_and_recompiles(tmp_path) -> None:

@@ -5,34 +5,21 @@ the shortened spin measured: PyTorch's OpenMP threads sleep soon after an eager 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import run_python
 
 
 def _run(code: str, **env: str) -> dict[str, object]:
-    environ = {
-        k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
-    }
-    environ.pop("DYNAJAX_GOMP_SPINCOUNT", None)
-    environ.update(env)
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=environ,
-        cwd=ROOT,
-        timeout=300,
+    result: dict[str, object] = json.loads(
+        run_python("-c", textwrap.dedent(code), timeout=300, unset=_SETTINGS, **env)
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "DYNAJAX_GOMP_SPINCOUNT")
 
 
 FIRST = """
