@@ -178,6 +178,77 @@ def measure(
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
+def output_free(device: torch.device, calls: int, rounds: int) -> dict[str, float]:
+    """Dynamo's share of a whole call, by the kind of tensor the backend hands back.
+
+    ``x + 1`` compiled with a backend whose callable only hands back a ready-made
+    output, either a tensor PyTorch allocated or a tensor over an XLA buffer, made as
+    dynajax's partitions make theirs (a NumPy view of the ``jax.Array`` on the CPU,
+    DLPack elsewhere); each output dropped as the call returns (the free counted in the
+    call, as in a program that uses the result and lets it go) or kept. Dropped minus
+    kept is what freeing that output costs; the XLA buffer's free (the NumPy view, the
+    ``jax.Array``, the PJRT buffer) is part of Dynamo's share in the layer table.
+    Returns the median µs per call of each of the four, keyed by name.
+    """
+    import jax
+
+    from benchmarks.harness import _own_code
+    from dynajax.runtime.conversion import to_torch
+
+    jitted = jax.jit(lambda a: a + 1)
+    seed = jax.device_put(np.zeros(1, np.float32), jax.devices(device.type)[0])
+
+    def xla_output() -> torch.Tensor:
+        out = jitted(seed)
+        return torch.from_numpy(np.asarray(out)) if device.type == "cpu" else to_torch(out)
+
+    makers = {
+        "torch-allocated output": lambda: torch.zeros(1, device=device),
+        "output over an XLA buffer": xla_output,
+    }
+    x = torch.zeros(1, device=device)
+    times: dict[str, list[float]] = {}
+    for kind, make in makers.items():
+        pool: list[torch.Tensor] = []
+        compiled = torch.compile(
+            _own_code(_add_one, f"ready_{len(times)}"), backend=_handing_back(pool)
+        )
+        pool[:] = [make() for _ in range(8)]
+        for _ in range(8):
+            compiled(x)  # compiles; the guards' first evaluation
+        for r in range(rounds):
+            for keep in (False, True) if r % 2 else (True, False):
+                pool[:] = [make() for _ in range(calls)]
+                _sync()
+                kept: list[torch.Tensor] = []
+                put = kept.append if keep else _drop
+                clock = time.perf_counter_ns
+                start = clock()
+                for _ in range(calls):
+                    put(compiled(x))
+                spent = clock() - start
+                name = f"{kind}, {'kept' if keep else 'dropped'}"
+                times.setdefault(name, []).append(spent / calls / 1e3)
+                kept.clear()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _drop(_: Any) -> None:
+    pass
+
+
+def _handing_back(pool: list[torch.Tensor]) -> Callable[..., Any]:
+    """A backend whose callable hands back the next ready-made output of ``pool``."""
+
+    def backend(gm: torch.fx.GraphModule, example: Sequence[Any]) -> Any:
+        def ready_made(*args: Any) -> tuple[torch.Tensor]:
+            return (pool.pop(),)
+
+        return ready_made
+
+    return backend
+
+
 def _cprofile(fn: Callable[[], Any], calls: int, title: str, top: int = 14) -> None:
     """The Python functions that take the most time over ``calls`` calls of ``fn``
     (cProfile's own time per call inflates each frame alike; read the ranking, and the
@@ -205,6 +276,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
     parser.add_argument("--no-context", action="store_true", help="skip the in-context mode")
     parser.add_argument("--device", default="cpu", help="torch device of the tensors (cuda)")
+    parser.add_argument(
+        "--no-free",
+        action="store_true",
+        help="skip the outputs' free (Dynamo's share with a ready-made output)",
+    )
     parser.add_argument(
         "--cprofile",
         type=int,
@@ -269,6 +345,17 @@ def main(argv: list[str] | None = None) -> None:
                 f"{dynamo_dj:.1f} (dynajax) / {dynamo_ind:.1f} (inductor); partition / "
                 f"jax.jit with torch in/out {r['dynajax partition'][0] / floor:.2f}"
             )
+
+    if not args.no_free:
+        free = output_free(device, args.calls, args.rounds)
+        print("\nwhole call of x + 1 whose backend hands back a ready-made output, µs")
+        for name, us in free.items():
+            print(f"{name:<40}{us:>8.1f}")
+        torch_, xla = (
+            free[f"{kind}, dropped"] - free[f"{kind}, kept"]
+            for kind in ("torch-allocated output", "output over an XLA buffer")
+        )
+        print(f"freeing the output (dropped - kept): {torch_:.1f} µs (torch), {xla:.1f} µs (XLA)")
 
     if args.plot:
         meta = {

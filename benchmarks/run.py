@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "peers": peers,
             "torch_threads": torch.get_num_threads(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "cpu_settings": cpu_settings(),
             "suite": args.suite,
             "device": str(device()),
             "device_name": torch.cuda.get_device_name() if device().type == "cuda" else None,
@@ -226,6 +227,8 @@ def print_report(out: dict[str, Any]) -> None:
         f"load average at start: {meta['load_avg']}  cpus: {meta['cpus']}  "
         f"torch threads: {meta.get('torch_threads')}  XLA_FLAGS: {meta.get('xla_flags') or '-'}"
     )
+    if meta.get("cpu_settings"):
+        print("  ".join(f"{k}: {v}" for k, v in meta["cpu_settings"].items()))
     if meta.get("device", "cpu") != "cpu":
         print(
             f"device: {meta['device']} ({meta.get('device_name')}), float32 matmul precision: "
@@ -405,6 +408,29 @@ def set_threads(n: int) -> None:
         os.environ["XLA_FLAGS"] = (
             f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
         ).strip()
+
+
+# Environment settings that change the CPU's kernels or threads, read when the libraries
+# load (so as the process started): the OpenMP runtime's spin (runtime/omp.py), the
+# instruction sets PyTorch's kernels, oneDNN, MKL and XLA may use (an AVX2-only CPU is
+# emulated with these on an AVX-512 one; benchmarks/README.md, issue 39).
+CPU_SETTINGS = (
+    "GOMP_SPINCOUNT",
+    "OMP_WAIT_POLICY",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
+
+
+def cpu_settings() -> dict[str, str]:
+    """The CPU settings in effect: PyTorch's kernels' instruction set, and each of
+    ``CPU_SETTINGS`` that the environment sets."""
+    import torch
+
+    found = {"torch kernels": torch.backends.cpu.get_cpu_capability()}
+    found.update({k: os.environ[k] for k in CPU_SETTINGS if k in os.environ})
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

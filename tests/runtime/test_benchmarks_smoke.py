@@ -54,6 +54,8 @@ def test_run_tiniest_workload(tmp_path, capsys) -> None:
 
     out = json.loads((tmp_path / "latest.json").read_text())
     assert set(out) == {"meta", "workloads", "summary"}
+    settings = out["meta"]["cpu_settings"]  # what changes the CPU's kernels and threads
+    assert settings["torch kernels"] == torch.backends.cpu.get_cpu_capability()
     row = out["workloads"]["add-one"]
     assert row["group"] == "overhead"
     for peer in ("eager", "dynajax", "dynajax-jax", "jax"):
@@ -257,3 +259,8 @@ def test_overhead_layers_and_cprofile(capsys, monkeypatch) -> None:
         assert sum(ln.startswith(layer) for ln in lines) == 2, layer
     assert "cProfile, x + 1, dynajax" in printed and "cProfile, 3 inputs, inductor" in printed
     assert "dynajax / inductor, whole call" in printed
+    # Dynamo's share by output: each kind of ready-made output, dropped and kept
+    for kind in ("torch-allocated output", "output over an XLA buffer"):
+        for fate in ("dropped", "kept"):
+            assert sum(ln.startswith(f"{kind}, {fate}") for ln in lines) == 1, (kind, fate)
+    assert "freeing the output (dropped - kept)" in printed
