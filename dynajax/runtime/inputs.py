@@ -212,22 +212,22 @@ class InputCache:
         return verdict
 
     def hit_guarded(self, ts: Sequence[torch.Tensor]) -> _Snapshot | None:
-        """``hit`` for inputs whose sizes and strides the caller has checked (Dynamo's
-        guards, which fix every input's sizes and strides before a compiled frame
-        runs): the same objects at the same data pointers suffice, versions are not
-        read. Where arrays are the tensors' own memory (``same_layout_reuse``), a
-        version bump with the same pointer, sizes and strides keeps the array anyway;
-        elsewhere (resident copies on another device, and an accelerator's arrays,
-        which need a fence after a write) this is ``hit``.
+        """``hit`` for inputs whose dtypes, sizes and strides the caller has checked
+        (Dynamo's guards, which fix them for every input before a compiled frame runs).
+        Where arrays are the tensors' own memory (``same_layout_reuse``), the same data
+        pointers suffice: versions are not read (a version bump with the same pointer,
+        sizes and strides keeps the array, as in ``hit``), and neither are identities.
+        While a snapshot stands, every tensor it caches is alive (a death drops the
+        snapshot, ``_on_death``) and its array holds that tensor's storage, so no other
+        memory can sit at a cached pointer: a tensor found there with the guarded
+        layout (another view of the same storage, ``p.data`` set to one) reads the very
+        bytes the array does. Elsewhere (resident copies on another device, and an
+        accelerator's arrays, which need a fence after a write) this is ``hit``.
         """
         if not self._same_layout_reuse:
             return self.hit(ts)
         snap = self._snap
-        if (
-            snap is not None
-            and tuple(map(id, c := snap.get(ts))) == snap.ids
-            and tuple(map(_data_ptr, c)) == snap.ptrs
-        ):
+        if snap is not None and tuple(map(_data_ptr, snap.get(ts))) == snap.ptrs:
             return self._sampled(snap, ts)
         return None
 

@@ -170,6 +170,45 @@ def test_guarded_path_follows_every_change_of_the_inputs() -> None:
     check()
 
 
+def test_guarded_check_is_by_data_pointer() -> None:
+    """Under Dynamo's guards a call checks its cached arrays by data pointer alone:
+    another tensor object over the same memory, with the layout the guards fixed (a
+    view, ``p.data`` set to one), reads the bytes the cached array reads, and keeps it.
+    A cached tensor that dies drops the snapshot at once, before the allocator can hand
+    its memory to a new tensor at the same address."""
+
+    def f(a, b):
+        return a * 2 + b
+
+    backend = dynajax.Backend(cache_dir="")
+    compiled = torch.compile(f, backend=backend)
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    for _ in range(3):
+        assert_same(compiled(a, b), f(a, b))
+    part = backend.graphs[0].graph_module.jax_0
+    snap = part.inputs.current
+    assert snap is not None and all(x is not None for x in snap.arrays)
+
+    view = a.view(3, 3)  # another object over the same memory
+    assert view is not a and view.data_ptr() == a.data_ptr()
+    assert part.inputs.hit_guarded([view, b]) is snap
+    a.add_(1)  # through the first object: the view sees it, as the cached array does
+    assert_same(compiled(view, b), f(view, b))
+    assert part.inputs.current is snap
+
+    del b  # its death drops the snapshot that cached its array
+    assert part.inputs.current is None
+    assert part.inputs.hit_guarded([a, torch.zeros(3, 3)]) is None
+    b = torch.full((3, 3), 7.0)  # may land at b's old address
+    assert_same(compiled(a, b), f(a, b))
+    assert_same(compiled(a, b), f(a, b))
+
+    moved = torch.randn(3, 3)  # other memory at a cached position
+    assert part.inputs.current is not None and part.inputs.current.arrays[0] is not None
+    assert part.inputs.hit_guarded([moved, b]) is None
+    assert_same(compiled(moved, b), f(moved, b))
+
+
 def test_inputs_updated_in_place_every_call_keep_their_arrays() -> None:
     """A graph that writes into an input every call (a static KV cache at a position
     advanced in place): aot_autograd's wrapper stays (it copies the update back), so the
