@@ -14,6 +14,7 @@ from dynajax.capability import Reason, Unsupported, verdict_of
 from dynajax.diagnostics.whatif import WhatIf, current_partitions, rank, what_if
 from dynajax.partition import PREFIX, PartitionModule, compute_op_count
 from dynajax.passes.user import RewriteRecord
+from dynajax.runtime import omp
 from dynajax.runtime.cache import CompileStats, stats_of
 from dynajax.sharding.report import GraphSharding
 
@@ -276,4 +277,16 @@ class Report:
             width = max(len(w.op) for w in self.what_if())
             for w in self.what_if():
                 lines.append(f"  {w.op:<{width}}  {w.describe()}")
+        said = omp.advice() if self._runs_on_cpu() else None
+        if said is not None:
+            lines.extend(["", f"note: {said}"])
         return "\n".join(lines)
+
+    def _runs_on_cpu(self) -> bool:
+        """Whether a partition of these graphs runs on the CPU (where PyTorch's OpenMP
+        threads and XLA's share the cores)."""
+        return any(
+            getattr(sub, "device_type", None) == "cpu"
+            for g in self.graphs
+            for sub in g.graph_module.children()
+        )

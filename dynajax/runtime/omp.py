@@ -59,6 +59,21 @@ def shorten_spin() -> bool:
     return _applied
 
 
+def advice() -> str | None:
+    """What to do where the spin could not be shortened (torch imported first, and the
+    user set neither ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY`` nor turned it ``off``);
+    None elsewhere. The first compile logs it, and a Report of CPU partitions prints it."""
+    if _applied or _count() is None or any(name in os.environ for name in _USER):
+        return None
+    return (
+        "torch was imported before dynajax, so PyTorch's OpenMP threads keep libgomp's "
+        "default spin after each eager op (~10 ms of a core), which slows a compiled call "
+        "that follows eager work (the MLP: 1.9 -> 3.4 ms; an MLP training loop with an eager "
+        f"optimizer step: 1.3x). Start Python with GOMP_SPINCOUNT={_count()} (or import "
+        "dynajax before torch) to shorten it."
+    )
+
+
 def explain_once() -> None:
     """At the first compile, on the ``dynajax.runtime`` logger: where torch was imported
     before dynajax, how to shorten libgomp's spin."""
@@ -66,12 +81,6 @@ def explain_once() -> None:
     if _explained:
         return
     _explained = True
-    if _applied or _count() is None or any(name in os.environ for name in _USER):
-        return
-    log.info(
-        "torch was imported before dynajax, so PyTorch's OpenMP threads keep libgomp's "
-        "default spin after each eager op (~10 ms of a core), which slows a compiled call "
-        "that follows eager work (the MLP: 1.9 -> 3.4 ms). Start Python with "
-        "GOMP_SPINCOUNT=%s (or import dynajax before torch) to shorten it.",
-        _count(),
-    )
+    said = advice()
+    if said is not None:
+        log.info("%s", said)

@@ -62,6 +62,20 @@ def test_torch_first_is_left_alone_and_the_first_compile_says_how() -> None:
     assert out == {"spin": None, "said": 1}
 
 
+@pytest.mark.parametrize("torch_first", [True, False])
+def test_a_report_of_cpu_partitions_says_how_when_torch_came_first(torch_first: bool) -> None:
+    imports = "import torch, dynajax" if torch_first else "import dynajax, torch"
+    out = _run(
+        f"""
+        import json
+        {imports}
+        report = dynajax.explain(lambda x: x + 1, torch.ones(2))
+        print(json.dumps({{"note": "GOMP_SPINCOUNT=10000" in str(report)}}))
+        """
+    )
+    assert out == {"note": torch_first}
+
+
 def test_the_shortened_spin_lets_torch_threads_sleep() -> None:
     # CPU time the process burns in the 20 ms after an eager op that uses every thread:
     # 9.5 ms with libgomp's default spin on this project's machine, 1.7 ms shortened.
