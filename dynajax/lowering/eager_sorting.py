@@ -5,7 +5,8 @@ compared by value only: ``sort`` (``stable=False``) is ``std::sort`` (introsort:
 of-three quicksort partitions, heapsort past the depth limit, insertion sort of the
 last 16-element runs); ``topk`` is ``std::partial_sort`` (a heap) where ``k * 64 <=
 n``, else ``std::nth_element`` (introselect) followed, when ``sorted``, by ``std::sort``
-of the first ``k - 1`` pairs (aten/src/ATen/native/TopKImpl.h). These are
+of the first ``k - 1`` pairs (aten/src/ATen/native/TopKImpl.h); ``kthvalue`` is ATen's
+own median-of-three quickselect (``quick_select_template``). These are
 deterministic, but they do not keep equal values in index order: where values tie,
 eager's indices are the ones these algorithms leave, which no stable sort gives (a
 mixture-of-experts router with tied scores then picks other experts). The comparators
@@ -36,6 +37,9 @@ _Comp = Callable[[jax.Array, jax.Array], jax.Array]
 # A row: (values, indices); every algorithm moves both together.
 _Row = tuple[jax.Array, jax.Array]
 _I = np.int32
+# libstdc++'s std::sort leaves rows of up to _S_threshold (16) values to its final
+# insertion sort alone, which is stable: there eager's order is the stable sort's.
+STABLE_UPTO = 16
 
 
 def comparator(dtype: np.dtype, largest: bool) -> _Comp:
@@ -338,6 +342,60 @@ def _nth_element(p: _Row, nth: int, n: int, comp: _Comp) -> _Row:
     )
 
 
+# -- ATen's own quickselect (kthvalue) --------------------------------------------------------
+
+
+def _swap_if(p: _Row, a: jax.Array, b: jax.Array, gt: _Comp) -> _Row:
+    """``if (gt(v[a], v[b])) swap(a, b)``."""
+    return jax.lax.cond(gt(p[0][a], p[0][b]), lambda: _swap(p, a, b), lambda: p)
+
+
+def _quick_select(p: _Row, k: int, n: int, gt: _Comp) -> _Row:
+    """``quick_select_template(arr, k, gt_or_nan, swap)`` of
+    aten/src/ATen/native/SortingUtils.h, which ``kthvalue`` runs on each row: a
+    median-of-three quickselect of PyTorch's own (not libstdc++'s), whose swaps decide
+    which of tied values lands at ``k``."""
+    k_ = jnp.asarray(k, _I)
+
+    def step(s: Any) -> Any:
+        lo, hi, _, v, ix = s
+        mid = lo + (hi - lo) // 2
+        q = _swap((v, ix), mid, lo + 1)
+        q = _swap_if(q, lo + 1, hi, gt)
+        q = _swap_if(q, lo, hi, gt)
+        q = _swap_if(q, lo + 1, lo, gt)
+        piv = q[0][lo]
+
+        def scan(t: Any) -> Any:
+            i, j, _, v, ix = t
+            i = jax.lax.while_loop(lambda i: gt(piv, v[i]), lambda i: i + 1, i + 1)
+            j = jax.lax.while_loop(lambda j: gt(v[j], piv), lambda j: j - 1, j - 1)
+            crossed = j < i
+            v, ix = jax.lax.cond(crossed, lambda: (v, ix), lambda: _swap((v, ix), i, j))
+            return i, j, crossed, v, ix
+
+        i, j, _, v, ix = jax.lax.while_loop(
+            lambda t: ~t[2], scan, (lo + 1, hi, jnp.bool_(False), *q)
+        )
+        v, ix = _swap((v, ix), lo, j)
+        return jnp.where(j <= k_, i, lo), jnp.where(j >= k_, j - 1, hi), jnp.bool_(False), v, ix
+
+    def two(s: Any) -> Any:
+        lo, hi, _, v, ix = s
+        v, ix = _swap_if((v, ix), lo, hi, gt)
+        return lo, hi, jnp.bool_(True), v, ix
+
+    def body(s: Any) -> Any:
+        lo, hi = s[0], s[1]
+        branch = jnp.where(hi <= lo, 0, jnp.where(hi == lo + 1, 1, 2))
+        one = lambda s: (s[0], s[1], jnp.bool_(True), s[3], s[4])  # noqa: E731
+        return jax.lax.switch(branch, [one, two, step], s)
+
+    init = (jnp.zeros((), _I), jnp.asarray(n - 1, _I), jnp.bool_(False), *p)
+    out = jax.lax.while_loop(lambda s: ~s[2], body, init)
+    return out[3], out[4]
+
+
 # -- the kernels, on rows ---------------------------------------------------------------------
 
 
@@ -369,6 +427,14 @@ def topk_rows(x: jax.Array, k: int, largest: bool, sorted: bool) -> _Row:
 
     v, ix = _rows(x, row)
     return v[:, :k], ix[:, :k]
+
+
+def kthvalue_rows(x: jax.Array, k: int) -> _Row:
+    """Eager's ``kthvalue`` of each row of the 2-D ``x``: (values, indices), one column."""
+    n = x.shape[-1]
+    gt = comparator(x.dtype, True)  # gt_or_nan: NaN above every number
+    v, ix = _rows(x, lambda p: _quick_select(p, k - 1, n, gt))
+    return v[:, k - 1 : k], ix[:, k - 1 : k]
 
 
 def ties(sorted_values: jax.Array, axis: int, comp: _Comp, upto: int | None = None) -> jax.Array:

@@ -63,10 +63,14 @@ def _on_rows(x, d, fn):
 def eager_sort_along(x, dim, descending):
     """(values, int64 indices) of eager's CPU ``sort(stable=False)`` along ``dim``:
     where values tie, the indices ``std::sort`` leaves (``eager_sorting``); the stable
-    sort's otherwise (the same answer without ties)."""
+    sort's otherwise (the same answer without ties), and for rows of at most
+    ``eager_sorting.STABLE_UPTO`` values, which ``std::sort`` orders by insertion sort
+    alone (stable)."""
     values, indices = sort_along(x, dim, descending)
-    if x.ndim == 0 or x.shape[dim % x.ndim] < 2 or x.size == 0 or eager_is_on_cuda():
+    if x.ndim == 0 or x.size == 0 or eager_is_on_cuda():
         # (CUDA's kernels are not libstdc++'s: the stable order, as before)
+        return values, indices
+    if x.shape[dim % x.ndim] <= eager_sorting.STABLE_UPTO:
         return values, indices
     d = dim % x.ndim
     comp = eager_sorting.comparator(x.dtype, descending)
@@ -225,8 +229,26 @@ def _nanmedian_dim(x, dim, keepdim=False):
 
 @lower(aten.kthvalue.default, check=_sort_check)
 def _kthvalue(x, k, dim=-1, keepdim=False):
+    """The stable sort's pick where the k-th value is unique in its row; where it ties
+    with a neighbour (equal values, two NaNs, -0.0 and 0.0), the value and index ATen's
+    quickselect leaves (``eager_sorting.kthvalue_rows``), as eager's CPU kernel gives."""
     _nonempty_dim(x, dim, "kthvalue")
-    return _order_stat(x, dim, keepdim, lambda nans, n: k - 1)
+    fast = _order_stat(x, dim, keepdim, lambda nans, n: k - 1)
+    if x.ndim == 0 or x.size == 0 or eager_is_on_cuda() or not 1 <= k <= x.shape[dim % x.ndim]:
+        return fast  # (a k out of range: eager's meta kernel raises while tracing)
+    d = dim % x.ndim
+    n = x.shape[d]
+    values, _ = sort_along(x, d, False)
+    gt = eager_sorting.comparator(x.dtype, True)
+    kth = jax.lax.slice_in_dim(values, k - 1, k, axis=d)
+    near = [jax.lax.slice_in_dim(values, j, j + 1, axis=d) for j in (k - 2, k) if 0 <= j < n]
+    tied = jnp.any(jnp.stack([~gt(kth, b) & ~gt(b, kth) for b in near])) if near else False
+
+    def exact():
+        v, i = _on_rows(x, d, lambda rows: eager_sorting.kthvalue_rows(rows, k))
+        return (v, i) if keepdim else (jnp.squeeze(v, d), jnp.squeeze(i, d))
+
+    return jax.lax.cond(tied, exact, lambda: fast) if near else fast
 
 
 # ---------------------------------------------------------------------------------
@@ -278,17 +300,20 @@ def _bucketize(x, boundaries, *, out_int32=False, right=False):
 @lower(aten.mode.default, check=_sort_check)
 def _mode(x, dim=-1, keepdim=False):
     """The most frequent value along ``dim`` (the smallest one among equally frequent
-    values) and the index of its last occurrence, as PyTorch's CPU kernel reports.
+    values) and the index of one of its occurrences, the one PyTorch's CPU kernel reports.
 
-    Runs of equal values in the stable ascending sort give the frequencies (NaN never
-    equals NaN, so each NaN is a run of its own); within a run the stable sort keeps
-    the original order, so the run's end holds the last occurrence. (With NaN in the
-    input, PyTorch's kernel answers inconsistently, even for the non-NaN values.)
+    Runs of equal values in the ascending sort give the frequencies (NaN never equals
+    NaN, so each NaN is a run of its own). The index is the one at the run's end in
+    the order ``std::sort`` leaves (PyTorch's kernel sorts (value, index) pairs by value
+    with it): the last occurrence for rows of at most 16 values, where that order is
+    stable, and wherever values tie beyond, the index ``eager_sort_along`` emulates.
+    (With NaN in the input, PyTorch's kernel answers inconsistently, even for the
+    non-NaN values.)
     """
     if x.ndim == 0:
         return x, jnp.zeros((), np.int64)
     d = dim % x.ndim
-    values, indices = sort_along(x, d, False)
+    values, indices = eager_sort_along(x, d, False)
     values, indices = jnp.moveaxis(values, d, -1), jnp.moveaxis(indices, d, -1)
     n = values.shape[-1]
     pos = jnp.broadcast_to(jnp.arange(n), values.shape)

@@ -1,5 +1,6 @@
-"""sort and topk pick eager's CPU indices where values tie (lowering/eager_sorting.py:
-libstdc++'s introsort, introselect and heap select, as eager's kernels run them)."""
+"""sort, topk and kthvalue pick eager's CPU indices where values tie
+(lowering/eager_sorting.py: libstdc++'s introsort, introselect and heap select, and
+ATen's own quickselect, as eager's kernels run them)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,48 @@ def test_sort_picks_eagers_indices_among_ties(rows: int, n: int) -> None:
         if n > 16:  # std::sort is not stable there: a stable sort would fail this test
             stable = torch.sort(x, descending=descending, stable=True).indices
             assert not torch.equal(stable, want.indices)
+
+
+@pytest.mark.parametrize("rows,n", SIZES)
+def test_kthvalue_picks_eagers_value_and_index_among_ties(rows: int, n: int) -> None:
+    """ATen's quickselect leaves one of the tied values at k (with it its index, and the
+    sign of a zero); a stable sort picks another. median's comparator breaks ties by
+    index, so median agrees with the stable sort (checked beside)."""
+    kthvalue = jax.jit(sorting._kthvalue, static_argnums=(1, 2, 3))
+    differs = 0
+    for seed, (levels, dtype) in enumerate(
+        [(2, torch.float32), (3, torch.int64), (1, torch.bfloat16)]
+    ):
+        x = _tied((rows, n), levels, seed, dtype)
+        for k in sorted({1, (n + 1) // 2}):
+            want = torch.kthvalue(x, k, dim=-1)
+            values, indices = kthvalue(_jnp(x), k, -1, False)
+            where = f"{dtype} levels={levels} k={k}"
+            np.testing.assert_array_equal(np.asarray(indices), want.indices.numpy(), where)
+            got = np.asarray(values.astype(np.float64))
+            np.testing.assert_array_equal(got, want.values.double().numpy(), where)
+            np.testing.assert_array_equal(np.signbit(got), want.values.signbit().numpy(), where)
+            stable = torch.sort(x, dim=-1, stable=True).indices[:, k - 1]
+            differs += int((stable != want.indices).sum())
+        want = torch.median(x, dim=-1)
+        _, indices = jax.jit(sorting._median_dim, static_argnums=(1, 2))(_jnp(x), -1, False)
+        np.testing.assert_array_equal(np.asarray(indices), want.indices.numpy(), str(dtype))
+    if n >= 8:  # where the stable sort's pick differs from eager's: what the test covers
+        assert differs > 0
+
+
+@pytest.mark.parametrize("rows,n", SIZES)
+def test_mode_reports_eagers_index(rows: int, n: int) -> None:
+    """mode's index is the one at its run's end in the order std::sort leaves: the last
+    occurrence up to 16 values (insertion sort, stable), another one beyond."""
+    mode = jax.jit(sorting._mode, static_argnums=(1, 2))
+    for seed, (levels, dtype) in enumerate([(3, torch.int64), (2, torch.float32)]):
+        x = torch.randint(0, levels, (rows, n), generator=torch.Generator().manual_seed(seed))
+        x = x.to(dtype)
+        want = torch.mode(x, dim=-1)
+        values, indices = mode(_jnp(x), -1, False)
+        np.testing.assert_array_equal(np.asarray(indices), want.indices.numpy(), str(dtype))
+        np.testing.assert_array_equal(np.asarray(values), want.values.numpy(), str(dtype))
 
 
 def test_sort_along_another_dim_and_stable_sort_stay_stable() -> None:
