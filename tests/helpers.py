@@ -174,6 +174,8 @@ class Case:
         xfail: a known gap, with its reason: the test must fail (``case_params``).
         refused: instead of running in JAX, ``ops`` (one overload) must fall back with
             this text in the reason's detail.
+        perf_fallbacks: the backend's option; False runs in JAX the ops measured faster
+            in PyTorch (``capability/cost.py``), so that their rules are what is tested.
     """
 
     id: str
@@ -183,6 +185,7 @@ class Case:
     grad: bool | tuple[int, ...] = False
     xfail: str | None = None
     refused: str | None = None
+    perf_fallbacks: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.ops, str):
@@ -221,7 +224,9 @@ def run_case(case: Case, *, fullgraph: bool = True) -> None:
     inputs = _with_grad(case, case.inputs())
     eager_inputs = clone_inputs(inputs)
     expected = case.fn(*eager_inputs)
-    compiled, backend = compile_with(case.fn, fullgraph=fullgraph)
+    compiled, backend = compile_with(
+        case.fn, fullgraph=fullgraph, perf_fallbacks=case.perf_fallbacks
+    )
     actual = compiled(*inputs)
     assert_same(actual, expected)
     assert_same(

@@ -26,6 +26,13 @@ it; the report prints the detail beside the node.
   (32, 2, 64, 2, 8) JAX 130, PyTorch 145; (64, 4, 256, 4, 32) 371 and 410;
   (128, 4, 512, 8, 64) 2653 and 1548; (256, 4, 1024, 8, 128, the benchmark's
   ``encoder`` row) 11230 and 8214; (512, 8, 2048, 4, 256) 38390 and 29508.
+* ``mode`` and ``kthvalue`` on CPU tensors. PyTorch's kernels select in place on each
+  row; the rules sort the rows, and where values tie run PyTorch's own algorithms step
+  by step to give its index (``lowering/eager_sorting.py``), a loop per step. Each op
+  alone, compiled with ``perf_fallbacks=False`` against eager (ms; rows tied, 3 levels;
+  2026-11-27, 2 cores): mode (64, 16) 0.139 and 0.007, (64, 64) 2.49 and 0.014, (8, 256)
+  6.22 and 0.010, (64, 1000, 50 levels) 239 and 1.10; kthvalue at the middle (64, 16)
+  0.408 and 0.008, (64, 64) 1.90 and 0.015, (64, 1000) 68.1 and 0.41.
 """
 
 from __future__ import annotations
@@ -82,10 +89,24 @@ def _large_encoder_layer(node: torch.fx.Node) -> str | None:
     )
 
 
+def _cpu_selection(node: torch.fx.Node) -> str | None:
+    x = _val(node.args[0])
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.numel() < 2:
+        return None
+    op = node.target.__name__.split(".")[0] if callable(node.target) else str(node.target)
+    return (
+        f"PyTorch's CPU {op} kernel selects within each row; "
+        "the rule sorts, and emulates PyTorch's algorithm where values tie (20-600x slower "
+        "measured, dynajax/capability/cost.py); perf_fallbacks=False runs it in JAX"
+    )
+
+
 # op -> a function of the node: why PyTorch runs it faster, or None where it does not.
 _FASTER_IN_PYTORCH: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], str | None]] = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: _large_cpu_attention,
     aten._transformer_encoder_layer_fwd.default: _large_encoder_layer,
+    aten.mode.default: _cpu_selection,
+    aten.kthvalue.default: _cpu_selection,
 }
 
 

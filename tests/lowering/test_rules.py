@@ -519,12 +519,30 @@ NONCORE = [
         lambda x: torch.kthvalue(x, 3, dim=0),
         lambda: (distinct(6, 2, dtype=torch.int64),),
         ("aten.kthvalue.default",),
+        perf_fallbacks=False,
     ),
     Case(
         "mode-ties-last-index-int64",
         lambda x, y: (torch.mode(x, 1), torch.mode(y, 0, keepdim=True)),
         lambda: (ints(0, 4, 3, 9), ints(0, 3, 6, 2).double()),
         ("aten.mode.default",),
+        perf_fallbacks=False,
+    ),
+    # On the CPU PyTorch's selection kernels run 20-600x faster than the rules
+    # (capability/cost.py): they stay in PyTorch, reason PERF.
+    Case(
+        "kthvalue-cpu-stays-in-pytorch",
+        lambda x: torch.kthvalue(x, 3, dim=1),
+        lambda: (ints(0, 3, 4, 40).float(),),
+        ("aten.kthvalue.default",),
+        refused="selects within each row",
+    ),
+    Case(
+        "mode-cpu-stays-in-pytorch",
+        lambda x: torch.mode(x, 1),
+        lambda: (ints(0, 3, 4, 40),),
+        ("aten.mode.default",),
+        refused="selects within each row",
     ),
     Case(
         "bucketize-right-int32-out",
