@@ -67,10 +67,12 @@ def eager_sort_along(x, dim, descending):
     ``eager_sorting.STABLE_UPTO`` values, which ``std::sort`` orders by insertion sort
     alone (stable)."""
     values, indices = sort_along(x, dim, descending)
-    if x.ndim == 0 or x.size == 0 or eager_is_on_cuda():
-        # (CUDA's kernels are not libstdc++'s: the stable order, as before)
-        return values, indices
-    if x.shape[dim % x.ndim] <= eager_sorting.STABLE_UPTO:
+    if (
+        x.ndim == 0
+        or x.size == 0
+        or eager_is_on_cuda()  # (CUDA's kernels are not libstdc++'s: the stable order)
+        or x.shape[dim % x.ndim] <= eager_sorting.STABLE_UPTO
+    ):
         return values, indices
     d = dim % x.ndim
     comp = eager_sorting.comparator(x.dtype, descending)
@@ -163,13 +165,13 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
 # ---------------------------------------------------------------------------------
 
 
-def _order_stat(x, dim, keepdim, pick):
+def _order_stat(x, dim, keepdim, pick, ordered=None):
     """Values and indices at position ``pick(sorted, nan_count, n)`` of the ascending
-    stable sort along ``dim`` (NaN sorts last)."""
+    stable sort along ``dim`` (NaN sorts last); ``ordered``: that sort, if made already."""
     if x.ndim == 0:
         return x, jnp.zeros((), np.int64)
     d = dim % x.ndim
-    values, indices = sort_along(x, d, False)
+    values, indices = sort_along(x, d, False) if ordered is None else ordered
     n = x.shape[d]
     nans = jnp.sum(jnp.isnan(x), axis=d, keepdims=True) if is_floating(x.dtype) else None
     pos = pick(nans, n)
@@ -233,12 +235,14 @@ def _kthvalue(x, k, dim=-1, keepdim=False):
     with a neighbour (equal values, two NaNs, -0.0 and 0.0), the value and index ATen's
     quickselect leaves (``eager_sorting.kthvalue_rows``), as eager's CPU kernel gives."""
     _nonempty_dim(x, dim, "kthvalue")
-    fast = _order_stat(x, dim, keepdim, lambda nans, n: k - 1)
     if x.ndim == 0 or x.size == 0 or eager_is_on_cuda() or not 1 <= k <= x.shape[dim % x.ndim]:
-        return fast  # (a k out of range: eager's meta kernel raises while tracing)
+        # (a k out of range: eager's meta kernel raises while tracing)
+        return _order_stat(x, dim, keepdim, lambda nans, n: k - 1)
     d = dim % x.ndim
     n = x.shape[d]
-    values, _ = sort_along(x, d, False)
+    ordered = sort_along(x, d, False)
+    fast = _order_stat(x, d, keepdim, lambda nans, n: k - 1, ordered)
+    values = ordered[0]
     gt = eager_sorting.comparator(x.dtype, True)
     kth = jax.lax.slice_in_dim(values, k - 1, k, axis=d)
     near = [jax.lax.slice_in_dim(values, j, j + 1, axis=d) for j in (k - 2, k) if 0 <= j < n]
