@@ -18,9 +18,21 @@ from dynajax.capability import Reason, Supported, Unsupported
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, Report, WhatIf
 from dynajax.diagnostics.explain import explain
-from dynajax.errors import DynajaxError, OptionsError, ShardingError, UnsupportedNodesError
+from dynajax.errors import (
+    CallbackOpsError,
+    CallJaxError,
+    ConversionError,
+    DynajaxError,
+    ExportError,
+    ExportOpsError,
+    JaxFunctionError,
+    OptionsError,
+    ShardingError,
+    TrainStepError,
+    UnsupportedNodesError,
+)
 from dynajax.extending import RuleOverrideWarning, register_rule, unregister_rule
-from dynajax.interop import JaxFunction, jax_function, jax_values
+from dynajax.interop import JaxFunction, ValueCheckResult, jax_function, jax_values
 from dynajax.interop.call_jax import call_jax
 from dynajax.lowering.registry import supported_ops
 from dynajax.passes.user import Rewrite, RewriteRecord
@@ -42,10 +54,16 @@ register_name()
 
 __all__ = [
     "Backend",
+    "CallJaxError",
+    "CallbackOpsError",
+    "ConversionError",
     "DynajaxError",
+    "ExportError",
+    "ExportOpsError",
     "ExportedModel",
     "GraphReport",
     "JaxFunction",
+    "JaxFunctionError",
     "Options",
     "OptionsError",
     "Reason",
@@ -56,9 +74,11 @@ __all__ = [
     "ShardingError",
     "ShardingRules",
     "TrainStep",
+    "TrainStepError",
     "Supported",
     "Unsupported",
     "UnsupportedNodesError",
+    "ValueCheckResult",
     "WhatIf",
     "__version__",
     "call_jax",

@@ -69,9 +69,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -348,17 +349,21 @@ def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.f
     the inputs become values, which ``fn`` must return itself (functionalization's
     ``copy_`` back into an input, and the profiler's markers, are dropped)."""
     table = {op: torch._decomp.decomposition_table[op] for op in _UNANNOTATED_MUTATIONS}
-    with _as_compiling():
+    with _as_compiling(), _quiet_fake_tensors():
         joint = make_fx(
             fn, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True
         )(*examples)
     plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in examples]
-    gm = make_fx(
-        torch.func.functionalize(joint, remove="mutations_and_views"),
-        decomposition_table=eager_aware(decompositions()),
-        tracing_mode="fake",
-        _allow_non_fake_inputs=True,
-    )(*plain)
+    # Node meta preserved: each node of a decomposition records the op it came from
+    # (original_aten), so a value check raises eager's error for the op the user called
+    # (nll_loss's "Target 9 is out of bounds.", not its gather's).
+    with torch.fx.traceback.preserve_node_meta():
+        gm = make_fx(
+            torch.func.functionalize(joint, remove="mutations_and_views"),
+            decomposition_table=eager_aware(decompositions()),
+            tracing_mode="fake",
+            _allow_non_fake_inputs=True,
+        )(*plain)
     graph = gm.graph
     for node in reversed(list(graph.nodes)):
         if node.op != "call_function":
@@ -369,6 +374,20 @@ def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.f
     graph.lint()
     gm.recompile()
     return gm
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """FakeTensor's error log off: where an op fails on fake tensors it logs the
+    traceback at ERROR level before raising, and the caller's own error (which names
+    the op's message) is then the only thing the user should see."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _as_compiling() -> contextlib.AbstractContextManager[Any]:

@@ -123,5 +123,8 @@ class ShardingError(DynajaxError, ValueError):
 class TrainStepError(DynajaxError, ValueError):
     """``dynajax.train_step`` cannot compile or run this step: an optimizer it cannot
     trace (one whose ``step`` needs a closure, or keeps non-tensor state), a loss that
-    is not one floating element, or a batch unlike the one the step was compiled for.
-    The training state keeps its last good values."""
+    is not one floating element, a loss under float16 autocast (which eager trains with
+    a ``GradScaler``), a model or loss that branches on a tensor's value, or a batch
+    the step cannot take. The training state keeps its last good values. (A batch
+    whose values eager refuses, such as a class index out of range, raises eager's own
+    error instead, with the state likewise kept.)"""

@@ -197,6 +197,7 @@ def state_dict(step: TrainStep) -> dict[str, torch.Tensor]:
     """The model's state dict with the trained values, as torch tensors (copies; the
     module's hooks must be quiet: the module's own tensors are only read for names)."""
     values = dict(zip(step._param_names, step.params, strict=True))
+    values.update(zip(step._frozen_names, step.frozen, strict=True))
     values.update(zip(step._buffer_names, step.buffers, strict=True))
     out = {}
     for name, tensor in step.model.state_dict(keep_vars=True).items():

@@ -20,9 +20,13 @@ How it is captured, in two traces:
    in-place updates (parameters, buffers such as BatchNorm's running statistics,
    optimizer moments) become the new values the graph returns.
 
-The graph's inputs are ``params + buffers + state + lrs + batch`` and its outputs
-``loss, params, buffers, state`` (the state's entries after the step, which the first
-step creates), each list in the order ``StepGraph`` records.
+The graph's inputs are ``params + buffers + state + frozen + lrs + batch`` and its
+outputs ``loss, params, buffers, state`` (the state's entries after the step, which the
+first step creates), each list in the order ``StepGraph`` records. ``frozen`` are the
+model's parameters the optimizer does not hold (frozen layers, the other half of a GAN):
+inputs the step reads, never writes, so that an edit of them, or another step's
+training of them, is what the next step sees. ``batch`` is the flat list of the batch's
+tensor leaves (``BatchLayout``); its other leaves are constants of the trace.
 """
 
 from __future__ import annotations
@@ -35,11 +39,17 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dynajax.aot import functional_graph
 from dynajax.errors import TrainStepError
+
+# Optimizers whose non-capturable step branches in Python on a state value (RAdam's
+# rectification, ASGD's averaging): traced in their capturable form, which is the same
+# arithmetic with the branch as a select.
+_CAPTURABLE = (torch.optim.RAdam, torch.optim.ASGD)
 
 # State keys: (index of the parameter in the step's parameter list, key in its state).
 StateKey = tuple[int, str]
@@ -54,6 +64,50 @@ class StepGraph:
     n_buffers: int
     state_in: list[StateKey]  # the state tensors the step reads
     state_out: list[StateKey]  # the state tensors the step returns
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """A batch (any pytree of tensors: tuples, lists, dicts, transformers'
+    ``BatchEncoding``) as its tensor leaves and the rest: the tree's structure and its
+    other leaves (ints, bools, None, strings), which are constants of the program, as
+    ``jax.jit``'s static arguments are: another value compiles another program.
+
+    Attributes:
+        spec: the pytree structure of the batch tuple (``torch.utils._pytree``).
+        tensors: for each leaf, whether it is a tensor.
+        statics: the non-tensor leaves, in order.
+    """
+
+    spec: pytree.TreeSpec
+    tensors: tuple[bool, ...]
+    statics: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, batch: Sequence[Any]) -> tuple[BatchLayout, list[torch.Tensor]]:
+        """The layout of ``batch`` (the step's positional arguments) and its tensors."""
+        leaves, spec = pytree.tree_flatten(tuple(batch))
+        is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
+        statics = tuple(x for x, t in zip(leaves, is_tensor, strict=True) if not t)
+        return cls(spec, is_tensor, statics), [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    def key(self) -> tuple[Any, ...]:
+        """What identifies the layout in a program cache (the statics by value)."""
+        return (str(self.spec), self.tensors, tuple(_static_key(v) for v in self.statics))
+
+    def rebuild(self, tensors: Sequence[Any]) -> tuple[Any, ...]:
+        """The batch tuple with ``tensors`` as its tensor leaves."""
+        given, statics = iter(tensors), iter(self.statics)
+        leaves = [next(given) if t else next(statics) for t in self.tensors]
+        return tuple(pytree.tree_unflatten(leaves, self.spec))
+
+
+def _static_key(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return (type(value).__name__, repr(value))
+    return (type(value).__name__, value)
 
 
 class _LossModule(nn.Module):
@@ -88,7 +142,25 @@ class _TensorScalars(TorchFunctionMode):
             self_, a, b = args
             product = a / b if func is torch.Tensor.addcdiv_ else a * b
             return self_.add_(product * value)
+        if func is torch.full_like and isinstance(args[1], torch.Tensor):
+            # Rprop's first step sizes: full_like(grad, lr) with lr a traced tensor.
+            x, value = args
+            return torch.zeros_like(x, **kwargs).add_(value.to(kwargs.get("dtype", x.dtype)))
+        if func is torch.Tensor.__setitem__ and _is_mask(args[0], args[1]):
+            # x[mask] = v (Rprop's sign table): a select, where indexing by a mask
+            # would make the shapes data-dependent.
+            self_, mask, value = args
+            return self_.copy_(torch.where(mask, value, self_))
         return func(*args, **kwargs)
+
+
+def _is_mask(x: Any, key: Any) -> bool:
+    return (
+        isinstance(key, torch.Tensor)
+        and key.dtype == torch.bool
+        and isinstance(x, torch.Tensor)
+        and key.shape == x.shape
+    )
 
 
 @contextlib.contextmanager
@@ -128,7 +200,10 @@ def optimizer_on(
             position += count
             group["lr"] = lr
             if "capturable" in group:
-                group["capturable"] = True
+                # The form eager runs (capturable=False: step sizes as products, where
+                # the capturable form divides by lr, NaN at lr 0), but for optimizers
+                # whose eager form branches on a state value.
+                group["capturable"] = isinstance(optimizer, _CAPTURABLE)
             if "foreach" in group:
                 group["foreach"] = False
             if "fused" in group:
@@ -151,19 +226,27 @@ def trace_step(
     params: Sequence[torch.Tensor],
     buffers: Sequence[torch.Tensor],
     state: dict[StateKey, torch.Tensor],
+    frozen_names: Sequence[str] = (),
+    frozen: Sequence[torch.Tensor] = (),
     lrs: Sequence[float],
     batch: Sequence[torch.Tensor],
+    layout: BatchLayout | None = None,
     clip_grad_norm: float | None,
     accumulate: int = 1,
 ) -> StepGraph:
     """The step's ``StepGraph``, traced on (fakes of) these example values.
 
     ``params`` are the optimizer's parameters, in the order of its param groups, named
-    ``param_names`` in ``model``; ``buffers`` the model's buffers; ``accumulate``: the
-    number of micro-batches (each batch tensor split along its first dim)."""
+    ``param_names`` in ``model`` (the gradient of those that require one);
+    ``buffers`` the model's buffers; ``frozen`` the model's other parameters; ``batch``
+    the batch's tensors, which ``layout`` puts back into the batch ``loss_fn`` takes
+    (by default they are the batch); ``accumulate``: the number of micro-batches (each
+    batch tensor split along its first dim)."""
     wrapper = _LossModule(model, loss_fn)
     state_in = list(state)
     n_params, n_buffers, n_state = len(params), len(buffers), len(state_in)
+    n_frozen = len(frozen)
+    wanted = [p.requires_grad for p in params]  # the others get no gradient, as in eager
     state_out: list[StateKey] = []
 
     def step(*flat: torch.Tensor) -> tuple[Any, ...]:
@@ -172,9 +255,12 @@ def trace_step(
         at = n_params + n_buffers
         st = dict(zip(state_in, flat[at : at + n_state], strict=True))
         at += n_state
+        fixed = list(flat[at : at + n_frozen])
+        at += n_frozen
         group_lrs = list(flat[at : at + len(lrs)])
         xs = flat[at + len(lrs) :]
         values = {f"model.{n}": p for n, p in zip(param_names, ps, strict=True)}
+        values.update({f"model.{n}": p for n, p in zip(frozen_names, fixed, strict=True)})
         values.update({f"model.{n}": b for n, b in zip(buffer_names, bufs, strict=True)})
         # Micro-batches as an eager loop accumulates them: (loss_i / k).backward() each,
         # the gradients summed in order, the step's loss the sum of the scaled losses.
@@ -183,13 +269,20 @@ def trace_step(
             micro = [tuple(x.chunk(accumulate)[i] for x in xs) for i in range(accumulate)]
         loss: torch.Tensor | None = None
         grads: list[torch.Tensor | None] = [None] * n_params
+        differentiated = [p for p, w in zip(ps, wanted, strict=True) if w]
         for part in micro:
-            with torch.enable_grad():
-                part_loss = torch.func.functional_call(wrapper, values, part)
+            with torch.enable_grad(), _NoFloat16Autocast():
+                args = layout.rebuild(part) if layout is not None else part
+                part_loss = torch.func.functional_call(wrapper, values, args)
                 _check_loss(part_loss)
                 if accumulate > 1:
                     part_loss = part_loss / accumulate
-                part_grads = torch.autograd.grad(part_loss, ps, allow_unused=True)
+                found = iter(
+                    torch.autograd.grad(part_loss, differentiated, allow_unused=True)
+                    if differentiated
+                    else ()
+                )
+                part_grads = [next(found) if w else None for w in wanted]
             loss = part_loss if loss is None else loss + part_loss.detach()
             grads = [
                 g if acc is None else (acc if g is None else acc + g)
@@ -222,6 +315,7 @@ def trace_step(
         *[p.detach().requires_grad_(p.requires_grad) for p in params],
         *[b.detach() for b in buffers],
         *[state[k].detach() for k in state_in],
+        *[p.detach() for p in frozen],
         *[torch.tensor(lr, dtype=torch.float64) for lr in lrs],
         *[x.detach() for x in batch],
     ]
@@ -231,12 +325,43 @@ def trace_step(
         except TrainStepError:
             raise
         except Exception as e:
-            raise TrainStepError(
+            hint = ""
+            if "data-dependent" in str(e):
+                hint = (
+                    "\nThe model or loss_fn branches on a tensor's value (.item(), `if "
+                    "tensor:`, a Python number from a tensor); one program serves every "
+                    "batch, so compute both sides with torch.where, or move the branch "
+                    "out of the step."
+                )
+            error = TrainStepError(
                 f"the training step could not be traced ({type(optimizer).__name__}, "
                 f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r}): {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}"
-            ) from e
+                f"{str(e).splitlines()[0] if str(e) else ''}{hint}"
+            )
+            # The user sees this error alone (torch's trace of the failure is long and
+            # names torch's frames); the original stays on ``error.traced``.
+            error.traced = e  # type: ignore[attr-defined]
+            raise error from None
     return StepGraph(gm, n_params, n_buffers, state_in, state_out)
+
+
+class _NoFloat16Autocast(TorchFunctionMode):
+    """Refuses float16 autocast in the loss: eager trains it with a
+    ``torch.amp.GradScaler`` (the loss scaled, steps with inf gradients skipped), which
+    the step does not run, and unscaled float16 gradients underflow."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device) and (
+                torch.get_autocast_dtype(device) == torch.float16
+            ):
+                raise TrainStepError(
+                    f"loss_fn runs under float16 autocast on {device}: eager trains that "
+                    "with torch.amp.GradScaler (a scaled loss, steps with inf gradients "
+                    "skipped), which train_step does not run. Use bfloat16 autocast, which "
+                    f"needs no scaler: torch.autocast('{device}', dtype=torch.bfloat16)."
+                )
+        return func(*args, **(kwargs or {}))
 
 
 def _check_loss(loss: Any) -> None:

@@ -4,6 +4,7 @@
 ``Placement`` (one device, or a mesh with ``ShardingRules``, as the backend's):
 
     parameter, buffer        its name's rule (``ShardingRules.match``), as the backend
+    (frozen ones too)
     optimizer state entry    as its parameter when it has the parameter's shape (the
                              moments: FSDP shards them too), else replicated (counts)
     batch tensor             the rules' batch spec (dim 0 over the batch axis)
@@ -47,6 +48,7 @@ class StateLayout:
         placement: where the step runs (``Placement``).
         params: the optimizer's parameters, in its param groups' order, and their names.
         buffers: the model's buffers and their names.
+        frozen: the model's other parameters (which the step reads, not trains).
     """
 
     def __init__(
@@ -54,10 +56,12 @@ class StateLayout:
         placement: Placement,
         params: Sequence[tuple[str, torch.Tensor]],
         buffers: Sequence[tuple[str, torch.Tensor]],
+        frozen: Sequence[tuple[str, torch.Tensor]] = (),
     ) -> None:
         self.placement = placement
         self.replicated = placement.sharding(PartitionSpec())
         self.params = [self._decide(n, t, "parameter") for n, t in params]
+        self.frozen = [self._decide(n, t, "parameter") for n, t in frozen]
         self.buffers = [self._decide(n, t, "buffer") for n, t in buffers]
         self._param_shapes = [tuple(t.shape) for _, t in params]
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import nn
@@ -40,6 +41,8 @@ from dynajax.capability import CapabilityChecker, Reason
 from dynajax.config import check_mesh, resolve_device
 from dynajax.errors import CallbackOpsError, OptionsError, TrainStepError
 from dynajax.interop.interpreter import ExportInterpreter, SizeBindings, graph_constants
+from dynajax.lowering import checks as value_checks
+from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.lowering.interpreter import needs_key
 from dynajax.passes import run_passes
@@ -50,8 +53,9 @@ from dynajax.sharding import Placement
 from dynajax.sharding.placement import gather_to_torch
 from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
-from dynajax.training.graph import StateKey, StepGraph, trace_step
+from dynajax.training.graph import BatchLayout, StateKey, StepGraph, trace_step
 from dynajax.training.state import ModuleView, StateLayout, bytes_per_device, report_lines
+from dynajax.training.watch import Watch
 
 # Optimizers whose step cannot be one program: LBFGS re-evaluates the loss through a
 # closure, SparseAdam takes sparse gradients.
@@ -82,8 +86,9 @@ def _x64() -> Iterator[None]:
 @dataclasses.dataclass
 class _Program:
     graph: StepGraph
-    run: Callable[..., Any]  # jitted (state, lrs, seed, batch) -> (loss, state)
+    run: Callable[..., Any]  # jitted (state, frozen, lrs, seed, batch) -> (loss, state, err)
     random: bool  # whether it draws random numbers (then each step draws a seed)
+    checks: list[Check]  # eager's value checks the program computes (its trace fills it)
 
 
 class TrainStep:
@@ -103,6 +108,7 @@ class TrainStep:
         mesh: jax.sharding.Mesh | None = None,
         sharding: RulesLike = None,
         release_module: bool = True,
+        checks: bool = True,
     ) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:
             raise TrainStepError(f"accumulate must be a positive int, got {accumulate!r}.")
@@ -112,6 +118,10 @@ class TrainStep:
                 f"dynajax.train_step cannot compile {name}: {_REFUSED[name]}. "
                 "Use torch.compile(model, backend='dynajax') with the optimizer in eager."
             )
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            # torch.compile's wrapper: its parameters are the module's own, which the
+            # step compiles itself.
+            model = model._orig_mod
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -120,55 +130,87 @@ class TrainStep:
         self.strict = strict
         self.fallback_ops = tuple(fallback_ops)
         self.release_module = release_module
-        names = {id(p): n for n, p in model.named_parameters()}
-        self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        missing = [i for i, p in enumerate(self._params) if id(p) not in names]
-        if missing:
-            raise TrainStepError(
-                f"the optimizer holds {len(missing)} tensor(s) that are not parameters of "
-                "the model (first: position "
-                f"{missing[0]} of its param groups); train_step updates the model's own."
-            )
-        self._param_names = [names[id(p)] for p in self._params]
-        self._buffer_names = [n for n, _ in model.named_buffers()]
-        self._state_names = [*self._param_names, *self._buffer_names]  # as the view's tensors
-        self._buffers = [b for _, b in model.named_buffers()]
+        self.checks = checks
         self._programs: dict[Any, _Program] = {}
         self.steps = 0
         self.traces = 0
+        self.retraces: list[str] = []  # why each program after the first was traced
         self._view: ModuleView | None = None
         self.params: list[jax.Array] = []
+        self.frozen: list[jax.Array] = []
         self.buffers: list[jax.Array] = []
         self.state: dict[StateKey, jax.Array] = {}
-        self._own()  # the module is whole here: its tensors say where the step runs
-        self.layout = StateLayout(
-            _placement(self._params, device, mesh, sharding),
-            list(zip(self._param_names, self._params, strict=True)),
-            list(zip(self._buffer_names, self._buffers, strict=True)),
-        )
-        self._load_from_torch()
+        owner = _OWNERS.get(model)
+        if owner is not None:
+            owner._let_go()  # the module whole: its tensors say where the step runs
+        self._placement = _placement(list(model.parameters()), device, mesh, sharding)
+        self._own()
 
     # -- state --------------------------------------------------------------------
 
+    def _members(self) -> None:
+        """The step's tensors as the module and optimizer have them now: the
+        optimizer's parameters (trained, in its param groups' order), the model's other
+        parameters (frozen: read, not written) and its buffers."""
+        model, optimizer = self.model, self.optimizer
+        names = {id(p): n for n, p in model.named_parameters()}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        missing = [i for i, p in enumerate(params) if id(p) not in names]
+        if missing:
+            raise TrainStepError(
+                f"the optimizer holds {len(missing)} tensor(s) that are not parameters of "
+                f"the model (first: position {missing[0]} of its param groups); "
+                "train_step updates the model's own. Where a parameter or submodule was "
+                "replaced, put the new parameters in the optimizer's param groups in place "
+                "of the old ones (or make a new optimizer and train_step)."
+            )
+        trained = {id(p) for p in params}
+        self._params = params
+        self._param_names = [names[id(p)] for p in params]
+        frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in trained]
+        self._frozen_names = [n for n, _ in frozen]
+        self._frozen = [p for _, p in frozen]
+        self._buffer_names = [n for n, _ in model.named_buffers()]
+        self._buffers = [b for _, b in model.named_buffers()]
+        # As the view's tensors: parameters, frozen parameters, buffers.
+        self._state_names = [*self._param_names, *self._frozen_names, *self._buffer_names]
+        tensors = [*self._params, *self._frozen, *self._buffers]
+        # The names, shapes and dtypes of the step's tensors (its programs' inputs; a
+        # change of them reloads the state, Watch).
+        self._structure = (
+            len(self._params),
+            len(self._frozen),
+            *[(n, tuple(t.shape), t.dtype) for n, t in zip(self._state_names, tensors, strict=True)],
+        )
+        self.layout = StateLayout(
+            self._placement,
+            list(zip(self._param_names, self._params, strict=True)),
+            list(zip(self._buffer_names, self._buffers, strict=True)),
+            list(zip(self._frozen_names, self._frozen, strict=True)),
+        )
+
     def _own(self) -> None:
         """Makes this step the holder of the module's state: a step that held it
-        before syncs and lets go, and this one (re)loads the module's and optimizer's
-        current values."""
+        before syncs and lets go, and this one loads the module's and optimizer's
+        current values (their tensors, param groups and values as they are now)."""
         owner = _OWNERS.get(self.model)
         if owner is self and self._view is not None:
             return
         if owner is not None and owner is not self:
             owner._let_go()
         _OWNERS[self.model] = self
-        self._view = ModuleView(
-            self.model,
-            self.optimizer,
-            [*self._params, *self._buffers],
-            self.sync,
-            self.release_module,
-        )
-        if hasattr(self, "layout"):  # taken back from another step: its values now
-            self._load_from_torch()
+        self._members()
+        tensors = [*self._params, *self._frozen, *self._buffers]
+        self._view = ModuleView(self.model, self.optimizer, tensors, self.sync, self.release_module)
+        self._watch = Watch(self.model, self.optimizer, self.loss_fn, self._params, tensors)
+        self._load_from_torch()
+
+    def _reload(self, why: str) -> None:
+        """Takes up a change of the module's or optimizer's make-up (``Watch``): the
+        state written back, then loaded again as it is now."""
+        self._let_go()
+        self.retraces.append(why)
+        self._own()
 
     def _let_go(self) -> None:
         """Writes the state back into the module and stops holding it (another step
@@ -177,7 +219,7 @@ class TrainStep:
         if self._view is not None:
             self._view.detach()
         self._view = None
-        self.params, self.buffers, self.state = [], [], {}
+        self.params, self.frozen, self.buffers, self.state = [], [], [], {}
 
     def _load_from_torch(self) -> None:
         """The state as JAX arrays (copies), from the module and the optimizer; the
@@ -188,17 +230,19 @@ class TrainStep:
         self._view.release()
 
     def _load_module(self, positions: Sequence[int] | None = None) -> None:
-        """The parameters and buffers (those at ``positions`` of params + buffers, or
-        all) as JAX arrays (copies), from the module."""
+        """The parameters, frozen parameters and buffers (those at ``positions`` of
+        the three, or all) as JAX arrays (copies), from the module."""
         layout = self.layout
-        tensors = [*self._params, *self._buffers]
-        shardings = [*layout.params, *layout.buffers]
-        arrays: list[Any] = [*self.params, *self.buffers] if positions else [None] * len(tensors)
+        tensors = [*self._params, *self._frozen, *self._buffers]
+        shardings = [*layout.params, *layout.frozen, *layout.buffers]
+        arrays: list[Any] = (
+            [*self.params, *self.frozen, *self.buffers] if positions else [None] * len(tensors)
+        )
         with _x64():
             for i in range(len(tensors)) if positions is None else positions:
                 arrays[i] = layout.put(tensors[i], shardings[i])
-        n = len(self._params)
-        self.params, self.buffers = arrays[:n], arrays[n:]
+        n, f = len(self._params), len(self._frozen)
+        self.params, self.frozen, self.buffers = arrays[:n], arrays[n : n + f], arrays[n + f :]
         assert self._view is not None
         self._view.record()
 
@@ -240,7 +284,8 @@ class TrainStep:
 
     def _sync_module(self) -> None:
         assert self._view is not None
-        self._view.restore([gather_to_torch(a) for a in (*self.params, *self.buffers)])
+        arrays = (*self.params, *self.frozen, *self.buffers)
+        self._view.restore([gather_to_torch(a) for a in arrays])
 
     # -- checkpoints, torch's view, the report ------------------------------------
 
@@ -280,9 +325,12 @@ class TrainStep:
             checkpoint.save_safetensors(self, path)
 
     def bytes_per_device(self) -> dict[str, int]:
-        """Bytes of the training state (parameters, buffers and optimizer state) each
-        of this process's devices holds, measured from the arrays' shards."""
-        return bytes_per_device([*self.params, *self.buffers, *self.state.values()])
+        """Bytes of the training state (parameters, frozen parameters, buffers and
+        optimizer state) each of this process's devices holds, measured from the
+        arrays' shards."""
+        return bytes_per_device(
+            [*self.params, *self.frozen, *self.buffers, *self.state.values()]
+        )
 
     def report(self) -> str:
         """Where the state lives: the device or mesh, and per part (parameters,
@@ -291,6 +339,7 @@ class TrainStep:
             self.layout,
             {
                 "parameters": self.params,
+                "frozen parameters": self.frozen,
                 "buffers": self.buffers,
                 "optimizer state": list(self.state.values()),
             },
@@ -305,77 +354,121 @@ class TrainStep:
     # -- the step -----------------------------------------------------------------
 
     def __call__(self, *batch: Any) -> jax.Array:
-        """Runs one step on ``batch`` (tensors), returns the loss as a ``jax.Array``
-        (reading it, ``float(loss)``, waits for the step; not reading it does not)."""
+        """Runs one step on ``batch`` (a pytree of tensors: tensors, tuples, lists,
+        dicts; its other leaves are constants of the program), returns the loss as a
+        ``jax.Array`` (reading it, ``float(loss)``, waits for the step; not reading it
+        does not, unless the program computes eager's value checks)."""
         self._own()
         view = self._view
         assert view is not None
         edited = view.check_not_edited(self._state_names)
-        if edited:
+        changes = self._watch.look()
+        if changes.reload is not None:
+            self._reload(changes.reload)  # writes back and loads every tensor anew
+            view = self._view
+            assert view is not None
+        elif edited:
             # The user changed the module's tensors (load_state_dict, an assignment under
             # no_grad); the optimizer's state stays the step's, as it would in eager.
             self._load_module(edited)
         if view.optimizer_loaded:  # optimizer.load_state_dict since the last step
             self._load_optimizer()
-        for i, x in enumerate(batch):
-            if not isinstance(x, torch.Tensor):
+        layout, tensors = BatchLayout.of(batch)
+        device = view.devices[0] if view.devices else torch.device("cpu")
+        for i, x in enumerate(tensors):
+            if x.device != device:
                 raise TrainStepError(
-                    f"batch element {i} is a {type(x).__name__}; train_step takes tensors."
-                )
-            if x.device != view.devices[0]:
-                raise TrainStepError(
-                    f"batch element {i} is on {x.device}, the model on "
-                    f"{view.devices[0]}: move the batch to the model's device."
+                    f"batch tensor {i} is on {x.device}, the model on "
+                    f"{device}: move the batch to the model's device."
                 )
             if self.accumulate > 1 and (x.dim() == 0 or x.shape[0] % self.accumulate):
                 raise TrainStepError(
-                    f"batch element {i} has shape {tuple(x.shape)}: with accumulate="
+                    f"batch tensor {i} has shape {tuple(x.shape)}: with accumulate="
                     f"{self.accumulate} its first dim must split into that many "
                     "equal micro-batches."
                 )
         with _x64():
-            loss = self._step(batch)
+            loss = self._step(layout, tensors, changes.program_key, changes.retrace)
         view.release()
         return loss
 
-    def _step(self, batch: Sequence[torch.Tensor]) -> jax.Array:
+    def _step(
+        self,
+        layout: BatchLayout,
+        batch: Sequence[torch.Tensor],
+        settings: tuple[Any, ...],
+        why: str | None,
+    ) -> jax.Array:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        program = self._program(batch, lrs)
+        program = self._program(layout, batch, lrs, settings, why)
         graph = program.graph
         state_in = [self.state[k] for k in graph.state_in]
+        rng = torch.get_rng_state() if program.random else None
         seed = draw_seed() if program.random else np.int64(0)
-        loss, params, buffers, state = program.run(
-            (self.params, self.buffers, state_in),
-            [np.float64(lr) for lr in lrs],
-            seed,
-            [self.layout.put_batch(x) for x in batch],
-        )
+        try:
+            loss, params, buffers, state, err = program.run(
+                (self.params, self.buffers, state_in),
+                self.frozen,
+                [np.float64(lr) for lr in lrs],
+                seed,
+                [self.layout.put_batch(x) for x in batch],
+            )
+        except BaseException:
+            # A host callback raised (eager's error): the state was not donated and
+            # stays as it was; so does torch's generator.
+            if rng is not None:
+                torch.set_rng_state(rng)
+            raise
         self.params, self.buffers = list(params), list(buffers)
-        self.state = dict(zip(graph.state_out, state, strict=True))
+        new_state = dict(zip(graph.state_out, state, strict=True))
+        if program.checks and int(np.asarray(err)[0]):
+            # Eager raises on this batch: the program returned the state it took (the
+            # parameters, buffers and moments as they were); state the step would have
+            # created is dropped, and torch's generator rewound.
+            self.state = {k: new_state[k] for k in self.state if k in new_state}
+            if rng is not None:
+                torch.set_rng_state(rng)
+            raise _eager_error(program.checks, err)
+        self.state = new_state
         self.steps += 1
         return loss
 
-    def _program(self, batch: Sequence[torch.Tensor], lrs: list[float]) -> _Program:
+    def _program(
+        self,
+        layout: BatchLayout,
+        batch: Sequence[torch.Tensor],
+        lrs: list[float],
+        settings: tuple[Any, ...],
+        why: str | None,
+    ) -> _Program:
         key = (
+            layout.key(),
             tuple((tuple(x.shape), x.dtype) for x in batch),
             tuple(sorted(self.state)),
             _hyperparameters(self.optimizer),
+            settings,
+            self._structure,
         )
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._compile(batch, lrs)
+            if self._programs and why is not None:
+                self.retraces.append(why)
+            program = self._programs[key] = self._compile(layout, batch, lrs)
         return program
 
     def _examples(self, arrays: Sequence[jax.Array]) -> list[torch.Tensor]:
         """Tensors of the arrays' shapes and dtypes on the module's device, for the
         trace, which reads no values (untouched memory, never written)."""
-        device = self._view.devices[0] if self._view is not None else torch.device("cpu")
+        view = self._view
+        device = view.devices[0] if view is not None and view.devices else torch.device("cpu")
         return [
             torch.empty(a.shape, dtype=JAX_TO_TORCH[np.dtype(a.dtype)], device=device)
             for a in arrays
         ]
 
-    def _compile(self, batch: Sequence[torch.Tensor], lrs: list[float]) -> _Program:
+    def _compile(
+        self, layout: BatchLayout, batch: Sequence[torch.Tensor], lrs: list[float]
+    ) -> _Program:
         assert self._view is not None
         params = self._examples(self.params)
         for p, original in zip(params, self._params, strict=True):
@@ -390,8 +483,11 @@ class TrainStep:
                 params=params,
                 buffers=self._examples(self.buffers),
                 state=dict(zip(self.state, self._examples(list(self.state.values())), strict=True)),
+                frozen_names=self._frozen_names,
+                frozen=self._examples(self.frozen),
                 lrs=lrs,
                 batch=list(batch),
+                layout=layout,
                 clip_grad_norm=self.clip_grad_norm,
                 accumulate=self.accumulate,
             )
@@ -411,28 +507,80 @@ class TrainStep:
             raise CallbackOpsError(unwanted)
         random = needs_key(gm)
         constants = graph_constants(gm)
-        layout = self.layout
+        state_layout = self.layout
         state_shapes = _output_shapes(gm)[1 + graph.n_params + graph.n_buffers :]
         state_shardings = [
-            layout.state(k, shape) for k, shape in zip(graph.state_out, state_shapes, strict=True)
+            state_layout.state(k, shape)
+            for k, shape in zip(graph.state_out, state_shapes, strict=True)
         ]
+        checks: list[Check] = []
+        check = self.checks
+        n, b = graph.n_params, graph.n_buffers
+        kept_state = [graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out]
 
-        def step(state, lrs, seed, xs):  # type: ignore[no-untyped-def]
+        def step(state, frozen, lrs, seed, xs):  # type: ignore[no-untyped-def]
             params, buffers, opt_state = state
             key = jax.random.key(seed) if random else None
-            arrays = [*params, *buffers, *opt_state, *lrs, *xs]
-            out = ExportInterpreter(gm, key, SizeBindings(), constants).run(*arrays)
-            n, b = graph.n_params, graph.n_buffers
+            arrays = [*params, *buffers, *opt_state, *frozen, *lrs, *xs]
+            interpreter = ExportInterpreter(gm, key, SizeBindings(), constants)
+            if not check:
+                out = interpreter.run(*arrays)
+                err = jnp.zeros((1,), np.int64)
+            else:
+                with value_checks.collecting() as found:
+                    out = interpreter.run(*arrays)
+                checks[:] = found.checks
+                err = found.result()
             loss = out[0]
-            return loss, list(out[1 : 1 + n]), list(out[1 + n : 1 + n + b]), list(out[1 + n + b :])
+            new_params, new_buffers = list(out[1 : 1 + n]), list(out[1 + n : 1 + n + b])
+            new_state = list(out[1 + n + b :])
+            if checks:
+                # Where eager raises, the step changes nothing: the outputs are the
+                # state it took (XLA fuses the select into the update).
+                failed = err[0] != 0
+
+                def keep(new, old):  # type: ignore[no-untyped-def]
+                    return jnp.where(failed, old, new)
+
+                new_params = [keep(a, o) for a, o in zip(new_params, params, strict=True)]
+                new_buffers = [keep(a, o) for a, o in zip(new_buffers, buffers, strict=True)]
+                new_state = [
+                    a if i < 0 else keep(a, opt_state[i])
+                    for a, i in zip(new_state, kept_state, strict=True)
+                ]
+            return loss, new_params, new_buffers, new_state, err
 
         # Donated, the state's buffers are gone once the program starts; a host callback
         # (eager PyTorch) can still raise then, so a step with callbacks keeps them. The
         # outputs keep the state's layout (on a mesh, FSDP's shards stay shards).
         donate = () if callbacks else (0,)
-        out_shardings = (layout.replicated, layout.params, layout.buffers, state_shardings)
+        replicated = state_layout.replicated
+        out_shardings = (
+            replicated,
+            state_layout.params,
+            state_layout.buffers,
+            state_shardings,
+            replicated,
+        )
         run = jax.jit(step, donate_argnums=donate, out_shardings=out_shardings)
-        return _Program(graph, run, random)
+        return _Program(graph, run, random, checks)
+
+
+def _eager_error(checks: Sequence[Check], err: Any) -> Exception:
+    """Eager's exception for the failed check that ``err`` (``[code, *payload]``) names,
+    with a note that the step changed nothing."""
+    vector = np.asarray(err)
+    check = checks[int(vector[0]) - 1]
+    exc = check.exception(vector[1:].tolist())
+    add_note = getattr(exc, "add_note", None)  # Python 3.11 on
+    if add_note is not None:
+        add_note(
+            f"dynajax: raised by the value check of {check.op} in the train_step program "
+            "(eager's check, computed in the program); the step changed nothing: the "
+            "parameters, buffers, optimizer state, step count and torch's generator are "
+            "as before it (train_step(..., checks=False) turns the checks off)"
+        )
+    return exc
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
@@ -483,6 +631,7 @@ def train_step(
     mesh: jax.sharding.Mesh | None = None,
     sharding: RulesLike = None,
     release_module: bool = True,
+    checks: bool = True,
 ) -> TrainStep:
     """The whole training step (forward, loss, backward, gradient clipping, the
     optimizer's update, zeroed gradients) as one XLA program per batch signature.
@@ -542,4 +691,5 @@ def train_step(
         mesh=mesh,
         sharding=sharding,
         release_module=release_module,
+        checks=checks,
     )
