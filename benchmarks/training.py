@@ -95,10 +95,12 @@ def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def _whole_step(
     build: Callable[[], tuple[nn.Module, tuple[Any, ...]]],
     loss_fn: Callable[..., torch.Tensor],
+    checks: bool = True,
 ) -> Callable[..., Step]:
     """A training step with AdamW: for dynajax, ``dynajax.train_step`` (forward,
-    backward and the update as one XLA program, the state in JAX); for the others the
-    best ordinary loop, the peer's compiled model with torch's fused AdamW kernel."""
+    backward and the update as one XLA program, the state in JAX; ``checks``: eager's
+    value checks in the program, each step waiting for their result); for the others
+    the best ordinary loop, the peer's compiled model with torch's fused AdamW kernel."""
 
     def setup(compile: Compile) -> Step:
         torch.manual_seed(0)
@@ -109,7 +111,9 @@ def _whole_step(
 
             import dynajax
 
-            train = dynajax.train_step(model, torch.optim.AdamW(model.parameters()), loss_fn)
+            train = dynajax.train_step(
+                model, torch.optim.AdamW(model.parameters()), loss_fn, checks=checks
+            )
             return lambda: jax.block_until_ready(train(*args))
         opt = torch.optim.AdamW(model.parameters(), fused=True)
         fwd = compile(model)
@@ -143,3 +147,17 @@ for _name, _build, _loss, _what in (
             no_grad=False,
         )
     )
+
+# The cost of train_step's value checks (GPT-2's embedding and cross-entropy indices,
+# eager's errors): the row above without them; the other rows' models have no check.
+register(
+    Workload(
+        "gpt2-train-step-unchecked",
+        "training",
+        _whole_step(gpt2_model, _lm_loss, checks=False),
+        jax_setup=lambda: None,
+        description="gpt2-train-step with train_step(..., checks=False): the value "
+        "checks' cost is the dynajax ratio of the two rows",
+        no_grad=False,
+    )
+)

@@ -180,7 +180,10 @@ class TrainStep:
         self._structure = (
             len(self._params),
             len(self._frozen),
-            *[(n, tuple(t.shape), t.dtype) for n, t in zip(self._state_names, tensors, strict=True)],
+            *[
+                (n, tuple(t.shape), t.dtype)
+                for n, t in zip(self._state_names, tensors, strict=True)
+            ],
         )
         self.layout = StateLayout(
             self._placement,
@@ -328,9 +331,7 @@ class TrainStep:
         """Bytes of the training state (parameters, frozen parameters, buffers and
         optimizer state) each of this process's devices holds, measured from the
         arrays' shards."""
-        return bytes_per_device(
-            [*self.params, *self.frozen, *self.buffers, *self.state.values()]
-        )
+        return bytes_per_device([*self.params, *self.frozen, *self.buffers, *self.state.values()])
 
     def report(self) -> str:
         """Where the state lives: the device or mesh, and per part (parameters,
@@ -367,6 +368,8 @@ class TrainStep:
             self._reload(changes.reload)  # writes back and loads every tensor anew
             view = self._view
             assert view is not None
+            # The settings of the tensors as they are now (the reload's new Watch).
+            changes = dataclasses.replace(changes, program_key=self._watch.flags, retrace=None)
         elif edited:
             # The user changed the module's tensors (load_state_dict, an assignment under
             # no_grad); the optimizer's state stays the step's, as it would in eager.
@@ -516,7 +519,9 @@ class TrainStep:
         checks: list[Check] = []
         check = self.checks
         n, b = graph.n_params, graph.n_buffers
-        kept_state = [graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out]
+        kept_state = [
+            graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out
+        ]
 
         def step(state, frozen, lrs, seed, xs):  # type: ignore[no-untyped-def]
             params, buffers, opt_state = state

@@ -19,10 +19,10 @@ from torch import nn
 import dynajax
 from tests.tolerances import assert_same
 
-O = torch.optim
+optim = torch.optim
 
 
-def _eager_step(model: nn.Module, optimizer: O.Optimizer, loss_fn: Callable[..., Any], *batch):
+def _eager_step(model: nn.Module, optimizer: optim.Optimizer, loss_fn: Callable[..., Any], *batch):
     optimizer.zero_grad()
     loss = loss_fn(model, *batch)
     loss.backward()
@@ -57,14 +57,18 @@ def _classification(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
 def _data(n: int, kind: str = "mlp") -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     if kind == "mlp":
-        return [(torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(n)]
+        return [
+            (torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)) for _ in range(n)
+        ]
     return [
         (torch.randint(0, 6, (8, 2), generator=gen), torch.randint(0, 5, (8,), generator=gen))
         for _ in range(n)
     ]
 
 
-def _assert_same_training(eager: nn.Module, eager_opt: O.Optimizer, ours: nn.Module, our_opt: O.Optimizer) -> None:
+def _assert_same_training(
+    eager: nn.Module, eager_opt: optim.Optimizer, ours: nn.Module, our_opt: optim.Optimizer
+) -> None:
     assert_same(dict(ours.state_dict()), dict(eager.state_dict()), model=True, path="model")
     theirs, mine = eager_opt.state_dict()["state"], our_opt.state_dict()["state"]
     assert mine.keys() == theirs.keys()
@@ -87,8 +91,8 @@ def test_cosine_warmup_from_zero_trains_gpt2_as_eager_does() -> None:
     )  # fmt: skip
     eager, ours = _twins(lambda: transformers.GPT2LMHeadModel(config))
 
-    def optimizer(model: nn.Module) -> tuple[O.Optimizer, Any]:
-        opt = O.AdamW(model.parameters(), lr=1e-3)
+    def optimizer(model: nn.Module) -> tuple[optim.Optimizer, Any]:
+        opt = optim.AdamW(model.parameters(), lr=1e-3)
         return opt, transformers.get_cosine_schedule_with_warmup(opt, 2, 8)
 
     (eager_opt, eager_sched), (our_opt, our_sched) = optimizer(eager), optimizer(ours)
@@ -110,32 +114,32 @@ def test_cosine_warmup_from_zero_trains_gpt2_as_eager_does() -> None:
 
 
 EDGE_CASES = [
-    (O.SGD, dict(lr=0.0, momentum=0.9)),
-    (O.SGD, dict(lr=0.05, momentum=0.0, dampening=0.5)),
-    (O.SGD, dict(lr=0.05, momentum=0.9, dampening=0.3, nesterov=False, maximize=True)),
-    (O.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1, foreach=True)),
-    (O.Adam, dict(lr=0.0)),
-    (O.Adam, dict(lr=1e-2, betas=(0.0, 0.999), eps=1e-16)),
-    (O.Adam, dict(lr=1e-2, betas=(0.0, 0.0))),
-    (O.Adam, dict(lr=1e-2, amsgrad=True, maximize=True, weight_decay=0.1, fused=True)),
-    (O.AdamW, dict(lr=0.0, amsgrad=True)),
-    (O.AdamW, dict(lr=1e-2, weight_decay=0.0, foreach=True)),
-    (O.Adamax, dict(lr=0.0)),
-    (O.Adamax, dict(lr=1e-2, betas=(0.0, 0.0), maximize=True)),
-    (O.NAdam, dict(lr=0.0)),
-    (O.NAdam, dict(lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1, momentum_decay=0.0)),
-    (O.RAdam, dict(lr=0.0)),
-    (O.RAdam, dict(lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1, betas=(0.0, 0.9))),
-    (O.ASGD, dict(lr=0.0)),
-    (O.ASGD, dict(lr=1e-2, t0=2, lambd=0.0)),
-    (O.Adadelta, dict(lr=0.0)),
-    (O.Adadelta, dict(lr=1.0, rho=0.0, maximize=True, weight_decay=0.1)),
-    (O.Adagrad, dict(lr=0.0)),
-    (O.Adagrad, dict(lr=1e-2, lr_decay=0.1, initial_accumulator_value=0.1)),
-    (O.RMSprop, dict(lr=0.0, centered=True)),
-    (O.RMSprop, dict(lr=1e-3, alpha=0.0, momentum=0.5)),
-    (O.Rprop, dict(lr=0.0)),
-    (O.Rprop, dict(lr=1e-2, maximize=True, etas=(0.3, 1.5), step_sizes=(1e-3, 1.0))),
+    (optim.SGD, dict(lr=0.0, momentum=0.9)),
+    (optim.SGD, dict(lr=0.05, momentum=0.0, dampening=0.5)),
+    (optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.3, nesterov=False, maximize=True)),
+    (optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1, foreach=True)),
+    (optim.Adam, dict(lr=0.0)),
+    (optim.Adam, dict(lr=1e-2, betas=(0.0, 0.999), eps=1e-16)),
+    (optim.Adam, dict(lr=1e-2, betas=(0.0, 0.0))),
+    (optim.Adam, dict(lr=1e-2, amsgrad=True, maximize=True, weight_decay=0.1, fused=True)),
+    (optim.AdamW, dict(lr=0.0, amsgrad=True)),
+    (optim.AdamW, dict(lr=1e-2, weight_decay=0.0, foreach=True)),
+    (optim.Adamax, dict(lr=0.0)),
+    (optim.Adamax, dict(lr=1e-2, betas=(0.0, 0.0), maximize=True)),
+    (optim.NAdam, dict(lr=0.0)),
+    (optim.NAdam, dict(lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1, momentum_decay=0.0)),
+    (optim.RAdam, dict(lr=0.0)),
+    (optim.RAdam, dict(lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1, betas=(0.0, 0.9))),
+    (optim.ASGD, dict(lr=0.0)),
+    (optim.ASGD, dict(lr=1e-2, t0=2, lambd=0.0)),
+    (optim.Adadelta, dict(lr=0.0)),
+    (optim.Adadelta, dict(lr=1.0, rho=0.0, maximize=True, weight_decay=0.1)),
+    (optim.Adagrad, dict(lr=0.0)),
+    (optim.Adagrad, dict(lr=1e-2, lr_decay=0.1, initial_accumulator_value=0.1)),
+    (optim.RMSprop, dict(lr=0.0, centered=True)),
+    (optim.RMSprop, dict(lr=1e-3, alpha=0.0, momentum=0.5)),
+    (optim.Rprop, dict(lr=0.0)),
+    (optim.Rprop, dict(lr=1e-2, maximize=True, etas=(0.3, 1.5), step_sizes=(1e-3, 1.0))),
 ]
 
 
@@ -146,7 +150,10 @@ EDGE_CASES = [
 )
 def test_every_optimizer_matches_eager_at_its_edge_hyperparameters(optimizer, options) -> None:
     eager, ours = _twins(_classifier)
-    eager_opt, our_opt = optimizer(eager.parameters(), **options), optimizer(ours.parameters(), **options)
+    eager_opt, our_opt = (
+        optimizer(eager.parameters(), **options),
+        optimizer(ours.parameters(), **options),
+    )
     step = dynajax.train_step(ours, our_opt, _classification)
     expected, actual = [], []
     for batch in _data(5, "classes"):
@@ -160,7 +167,7 @@ def test_every_optimizer_matches_eager_at_its_edge_hyperparameters(optimizer, op
 # -- batches eager refuses ------------------------------------------------------------
 
 
-def _snapshot(step, optimizer: O.Optimizer) -> dict[str, Any]:
+def _snapshot(step, optimizer: optim.Optimizer) -> dict[str, Any]:
     return {
         "model": {k: v.clone() for k, v in step.state_dict().items()},
         "optimizer": {k: np.asarray(v).copy() for k, v in step.state.items()},
@@ -209,8 +216,8 @@ def test_a_batch_eager_refuses_raises_eagers_error_and_changes_nothing(bad: str)
     with pytest.raises(Exception) as eager_error:
         _classification(eager, *broken)
 
-    def run(model: nn.Module, with_bad: bool) -> tuple[list[float], Any, O.Optimizer]:
-        optimizer = O.Adam(model.parameters(), lr=1e-2)
+    def run(model: nn.Module, with_bad: bool) -> tuple[list[float], Any, optim.Optimizer]:
+        optimizer = optim.Adam(model.parameters(), lr=1e-2)
         step = dynajax.train_step(model, optimizer, _classification)
         torch.manual_seed(7)
         losses = [float(step(*good[0]))]
@@ -234,7 +241,7 @@ def test_a_batch_eager_refuses_raises_eagers_error_and_changes_nothing(bad: str)
 
 def test_a_bad_first_batch_leaves_the_optimizer_without_state() -> None:
     eager, ours = _twins(_classifier)
-    our_opt = O.Adam(ours.parameters(), lr=1e-2)
+    our_opt = optim.Adam(ours.parameters(), lr=1e-2)
     step = dynajax.train_step(ours, our_opt, _classification)
     x, y = _data(1, "classes")[0]
     with pytest.raises(IndexError) as error:
@@ -248,7 +255,9 @@ def test_a_bad_first_batch_leaves_the_optimizer_without_state() -> None:
 
 def test_checks_false_skips_the_checks() -> None:
     _, ours = _twins(_classifier)
-    step = dynajax.train_step(ours, O.SGD(ours.parameters(), lr=0.1), _classification, checks=False)
+    step = dynajax.train_step(
+        ours, optim.SGD(ours.parameters(), lr=0.1), _classification, checks=False
+    )
     x, y = _data(1, "classes")[0]
     step(x, torch.full_like(y, 9))  # no check: XLA's clamped gather, as the option says
     assert step.steps == 1
@@ -261,8 +270,8 @@ def test_unfreezing_a_layer_with_add_param_group_is_taken_up() -> None:
     eager, ours = _twins(_mlp)
     for model in (eager, ours):
         model[0].requires_grad_(False)
-    eager_opt = O.Adam([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
-    our_opt = O.Adam([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
+    eager_opt = optim.Adam([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
+    our_opt = optim.Adam([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
     step = dynajax.train_step(ours, our_opt, _regression)
     expected, actual = [], []
     for i, batch in enumerate(_data(8)):
@@ -280,7 +289,10 @@ def test_unfreezing_a_layer_with_add_param_group_is_taken_up() -> None:
 
 def test_a_frozen_parameter_the_optimizer_holds_gets_no_update() -> None:
     eager, ours = _twins(_mlp)
-    eager_opt, our_opt = O.AdamW(eager.parameters(), lr=1e-2), O.AdamW(ours.parameters(), lr=1e-2)
+    eager_opt, our_opt = (
+        optim.AdamW(eager.parameters(), lr=1e-2),
+        optim.AdamW(ours.parameters(), lr=1e-2),
+    )
     step = dynajax.train_step(ours, our_opt, _regression)
     expected, actual = [], []
     for i, batch in enumerate(_data(6)):
@@ -301,7 +313,7 @@ def test_two_steps_over_one_module_see_each_others_updates() -> None:
     eager, ours = _twins(_mlp)
 
     def optimizers(model):
-        return O.SGD(model[0].parameters(), lr=0.1), O.Adam(model[2].parameters(), lr=1e-2)
+        return optim.SGD(model[0].parameters(), lr=0.1), optim.Adam(model[2].parameters(), lr=1e-2)
 
     (e_first, e_second), (o_first, o_second) = optimizers(eager), optimizers(ours)
 
@@ -326,7 +338,7 @@ def test_train_eval_flips_and_the_losss_tensors_are_taken_up() -> None:
         return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
 
     eager, ours = _twins(make)
-    eager_opt, our_opt = O.SGD(eager.parameters(), lr=0.1), O.SGD(ours.parameters(), lr=0.1)
+    eager_opt, our_opt = optim.SGD(eager.parameters(), lr=0.1), optim.SGD(ours.parameters(), lr=0.1)
     weights = {"w": torch.ones(3)}
 
     def weighted(m, x, y):
@@ -364,7 +376,10 @@ def test_a_validation_pass_between_steps_changes_nothing() -> None:
     eager, ours = _twins(
         lambda: nn.Sequential(nn.Linear(6, 16, bias=False), nn.BatchNorm1d(16), nn.Linear(16, 3))
     )
-    eager_opt, our_opt = O.Adam(eager.parameters(), lr=1e-2), O.Adam(ours.parameters(), lr=1e-2)
+    eager_opt, our_opt = (
+        optim.Adam(eager.parameters(), lr=1e-2),
+        optim.Adam(ours.parameters(), lr=1e-2),
+    )
     step = dynajax.train_step(ours, our_opt, _regression)
     data = _data(6)
     for model, opt, run in ((eager, eager_opt, None), (ours, our_opt, step)):
@@ -386,7 +401,7 @@ def test_param_groups_removed_or_repointed_and_dtypes_changed_are_taken_up() -> 
     eager, ours = _twins(_mlp)
 
     def optimizer(model):
-        return O.SGD(
+        return optim.SGD(
             [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.05}],
             lr=0.1,
             momentum=0.9,
@@ -426,7 +441,7 @@ def test_param_groups_removed_or_repointed_and_dtypes_changed_are_taken_up() -> 
 
 def test_a_replaced_parameter_the_optimizer_does_not_hold_is_refused() -> None:
     _, ours = _twins(_mlp)
-    step = dynajax.train_step(ours, O.SGD(ours.parameters(), lr=0.1), _regression)
+    step = dynajax.train_step(ours, optim.SGD(ours.parameters(), lr=0.1), _regression)
     batch = _data(1)[0]
     step(*batch)
     ours[2] = nn.Linear(16, 3)
@@ -439,7 +454,7 @@ def test_a_replaced_parameter_the_optimizer_does_not_hold_is_refused() -> None:
 
 def test_dict_and_nested_batches_with_static_leaves() -> None:
     eager, ours = _twins(_mlp)
-    eager_opt, our_opt = O.SGD(eager.parameters(), lr=0.1), O.SGD(ours.parameters(), lr=0.1)
+    eager_opt, our_opt = optim.SGD(eager.parameters(), lr=0.1), optim.SGD(ours.parameters(), lr=0.1)
 
     def loss_fn(m, batch, extra):
         loss = F.mse_loss(m(batch["inputs"][0]), batch["target"])
@@ -468,7 +483,10 @@ def test_a_batch_encoding_from_a_tokenizer_trains_a_transformers_model() -> None
         attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     eager, ours = _twins(lambda: transformers.BertForSequenceClassification(config))
-    eager_opt, our_opt = O.AdamW(eager.parameters(), lr=1e-3), O.AdamW(ours.parameters(), lr=1e-3)
+    eager_opt, our_opt = (
+        optim.AdamW(eager.parameters(), lr=1e-3),
+        optim.AdamW(ours.parameters(), lr=1e-3),
+    )
 
     def loss_fn(m, batch):
         return m(**batch).loss
@@ -499,14 +517,14 @@ def test_float16_autocast_is_refused_with_the_bfloat16_advice() -> None:
         with torch.autocast("cpu", dtype=torch.float16):
             return _regression(m, x, y).float()
 
-    step = dynajax.train_step(ours, O.SGD(ours.parameters(), lr=0.1), loss_fn)
+    step = dynajax.train_step(ours, optim.SGD(ours.parameters(), lr=0.1), loss_fn)
     with pytest.raises(dynajax.TrainStepError, match=r"GradScaler.*dtype=torch.bfloat16"):
         step(*_data(1)[0])
 
 
 def test_a_torch_compiled_module_is_trained_through_its_original() -> None:
     eager, ours = _twins(_mlp)
-    eager_opt, our_opt = O.SGD(eager.parameters(), lr=0.1), O.SGD(ours.parameters(), lr=0.1)
+    eager_opt, our_opt = optim.SGD(eager.parameters(), lr=0.1), optim.SGD(ours.parameters(), lr=0.1)
     step = dynajax.train_step(torch.compile(ours), our_opt, _regression)
     expected, actual = [], []
     for batch in _data(3):
@@ -522,7 +540,7 @@ def test_a_trace_failure_shows_dynajax_error_alone(capfd: pytest.CaptureFixture[
     def loss_fn(m, x, y):
         return torch.mm(m(x), torch.ones(2, 2)).sum()  # shapes eager refuses too
 
-    step = dynajax.train_step(ours, O.SGD(ours.parameters(), lr=0.1), loss_fn)
+    step = dynajax.train_step(ours, optim.SGD(ours.parameters(), lr=0.1), loss_fn)
     capfd.readouterr()
     with pytest.raises(dynajax.TrainStepError) as error:
         step(*_data(1)[0])
@@ -550,5 +568,3 @@ def test_public_errors_are_importable_from_dynajax() -> None:
         error = getattr(dynajax, name)
         assert issubclass(error, dynajax.DynajaxError), name
         assert name in dynajax.__all__
-
-
