@@ -13,11 +13,11 @@ from dynajax.runtime import omp
 omp.shorten_spin()
 
 from dynajax import debug  # dynajax.debug.compare: the accuracy debugger
+from dynajax._version import __version__
 from dynajax.backend import Backend, dynajax_backend, register_name
 from dynajax.capability import Reason, Supported, Unsupported
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, Report, WhatIf
-from dynajax.diagnostics.explain import explain
 from dynajax.errors import (
     CallbackOpsError,
     CallJaxError,
@@ -31,6 +31,7 @@ from dynajax.errors import (
     TrainStepError,
     UnsupportedNodesError,
 )
+from dynajax.explain import explain
 from dynajax.extending import RuleOverrideWarning, register_rule, unregister_rule
 from dynajax.interop import JaxFunction, ValueCheckResult, jax_function, jax_values
 from dynajax.interop.call_jax import call_jax
@@ -40,8 +41,6 @@ from dynajax.runtime import cpu_client, gpu_memory
 from dynajax.sharding import ShardingRules
 from dynajax.stablehlo import ExportedModel, export
 from dynajax.training import TrainStep, train_step
-
-__version__ = "0.1.0"
 
 # Unless JAX is already in use: its CPU client runs executions on the calling thread
 # (dynajax waits for every result; a hand-off to a worker thread is pure cost).

@@ -13,6 +13,10 @@ table lives here:
 * ``CHECKED_KERNELS`` are taken out of the table, because eager's kernel raises on
   argument values that their decompositions accept; their rules check the values
   (``lowering/checks.py``).
+* ``MIXED_DTYPE_KERNELS``: a LayerNorm or BatchNorm of a float16/bfloat16 input with
+  float32 weights (autocast's) is traced as the CPU kernel computes it, in float32 with
+  float32 statistics, where the meta kernels say the input's dtype and the backward's
+  kernel then refused the statistics (both drivers; applied below autograd).
 * On a GPU, ``F.scaled_dot_product_attention`` is traced as PyTorch's math attention
   (``_attention_as_math``), not as the fused GPU kernel it would pick, which has no
   rule and no decomposition.
@@ -296,6 +300,67 @@ def _nll_loss_forward(
     return output, total_weight
 
 
+def _mixed_layer_norm(
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> Any:
+    """``native_layer_norm`` of a float16/bfloat16 input with float32 weights (what
+    autocast makes of a LayerNorm): the CPU kernel computes in float32 and returns
+    float32 mean and rstd, where its meta kernel says the input's dtype; the backward
+    then saw those dtypes, which its kernel refuses ("expected scalar type Float but
+    found BFloat16"), and the statistics were rounded. As the kernel: in float32, the
+    output cast back. Any other call is traced whole (NotImplemented)."""
+    low = (torch.float16, torch.bfloat16)
+    params = [t for t in (weight, bias) if t is not None]
+    if x.dtype not in low or not params or any(t.dtype != torch.float32 for t in params):
+        return NotImplemented
+    out, mean, rstd = aten.native_layer_norm.default(
+        x.to(torch.float32), normalized_shape, weight, bias, eps
+    )
+    return out.to(x.dtype), mean, rstd
+
+
+def _mixed_batch_norm(op: Any) -> Callable[..., Any]:
+    """``op`` (a batch norm) of a float16/bfloat16 input with float32 weights, as the
+    CPU kernel computes it: in float32, with float32 saved statistics (its meta kernel
+    says the input's dtype, which the backward's kernel refuses: "mixed dtype (CPU):
+    expect parameter to have scalar type of Float"); the output cast back."""
+
+    def mixed(x: torch.Tensor, weight: Any, bias: Any, *rest: Any) -> Any:
+        low = (torch.float16, torch.bfloat16)
+        params = [t for t in (weight, bias) if t is not None]
+        if x.dtype not in low or not params or any(t.dtype != torch.float32 for t in params):
+            return NotImplemented
+        out, *others = op(x.to(torch.float32), weight, bias, *rest)
+        return (out.to(x.dtype), *others)
+
+    return mixed
+
+
+# Applied below autograd (the joint trace of aot_autograd and of ``functional_graph``),
+# so that the backward is derived from what eager's kernel computes; each returns
+# NotImplemented for any other call (traced whole, or by the table's own entry).
+MIXED_DTYPE_KERNELS: dict[Any, Callable[..., Any]] = {
+    aten.native_layer_norm.default: _mixed_layer_norm,
+    aten.native_batch_norm.default: _mixed_batch_norm(aten.native_batch_norm.default),
+    aten._native_batch_norm_legit_functional.default: _mixed_batch_norm(
+        aten._native_batch_norm_legit_functional.default
+    ),
+}
+
+
+def with_mixed_dtype_kernels(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
+    """``table`` with ``MIXED_DTYPE_KERNELS`` first where they apply (its own entry, or
+    the op whole, elsewhere)."""
+    for op, mixed in MIXED_DTYPE_KERNELS.items():
+        whole = table.get(op)
+        table[op] = mixed if whole is None else _first_of(mixed, whole)
+    return table
+
+
 def corrections() -> dict[Any, Callable[..., Any]]:
     """Entries that replace or extend PyTorch's core ATen decompositions."""
     table: dict[Any, Callable[..., Any]] = {
@@ -321,10 +386,26 @@ def corrections() -> dict[Any, Callable[..., Any]]:
 def decompositions() -> dict[Any, Callable[..., Any]]:
     """aot_autograd's decomposition table: PyTorch's core ATen decompositions with
     ``corrections()``, less ``FUSED_KERNELS`` and ``CHECKED_KERNELS``."""
-    table = {**core_aten_decompositions(), **corrections()}
+    return _ours({**core_aten_decompositions(), **corrections()})
+
+
+def _ours(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
+    """``table`` less ``FUSED_KERNELS`` and ``CHECKED_KERNELS``, with
+    ``MIXED_DTYPE_KERNELS`` first where they apply."""
     for op in (*FUSED_KERNELS, *CHECKED_KERNELS):
         table.pop(op, None)
-    return table
+    return with_mixed_dtype_kernels(table)
+
+
+def _first_of(first: Callable[..., Any], then: Callable[..., Any]) -> Callable[..., Any]:
+    """A table entry: ``first``, or ``then`` where ``first`` returns NotImplemented."""
+
+    @functools.wraps(first)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        out = first(*args, **kwargs)
+        return then(*args, **kwargs) if out is NotImplemented else out
+
+    return entry
 
 
 # Ops that write their inputs without saying so in their schema, which functionalization
@@ -348,8 +429,10 @@ def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.f
     ``functionalize`` and ``make_fx`` again with ``decompositions()``: in-place updates of
     the inputs become values, which ``fn`` must return itself (functionalization's
     ``copy_`` back into an input, and the profiler's markers, are dropped)."""
-    table = {op: torch._decomp.decomposition_table[op] for op in _UNANNOTATED_MUTATIONS}
-    with _as_compiling(), _quiet_fake_tensors():
+    table = with_mixed_dtype_kernels(
+        {op: torch._decomp.decomposition_table[op] for op in _UNANNOTATED_MUTATIONS}
+    )
+    with compiling(), _quiet_fake_tensors():
         joint = make_fx(
             fn, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True
         )(*examples)
@@ -390,15 +473,29 @@ def _quiet_fake_tensors() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _as_compiling() -> contextlib.AbstractContextManager[Any]:
-    """``torch.compiler.is_compiling()`` true while ``functional_graph`` traces, as during
-    torch.export and torch.compile: model code takes its traceable paths, the same ones
-    ``jax_function``'s export took for the forward (transformers' experts call its
-    ``grouped_mm_fallback`` op, not ``torch._grouped_mm``, whose fake kernel takes
-    bfloat16 only: torch's backward of float32 experts could not be traced). A torch
-    without the private context traces as before."""
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` true for the length of the block, as during
+    torch.export and torch.compile: model code takes its traceable paths (transformers'
+    experts call its ``grouped_mm_fallback`` op, not ``torch._grouped_mm``, whose fake
+    kernel takes bfloat16 only), and optimizers keep their step counts as tensors
+    instead of reading them with ``.item()``. The one place dynajax sets the flag
+    (``functional_graph``, ``train_step``'s trace).
+
+    The flag is torch's, process-wide (not per thread), as it is under torch.compile:
+    while a trace runs, another thread's eager code also reads ``is_compiling()`` as
+    true. Nested blocks restore the value they found."""
     session = getattr(torch.compiler, "_compile_session_context", None)
-    return session() if session is not None else contextlib.nullcontext()
+    if session is not None:
+        with session():
+            yield
+        return
+    old = torch.compiler._is_compiling_flag  # a torch without the private context
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 def eager_aware(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
@@ -453,10 +550,7 @@ def _tracing_decompositions() -> dict[Any, Callable[..., Any]]:
     CompositeImplicitAutograd ops (``_post_autograd_decompositions``), each entry
     stepping aside for the dtypes its op's eager kernel refuses
     (``_unless_eager_refuses``)."""
-    table = {**_post_autograd_decompositions(), **corrections()}
-    for op in (*FUSED_KERNELS, *CHECKED_KERNELS):
-        table.pop(op, None)
-    return eager_aware(table)
+    return eager_aware(_ours({**_post_autograd_decompositions(), **corrections()}))
 
 
 def on_accelerator(example_inputs: Sequence[Any]) -> bool:

@@ -34,9 +34,9 @@ def test_corrections_replace_core_decompositions() -> None:
     corrections = aot.corrections()
     for op, fn in corrections.items():
         assert table[op] is fn
-    # Everything else is PyTorch's own table.
+    # Everything else is PyTorch's own table, and the mixed-dtype kernels' entries.
     kept = set(aot.FUSED_KERNELS) | set(aot.CHECKED_KERNELS)
-    assert set(table) == (set(core) | set(corrections)) - kept
+    assert set(table) == (set(core) | set(corrections)) - kept | set(aot.MIXED_DTYPE_KERNELS)
 
 
 def _is_composite_implicit(op) -> bool:
@@ -141,3 +141,31 @@ def test_math_attention_only_for_accelerator_graphs() -> None:
     assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled()
     with aot._attention_as_math(cpu):
         assert backends.flash_sdp_enabled()
+
+
+def _autocast_layer_norm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x).float().square().mean()
+
+
+@pytest.mark.parametrize("norm", [torch.nn.LayerNorm, torch.nn.BatchNorm1d])
+def test_a_bfloat16_autocast_norm_trains_as_eager(norm) -> None:
+    # A norm of a bfloat16 input with float32 weights: the CPU kernel's statistics are
+    # float32 where its meta kernel says bfloat16, and the backward refused those
+    # ("expected scalar type Float but found BFloat16"; MIXED_DTYPE_KERNELS).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    compiled = torch.compile(
+        lambda x: _autocast_layer_norm_loss(model, x), backend="dynajax", fullgraph=True
+    )
+    loss = compiled(x)
+    loss.backward()
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected = _autocast_layer_norm_loss(model, x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for mine, p in zip(ours, model.parameters(), strict=True):
+        # bfloat16 matmuls: the gradients agree to bfloat16's precision.
+        torch.testing.assert_close(mine, p.grad, rtol=1e-2, atol=1e-2)

@@ -12,7 +12,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dynajax.interop.callbacks import CallbackOp
     from dynajax.interop.checked import ValueCheckResult
     from dynajax.interop.function import (
         BufferUpdatesDiscardedWarning,
@@ -22,11 +21,12 @@ if TYPE_CHECKING:
         jax_function,
         jax_values,
     )
+    from dynajax.program.callbacks import CallbackOp
 
 # public name -> the submodule that defines it
 _LAZY = {
     "BufferUpdatesDiscardedWarning": "dynajax.interop.function",
-    "CallbackOp": "dynajax.interop.callbacks",
+    "CallbackOp": "dynajax.program.callbacks",
     "CheckedJaxFunction": "dynajax.interop.function",
     "InputUpdatesDiscardedWarning": "dynajax.interop.function",
     "JaxFunction": "dynajax.interop.function",

@@ -45,17 +45,11 @@ from jax.custom_derivatives import SymbolicZero
 from torch import nn
 
 from dynajax.aot import functional_graph
-from dynajax.capability import CapabilityChecker, Reason
 from dynajax.errors import JaxFunctionError
-from dynajax.interop.callbacks import in_forward_mode
-from dynajax.interop.interpreter import (
-    TRUNCATION_WARNING,
-    ExportInterpreter,
-    SizeBindings,
-    graph_constants,
-)
 from dynajax.lowering.dtypes import JAX_TO_TORCH
-from dynajax.passes import run_passes
+from dynajax.program import Policy, Program, lower
+from dynajax.program.callbacks import in_forward_mode
+from dynajax.program.interpreter import TRUNCATION_WARNING
 
 FORWARD_MODE_ERROR = (
     "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) of a jax_function is not "
@@ -109,6 +103,7 @@ class TorchBackward:
         fallback_ops: the backend option (ops kept in eager PyTorch).
         modes: each submodule's train/eval mode when ``jax_function`` was called
             (``recorded_modes``): the trace runs in them, as the export did.
+        strict: the function's ``strict``: callbacks in the backward are refused too.
     """
 
     def __init__(
@@ -119,14 +114,17 @@ class TorchBackward:
         in_spec: pytree.TreeSpec,
         fallback_ops: Sequence[str],
         modes: Sequence[tuple[nn.Module, bool]] = (),
+        *,
+        strict: bool = False,
     ) -> None:
+        self.strict = strict
         self.source = source
         self.state_names = list(state_names)
         self.parameter_names = set(parameter_names)
         self.in_spec = in_spec
         self.fallback_ops = tuple(fallback_ops)
         self.modes = list(modes)
-        self._graphs: dict[Any, tuple[torch.fx.GraphModule, dict[str, Any], list[int]]] = {}
+        self._graphs: dict[Any, tuple[Program, list[int]]] = {}
 
     def vjp(
         self,
@@ -154,10 +152,10 @@ class TorchBackward:
         found = self._graphs.get(key)
         if found is None:
             found = self._graphs[key] = self._trace(state, leaves, cotangents, perturbed)
-        gm, constants, positions = found
+        program, positions = found
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
-            grads = ExportInterpreter(gm, None, SizeBindings(), constants).run(*arrays)
+            grads, _, _ = program.run(arrays)
         out: list[Any] = [None] * (len(state) + len(leaves))
         for position, grad in zip(positions, grads, strict=True):
             out[position] = grad
@@ -169,7 +167,7 @@ class TorchBackward:
         leaves: Sequence[Any],
         cotangents: Sequence[Any],
         perturbed: Sequence[bool],
-    ) -> tuple[torch.fx.GraphModule, dict[str, Any], list[int]]:
+    ) -> tuple[Program, list[int]]:
         n_state = len(state)
         traced = [i for i, a in enumerate([*state, *leaves]) if _is_array(a)]
         # Only what JAX differentiates requires grad in the trace, as in the user's own
@@ -241,15 +239,16 @@ class TorchBackward:
                 "torch's backward of this function could not be traced for jax.grad: "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from e
-        gm = run_passes(gm)
-        refused = CapabilityChecker(self.fallback_ops).annotate(gm)
-        impossible = [v for v in refused if v.reason in (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE)]
-        if impossible:
-            raise JaxFunctionError(
-                "torch's backward of this function has ops a JAX function cannot hold:\n"
-                + "\n".join(f"  - {v.describe()}" for v in impossible)
-            )
-        return gm, graph_constants(gm), list(positions)
+        program = lower(
+            gm,
+            Policy(
+                JaxFunctionError,
+                "torch's backward of this function has ops a JAX function cannot hold:",
+                fallback_ops=self.fallback_ops,
+                strict=self.strict,
+            ),
+        )
+        return program, list(positions)
 
 
 def with_torch_backward(primal: Any, backward: TorchBackward, layout: Mapping[str, Any]) -> Any:

@@ -64,20 +64,16 @@ class ValueCheckResult:
             return None
         row = rows[failing[0]]
         check = self.checks[int(row[0]) - 1]
-        exc = check.exception(_payload(check, row[1:]))
-        where = ""
+        where = "a jax_function"
         batch = np.asarray(self.vector).shape[:-1]
         if batch:
-            where = f" at index {tuple(int(i) for i in np.unravel_index(failing[0], batch))}"
+            where += f" at index {tuple(int(i) for i in np.unravel_index(failing[0], batch))}"
             where += f" of the leading (vmap/scan) axes {tuple(batch)}"
-        add_note = getattr(exc, "add_note", None)  # Python 3.11 on
-        if add_note is not None:
-            add_note(
-                f"dynajax: raised by the value check of {check.op} in a jax_function{where} "
-                "(eager's check, computed in the JAX program; jax_function(..., "
-                "checks=False) turns the checks of direct calls off)"
-            )
-        return exc
+        return check.exception(
+            _payload(check, row[1:]),
+            where,
+            "jax_function(..., checks=False) turns the checks of direct calls off",
+        )
 
     def get(self) -> str | None:
         """Eager's message for the first failure, or None (as checkify's ``Error.get``)."""

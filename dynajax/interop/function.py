@@ -42,9 +42,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from dynajax.aot import decompositions, eager_aware
-from dynajax.capability import CapabilityChecker, Reason, Unsupported, verdict_of
+from dynajax.capability import Reason, Unsupported, verdict_of
 from dynajax.capability.verdict import source_line
-from dynajax.errors import CallbackOpsError, DynajaxError, JaxFunctionError
+from dynajax.errors import DynajaxError, JaxFunctionError
 from dynajax.interop import caches, user_passes
 from dynajax.interop.autograd import (
     TorchBackward,
@@ -52,21 +52,20 @@ from dynajax.interop.autograd import (
     recorded_modes,
     with_torch_backward,
 )
-from dynajax.interop.callbacks import (
+from dynajax.interop.checked import ValueCheckResult
+from dynajax.lowering import attention
+from dynajax.lowering.dtypes import JAX_TO_TORCH, TORCH_TO_JAX
+from dynajax.lowering.registry import get_rule
+from dynajax.passes.user import RewriteRecord
+from dynajax.program import Policy, lower, run_graph
+from dynajax.program.callbacks import (
     CallbackOp,
     flat_outputs,
     forget_host_error,
     from_numpy,
     raised_on_host,
 )
-from dynajax.interop.checked import ValueCheckResult
-from dynajax.interop.interpreter import TRUNCATION_WARNING, ExportInterpreter, SizeBindings
-from dynajax.lowering import attention
-from dynajax.lowering import checks as value_checks
-from dynajax.lowering.dtypes import JAX_TO_TORCH, TORCH_TO_JAX
-from dynajax.lowering.registry import get_rule
-from dynajax.passes import run_passes
-from dynajax.passes.user import RewriteRecord
+from dynajax.program.interpreter import TRUNCATION_WARNING, SizeBindings
 from dynajax.runtime.conversion import to_jax
 from dynajax.sharding.placement import gather_to_torch
 
@@ -345,6 +344,7 @@ class JaxFunction:
         modes: Sequence[tuple[nn.Module, bool]] = (),
         rebuild: Callable[[tuple[Any, ...]], JaxFunction] | None = None,
         rewrites: Sequence[RewriteRecord] = (),
+        strict: bool = False,
     ) -> None:
         self.exported_program = ep
         self.rewrites = tuple(rewrites)
@@ -442,6 +442,7 @@ class JaxFunction:
                 self._in_spec,
                 tuple(fallback_ops),
                 modes,
+                strict=strict,
             )
             if source is not None
             else None
@@ -732,13 +733,13 @@ class JaxFunction:
                 # JAX may hand a custom VJP's function NumPy-backed constants (empty
                 # arrays): the rules take jax.Arrays.
                 vals[i] = a if isinstance(a, jax.Array) else jnp.asarray(a)
-            interpreter = ExportInterpreter(self.graph_module, key, sizes)
+            results, vector, found = run_graph(
+                self.graph_module, vals, key=key, sizes=sizes, check=check
+            )
             if not check:
-                return tuple(interpreter.run(*vals)), None
-            with value_checks.collecting() as found:
-                results = interpreter.run(*vals)
-            recorded[:] = found.checks
-            return tuple(results), found.result()
+                return tuple(results), None
+            recorded[:] = found
+            return tuple(results), vector
 
         arrays = [values[i] for i in positions]
         mesh = _explicit_mesh(arrays)
@@ -1083,32 +1084,27 @@ def _build(
     with in_modes(modes):
         source, records = user_passes.rewritten(module_or_fn, examples, user)
         ep = export(source, examples, dynamic_shapes)
-    gm = run_passes(ep.graph_module, before=user.at("post_aot"), after=user.at("post_passes"))
-    refused = CapabilityChecker(fallback_ops).annotate(gm)
-    impossible = [v for v in refused if v.reason in (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE)]
-    if impossible:
-        raise JaxFunctionError(
+    program = lower(
+        ep.graph_module,
+        Policy(
+            JaxFunctionError,
             "these ops of the exported graph cannot be part of a JAX function (JAX needs "
-            "every shape at trace time, and the dtypes to exist in JAX):\n"
-            + "\n".join(f"  - {v.describe()}" for v in impossible)
-        )
-    if any(n.op == "get_attr" for n in gm.graph.nodes):
-        raise JaxFunctionError(
-            "the exported graph has submodules (torch.cond, torch.while_loop or other "
-            "control-flow operators), which jax_function does not lower yet."
-        )
-    nodes = {n.name: n for n in gm.graph.nodes}
-    # A getitem picking an output of a callback is no callback of its own.
-    refused = [v for v in refused if nodes[v.node].target is not operator.getitem]
-    unwanted = [v for v in refused if not v.reason.is_choice]
-    if strict and unwanted:
-        raise CallbackOpsError(unwanted)
-    callbacks = tuple(CallbackOp.from_verdict(v, _differentiable(nodes[v.node])) for v in refused)
+            "every shape at trace time, and the dtypes to exist in JAX):",
+            fallback_ops=fallback_ops,
+            strict=strict,
+            before=user.at("post_aot"),
+            after=user.at("post_passes"),
+        ),
+    )
+    nodes = {n.name: n for n in program.gm.graph.nodes}
+    callbacks = tuple(
+        CallbackOp.from_verdict(v, _differentiable(nodes[v.node])) for v in program.callbacks
+    )
     return JaxFunction(
         ep,
-        gm,
+        program.gm,
         callbacks,
-        _random_ops(gm),
+        _random_ops(program.gm),
         _tied_names(module_or_fn),
         checks,
         source=source,
@@ -1116,6 +1112,7 @@ def _build(
         modes=modes,
         rebuild=rebuild,
         rewrites=records,
+        strict=strict,
     )
 
 

@@ -64,15 +64,24 @@ class Check:
     floats: frozenset[str] = frozenset()
     op: str = ""
 
-    def exception(self, payload: Sequence[int]) -> Exception:
-        """Eager's exception, its message formatted with the failing ``payload``."""
+    def exception(self, payload: Sequence[int], where: str = "", how: str = "") -> Exception:
+        """Eager's exception, its message formatted with the failing ``payload``; with
+        ``where``, a note that dynajax raised it from the check computed there (``how``:
+        how to turn the checks off)."""
         values: dict[str, Any] = {}
         for name, raw in zip(self.fields, payload, strict=False):
             if name in self.floats:
                 values[name] = _cxx_double(float(np.int64(raw).view(np.float64)))
             else:
                 values[name] = int(raw)
-        return self.error(self.message.format(**values))
+        exc = self.error(self.message.format(**values))
+        add_note = getattr(exc, "add_note", None)  # Python 3.11 on
+        if where and add_note is not None:
+            add_note(
+                f"dynajax: raised by the value check of {self.op} in {where} (eager's "
+                f"check, computed in the program; {how})"
+            )
+        return exc
 
 
 def _cxx_double(v: float) -> str:
@@ -415,15 +424,11 @@ class CheckTable:
             return
         assert self.checks is not None
         check = self.checks[int(vector[0]) - 1]
-        exc = check.exception(vector[1:].tolist())
-        add_note = getattr(exc, "add_note", None)  # Python 3.11 on
-        if add_note is not None:
-            add_note(
-                f"dynajax: raised by the value check of {check.op} in JAX partition "
-                f"{where or '?'} (eager's check, computed in the XLA program; the option "
-                "checks=False turns value checks off)"
-            )
-        raise exc
+        raise check.exception(
+            vector[1:].tolist(),
+            f"JAX partition {where or '?'}",
+            "the option checks=False turns value checks off",
+        )
 
 
 class CheckedFunction:

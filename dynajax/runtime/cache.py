@@ -218,7 +218,7 @@ def _cpu() -> str:
 @functools.cache
 def _environment() -> str:
     """Everything besides the program that decides what XLA compiles it to."""
-    from dynajax import __version__
+    from dynajax._version import __version__
 
     return "|".join(
         [
@@ -237,7 +237,7 @@ def versions() -> tuple[tuple[str, str], ...]:
     """What a program-keyed entry must have been written with to be loaded: the
     versions of jax, jaxlib, torch and dynajax, and a digest of dynajax's sources (its
     rules are code; a rule edited without a new version must not reuse old programs)."""
-    from dynajax import __version__
+    from dynajax._version import __version__
 
     package = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()

@@ -1,4 +1,5 @@
-"""Checkpoints of a ``TrainStep`` with orbax-checkpoint, and its state as torch's.
+"""Checkpoints of a ``TrainStep``'s state (``TrainState``) with orbax-checkpoint, and
+that state as torch's.
 
     step.save("ckpt")               # ckpt/<step count>/, written by orbax
     step.restore("ckpt")            # the latest one (or at=N)
@@ -17,7 +18,7 @@ another model (names, shapes or dtypes that differ) before anything changes.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,9 +27,7 @@ import torch
 from dynajax.errors import TrainStepError
 from dynajax.runtime.conversion import cpu_device
 from dynajax.sharding.placement import gather_to_torch
-
-if TYPE_CHECKING:
-    from dynajax.training.step import TrainStep
+from dynajax.training.state import TrainState
 
 
 def _orbax() -> Any:
@@ -51,14 +50,14 @@ def _layout(arrays: dict[str, Any]) -> dict[str, list[Any]]:
     return {name: [list(a.shape), str(a.dtype)] for name, a in arrays.items()}
 
 
-def _trees(step: TrainStep) -> tuple[dict[str, Any], dict[str, Any]]:
+def _trees(step: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     """The arrays (an orbax tree) and the JSON metadata of ``step``'s state."""
-    names = step._param_names
+    names = step.param_names
     optimizer: dict[str, dict[str, Any]] = {}
     for (i, key), a in step.state.items():
         optimizer.setdefault(names[i], {})[key] = a
     params = dict(zip(names, step.params, strict=True))
-    buffers = dict(zip(step._buffer_names, step.buffers, strict=True))
+    buffers = dict(zip(step.buffer_names, step.buffers, strict=True))
     arrays = {
         "params": params,
         "buffers": buffers,
@@ -85,7 +84,7 @@ def _is_json(value: Any) -> bool:
     return value is None or isinstance(value, bool | int | float | str)
 
 
-def save(step: TrainStep, directory: str | os.PathLike[str]) -> int:
+def save(step: TrainState, directory: str | os.PathLike[str]) -> int:
     """Writes ``step``'s state as checkpoint number ``step.steps`` under ``directory``;
     returns that number."""
     ocp = _orbax()
@@ -101,7 +100,7 @@ def save(step: TrainStep, directory: str | os.PathLike[str]) -> int:
     return step.steps
 
 
-def restore(step: TrainStep, directory: str | os.PathLike[str], at: int | None = None) -> int:
+def restore(step: TrainState, directory: str | os.PathLike[str], at: int | None = None) -> int:
     """Loads checkpoint ``at`` (the latest by default) from ``directory`` into ``step``;
     returns its number. Raises ``TrainStepError``, with ``step`` unchanged, for a
     missing checkpoint or one of another model or optimizer."""
@@ -123,7 +122,7 @@ def restore(step: TrainStep, directory: str | os.PathLike[str], at: int | None =
         target = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding(a)), arrays
         )
-        position = {n: i for i, n in enumerate(step._param_names)}
+        position = {n: i for i, n in enumerate(step.param_names)}
         target["optimizer"] = {
             name: {
                 key: jax.ShapeDtypeStruct(
@@ -140,8 +139,8 @@ def restore(step: TrainStep, directory: str | os.PathLike[str], at: int | None =
         ).state
     finally:
         manager.close()
-    step.params = [loaded["params"][n] for n in step._param_names]
-    step.buffers = [loaded["buffers"][n] for n in step._buffer_names]
+    step.params = [loaded["params"][n] for n in step.param_names]
+    step.buffers = [loaded["buffers"][n] for n in step.buffer_names]
     step.state = {
         (position[name], key): a
         for name, keys in loaded["optimizer"].items()
@@ -193,12 +192,12 @@ def _check_same_model(saved: dict[str, Any], ours: dict[str, Any], directory: An
         )
 
 
-def state_dict(step: TrainStep) -> dict[str, torch.Tensor]:
+def state_dict(step: TrainState) -> dict[str, torch.Tensor]:
     """The model's state dict with the trained values, as torch tensors (copies; the
     module's hooks must be quiet: the module's own tensors are only read for names)."""
-    values = dict(zip(step._param_names, step.params, strict=True))
-    values.update(zip(step._frozen_names, step.frozen, strict=True))
-    values.update(zip(step._buffer_names, step.buffers, strict=True))
+    values = dict(zip(step.param_names, step.params, strict=True))
+    values.update(zip(step.frozen_names, step.frozen, strict=True))
+    values.update(zip(step.buffer_names, step.buffers, strict=True))
     out = {}
     for name, tensor in step.model.state_dict(keep_vars=True).items():
         a = values.get(name)
@@ -206,7 +205,7 @@ def state_dict(step: TrainStep) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_safetensors(step: TrainStep, path: str | os.PathLike[str]) -> None:
+def save_safetensors(step: TrainState, path: str | os.PathLike[str]) -> None:
     """``state_dict(step)`` written as a safetensors file; a tied weight is stored
     once, under its first name (as ``save_pretrained`` does)."""
     from safetensors.torch import save_file

@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dynajax.aot import functional_graph
+from dynajax.aot import compiling, functional_graph
 from dynajax.errors import TrainStepError
 
 # Optimizers whose non-capturable step branches in Python on a state value (RAdam's
@@ -161,18 +161,6 @@ def _is_mask(x: Any, key: Any) -> bool:
         and isinstance(x, torch.Tensor)
         and key.shape == x.shape
     )
-
-
-@contextlib.contextmanager
-def _compiling() -> Iterator[None]:
-    """``torch.compiler.is_compiling()`` true, as under Dynamo: optimizers then keep
-    their step counts as tensors instead of reading them with ``.item()``."""
-    old = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = old
 
 
 @contextlib.contextmanager
@@ -319,7 +307,7 @@ def trace_step(
         *[torch.tensor(lr, dtype=torch.float64) for lr in lrs],
         *[x.detach() for x in batch],
     ]
-    with _compiling():
+    with compiling():
         try:
             gm = functional_graph(step, examples)
         except TrainStepError:

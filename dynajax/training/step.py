@@ -32,20 +32,16 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import nn
 
-from dynajax.capability import CapabilityChecker, Reason
+from dynajax.capability import Reason
 from dynajax.config import check_mesh, resolve_device
-from dynajax.errors import CallbackOpsError, OptionsError, TrainStepError
-from dynajax.interop.interpreter import ExportInterpreter, SizeBindings, graph_constants
-from dynajax.lowering import checks as value_checks
+from dynajax.errors import OptionsError, TrainStepError
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import JAX_TO_TORCH
-from dynajax.lowering.interpreter import needs_key
-from dynajax.passes import run_passes
+from dynajax.program import NEVER, Policy, failed, lower, select_unless_failed
 from dynajax.runtime.compiled import draw_seed
 from dynajax.runtime.conversion import cpu_device, to_jax
 from dynajax.runtime.jax_internals import X64
@@ -54,7 +50,8 @@ from dynajax.sharding.placement import gather_to_torch
 from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
 from dynajax.training.graph import BatchLayout, StateKey, StepGraph, trace_step
-from dynajax.training.state import ModuleView, StateLayout, bytes_per_device, report_lines
+from dynajax.training.state import StateLayout, TrainState, bytes_per_device, report_lines
+from dynajax.training.view import ModuleView
 from dynajax.training.watch import Watch
 
 # Optimizers whose step cannot be one program: LBFGS re-evaluates the loss through a
@@ -63,10 +60,6 @@ _REFUSED = {
     "LBFGS": "its step() calls a closure that re-evaluates the loss several times",
     "SparseAdam": "it takes sparse gradients, which the compiled backward does not make",
 }
-
-# Verdicts that make a step impossible to compile: sizes known only from data, dtypes
-# JAX lacks, and ops whose eager kernel refuses these dtypes (eager's step raises).
-_IMPOSSIBLE = (Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE, Reason.EAGER_REFUSES)
 
 # The step that holds each module's state (the last one to run on it): a second step
 # over the same module takes it over, the first one syncing and letting go.
@@ -292,13 +285,29 @@ class TrainStep:
 
     # -- checkpoints, torch's view, the report ------------------------------------
 
+    def train_state(self) -> TrainState:
+        """The state this step holds (its arrays, not copies), as checkpoints see it."""
+        return TrainState(
+            self.model,
+            self.optimizer,
+            self.layout,
+            self._param_names,
+            self._frozen_names,
+            self._buffer_names,
+            self.params,
+            self.frozen,
+            self.buffers,
+            self.state,
+            self.steps,
+        )
+
     def save(self, directory: str | os.PathLike[str]) -> int:
         """Writes a checkpoint of the whole training state (parameters, buffers,
         optimizer state, step count, RNG state) under ``directory`` with
         orbax-checkpoint, as ``directory/<step count>``; returns that number. Each
         process writes its own shards."""
         self._own()
-        return checkpoint.save(self, directory)
+        return checkpoint.save(self.train_state(), directory)
 
     def restore(self, directory: str | os.PathLike[str], at: int | None = None) -> int:
         """Loads the checkpoint ``at`` (default: the latest) from ``directory``, laid
@@ -306,8 +315,11 @@ class TrainStep:
         checkpoint of another model or optimizer raises ``TrainStepError`` and changes
         nothing. Returns its number."""
         self._own()
+        state = self.train_state()
         with _x64():
-            number = checkpoint.restore(self, directory, at)
+            number = checkpoint.restore(state, directory, at)
+        self.params, self.buffers, self.state = state.params, state.buffers, state.state
+        self.steps = state.steps
         assert self._view is not None
         self._view.release()  # the module's values are the old ones: sync on access
         return number
@@ -318,14 +330,14 @@ class TrainStep:
         self._own()
         assert self._view is not None
         with self._view.quiet_hooks():
-            return checkpoint.state_dict(self)
+            return checkpoint.state_dict(self.train_state())
 
     def save_safetensors(self, path: str | os.PathLike[str]) -> None:
         """``state_dict()`` as a safetensors file."""
         self._own()
         assert self._view is not None
         with self._view.quiet_hooks():
-            checkpoint.save_safetensors(self, path)
+            checkpoint.save_safetensors(self.train_state(), path)
 
     def bytes_per_device(self) -> dict[str, int]:
         """Bytes of the training state (parameters, frozen parameters, buffers and
@@ -424,7 +436,7 @@ class TrainStep:
             raise
         self.params, self.buffers = list(params), list(buffers)
         new_state = dict(zip(graph.state_out, state, strict=True))
-        if program.checks and int(np.asarray(err)[0]):
+        if program.checks and failed(err):
             # Eager raises on this batch: the program returned the state it took (the
             # parameters, buffers and moments as they were); state the step would have
             # created is dropped, and torch's generator rewound.
@@ -495,70 +507,55 @@ class TrainStep:
                 accumulate=self.accumulate,
             )
         self.traces += 1
-        gm = run_passes(graph.gm)
-        refused = CapabilityChecker(self.fallback_ops).annotate(gm)
-        impossible = [v for v in refused if v.reason in _IMPOSSIBLE]
-        if impossible:
-            raise TrainStepError(
+        program = lower(
+            graph.gm,
+            Policy(
+                TrainStepError,
                 "these ops of the training step cannot be part of one XLA program "
-                "(or eager PyTorch raises on them):\n"
-                + "\n".join(f"  - {v.describe()}" for v in impossible)
-            )
-        callbacks = [v for v in refused if v.reason is not Reason.HOST_SCALAR]
-        unwanted = [v for v in callbacks if not v.reason.is_choice]
-        if self.strict and unwanted:
-            raise CallbackOpsError(unwanted)
-        random = needs_key(gm)
-        constants = graph_constants(gm)
+                "(or eager PyTorch raises on them):",
+                impossible=NEVER | {Reason.EAGER_REFUSES},
+                fallback_ops=self.fallback_ops,
+                strict=self.strict,
+            ),
+        )
         state_layout = self.layout
-        state_shapes = _output_shapes(gm)[1 + graph.n_params + graph.n_buffers :]
+        state_shapes = _output_shapes(program.gm)[1 + graph.n_params + graph.n_buffers :]
         state_shardings = [
             state_layout.state(k, shape)
             for k, shape in zip(graph.state_out, state_shapes, strict=True)
         ]
         checks: list[Check] = []
-        check = self.checks
+        check, random = self.checks, program.random
         n, b = graph.n_params, graph.n_buffers
-        kept_state = [
-            graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out
-        ]
+        kept = [graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out]
 
         def step(state, frozen, lrs, seed, xs):  # type: ignore[no-untyped-def]
             params, buffers, opt_state = state
             key = jax.random.key(seed) if random else None
             arrays = [*params, *buffers, *opt_state, *frozen, *lrs, *xs]
-            interpreter = ExportInterpreter(gm, key, SizeBindings(), constants)
-            if not check:
-                out = interpreter.run(*arrays)
-                err = jnp.zeros((1,), np.int64)
-            else:
-                with value_checks.collecting() as found:
-                    out = interpreter.run(*arrays)
-                checks[:] = found.checks
-                err = found.result()
+            out, err, found = program.run(arrays, key=key, check=check)
+            checks[:] = found
             loss = out[0]
-            new_params, new_buffers = list(out[1 : 1 + n]), list(out[1 + n : 1 + n + b])
-            new_state = list(out[1 + n + b :])
+            new_params, new_buffers = out[1 : 1 + n], out[1 + n : 1 + n + b]
+            new_state = out[1 + n + b :]
             if checks:
                 # Where eager raises, the step changes nothing: the outputs are the
-                # state it took (XLA fuses the select into the update).
-                failed = err[0] != 0
-
-                def keep(new, old):  # type: ignore[no-untyped-def]
-                    return jnp.where(failed, old, new)
-
-                new_params = [keep(a, o) for a, o in zip(new_params, params, strict=True)]
-                new_buffers = [keep(a, o) for a, o in zip(new_buffers, buffers, strict=True)]
-                new_state = [
-                    a if i < 0 else keep(a, opt_state[i])
-                    for a, i in zip(new_state, kept_state, strict=True)
-                ]
-            return loss, new_params, new_buffers, new_state, err
+                # state it took (XLA fuses the selects into the update).
+                new_params = select_unless_failed(err, new_params, params)
+                new_buffers = select_unless_failed(err, new_buffers, buffers)
+                carried = [i for i in range(len(kept)) if kept[i] >= 0]
+                selected = select_unless_failed(
+                    err, [new_state[i] for i in carried], [opt_state[kept[i]] for i in carried]
+                )
+                new_state = list(new_state)
+                for i, a in zip(carried, selected, strict=True):
+                    new_state[i] = a
+            return loss, list(new_params), list(new_buffers), list(new_state), err
 
         # Donated, the state's buffers are gone once the program starts; a host callback
         # (eager PyTorch) can still raise then, so a step with callbacks keeps them. The
         # outputs keep the state's layout (on a mesh, FSDP's shards stay shards).
-        donate = () if callbacks else (0,)
+        donate = () if program.callbacks else (0,)
         replicated = state_layout.replicated
         out_shardings = (
             replicated,
@@ -575,17 +572,13 @@ def _eager_error(checks: Sequence[Check], err: Any) -> Exception:
     """Eager's exception for the failed check that ``err`` (``[code, *payload]``) names,
     with a note that the step changed nothing."""
     vector = np.asarray(err)
-    check = checks[int(vector[0]) - 1]
-    exc = check.exception(vector[1:].tolist())
-    add_note = getattr(exc, "add_note", None)  # Python 3.11 on
-    if add_note is not None:
-        add_note(
-            f"dynajax: raised by the value check of {check.op} in the train_step program "
-            "(eager's check, computed in the program); the step changed nothing: the "
-            "parameters, buffers, optimizer state, step count and torch's generator are "
-            "as before it (train_step(..., checks=False) turns the checks off)"
-        )
-    return exc
+    return checks[int(vector[0]) - 1].exception(
+        vector[1:].tolist(),
+        "the train_step program",
+        "the step changed nothing: the parameters, buffers, optimizer state, step count "
+        "and torch's generator are as before it; train_step(..., checks=False) turns the "
+        "checks off",
+    )
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:

@@ -568,3 +568,22 @@ def test_public_errors_are_importable_from_dynajax() -> None:
         error = getattr(dynajax, name)
         assert issubclass(error, dynajax.DynajaxError), name
         assert name in dynajax.__all__
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.BatchNorm1d])
+def test_bfloat16_autocast_with_a_norm_trains_as_eager(norm) -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 16), norm(16), nn.Linear(16, 3))
+
+    def loss_fn(m, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.mse_loss(m(x).float(), y)
+
+    eager, ours = _twins(make)
+    eager_opt, our_opt = optim.SGD(eager.parameters(), lr=0.1), optim.SGD(ours.parameters(), lr=0.1)
+    step = dynajax.train_step(ours, our_opt, loss_fn)  # was refused: EAGER_REFUSES
+    expected, actual = [], []
+    for batch in _data(4):
+        expected.append(_eager_step(eager, eager_opt, loss_fn, *batch))
+        actual.append(float(step(*batch)))
+    np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=1e-3)

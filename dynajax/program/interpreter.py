@@ -38,10 +38,10 @@ from dynajax.capability import META_KEY, Reason, Unsupported
 from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.capability.verdict import source_line
 from dynajax.errors import DynajaxError, JaxFunctionError
-from dynajax.interop.callbacks import call_on_host, flat_outputs
 from dynajax.lowering import checks as value_checks
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.interpreter import JaxInterpreter
+from dynajax.program.callbacks import call_on_host, flat_outputs
 from dynajax.runtime.conversion import to_jax
 
 aten = torch.ops.aten

@@ -1,4 +1,7 @@
-"""explain(): compile a function with dynajax, run it once, report what ran where."""
+"""explain(): compile a function with dynajax, run it once, report what ran where.
+
+A driver of the backend (beside ``backend.py``, above ``diagnostics/``, whose reports
+it returns): diagnostics never import the backend."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dynajax.backend import Backend
 from dynajax.diagnostics.report import Report
 
 
@@ -17,8 +21,6 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     The options come from ``DYNAJAX_*`` environment variables; to explain with explicit
     options, compile with ``b = dynajax.Backend(...)`` and read ``dynajax.Report(b.graphs)``.
     """
-    from dynajax.backend import Backend
-
     backend = Backend()
     compiled = torch.compile(fn, backend=backend)
     compiled(*args, **kwargs)

@@ -1,0 +1,15 @@
+"""The whole-graph driver (``driver.py``): one ATen graph as one JAX program under its
+caller's ``Policy``; ``interpreter.py`` runs the graph over the lowering table, with
+host callbacks (``callbacks.py``) for the ops that have no rule."""
+
+from dynajax.program.driver import (
+    NEVER,
+    Policy,
+    Program,
+    failed,
+    lower,
+    run_graph,
+    select_unless_failed,
+)
+
+__all__ = ["NEVER", "Policy", "Program", "failed", "lower", "run_graph", "select_unless_failed"]

@@ -1,0 +1,175 @@
+"""The whole-graph driver: one ATen graph as one JAX program, under its caller's policy.
+
+dynajax has two drivers. ``backend.py`` partitions a graph and runs each piece where
+it belongs. This module lowers a whole graph as one program, with host callbacks for
+the ops that have no rule; ``jax_function`` (``interop/function.py``), ``export``
+(through ``jax_function``), torch's backward in JAX (``interop/autograd.py``) and
+``train_step`` (``training/step.py``) call it, each with a ``Policy``. The stages, in
+order, each owned here once:
+
+    passes                  run_passes, with the user's passes at their two stages
+    capability verdicts     CapabilityChecker(policy.fallback_ops).annotate
+    what cannot be in one   the verdicts in policy.impossible, and control-flow
+      program               submodules: policy.error, one line per op
+    strict                  callbacks that are no choice: CallbackOpsError
+    host callbacks          every other Unsupported node but HOST_SCALAR (evaluated
+                            while tracing) and a getitem of a callback's output
+    eager's value checks    Program.run(..., check=True): the rules' checks as an
+                            int vector ``[code, *payload]`` (lowering/checks.py)
+
+Where callers differ, the difference is a field of ``Policy``:
+
+    field        jax_function           torch's backward     train_step
+    error        JaxFunctionError       JaxFunctionError     TrainStepError
+    impossible   data-dependent sizes,  the same             the same, and ops eager
+                 dtypes JAX lacks                            refuses (EAGER_REFUSES)
+    strict       the user's             the function's       the user's
+    passes       the user's, two stages none                 none
+    checks       the user's (direct     none (a VJP returns  on unless checks=False
+                 calls, fn.checked)     gradients only)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.fx
+from torch.fx.passes.infra.pass_base import PassBase
+
+from dynajax.capability import CapabilityChecker, Reason, Unsupported
+from dynajax.errors import CallbackOpsError, DynajaxError
+from dynajax.lowering import checks as value_checks
+from dynajax.lowering.checks import Check
+from dynajax.lowering.interpreter import needs_key
+from dynajax.passes import run_passes
+from dynajax.program.interpreter import ExportInterpreter, SizeBindings, graph_constants
+
+# What no JAX program can hold: sizes known only from data, dtypes JAX lacks.
+NEVER = frozenset({Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE})
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What a caller of the whole-graph driver decides.
+
+    Attributes:
+        error: the caller's exception type for a graph that cannot be one program.
+        refusal: the first line of that error, before the list of ops.
+        impossible: the verdict reasons that make the graph impossible as one program.
+        fallback_ops: ops to run through host callbacks even where a rule exists.
+        strict: raise ``CallbackOpsError`` for callbacks that are not a choice.
+        before: the user's passes before dynajax's own (``post_aot``).
+        after: the user's passes after them (``post_passes``).
+    """
+
+    error: type[DynajaxError]
+    refusal: str
+    impossible: frozenset[Reason] = NEVER
+    fallback_ops: tuple[str, ...] = ()
+    strict: bool = False
+    before: Sequence[PassBase] = ()
+    after: Sequence[PassBase] = ()
+
+
+@dataclasses.dataclass
+class Program:
+    """A graph lowered as one program.
+
+    Attributes:
+        gm: the graph after the passes, each node annotated with its verdict.
+        callbacks: the verdicts of the nodes that run in eager PyTorch through host
+            callbacks, in graph order.
+        random: whether some rule draws random numbers (the program takes a key).
+        constants: the arrays of the graph's ``get_attr`` tensors.
+    """
+
+    gm: torch.fx.GraphModule
+    callbacks: list[Unsupported]
+    random: bool
+    constants: dict[str, Any]
+
+    def run(
+        self,
+        arrays: Sequence[Any],
+        *,
+        key: Any = None,
+        sizes: SizeBindings | None = None,
+        check: bool = False,
+    ) -> tuple[list[Any], Any, list[Check]]:
+        """``run_graph`` of this program's graph."""
+        return run_graph(
+            self.gm, arrays, key=key, sizes=sizes, check=check, constants=self.constants
+        )
+
+
+def run_graph(
+    gm: torch.fx.GraphModule,
+    arrays: Sequence[Any],
+    *,
+    key: Any = None,
+    sizes: SizeBindings | None = None,
+    check: bool = False,
+    constants: dict[str, Any] | None = None,
+) -> tuple[list[Any], Any, list[Check]]:
+    """The outputs of ``gm`` (lowered by ``lower``) on ``arrays`` (traced or concrete),
+    the value checks' vector (``[code, *payload]``; code 0: all passed) and the checks
+    recorded, in graph order (none without ``check``, the vector then ``[0]``)."""
+    interpreter = ExportInterpreter(gm, key, sizes or SizeBindings(), constants)
+    if not check:
+        return list(interpreter.run(*arrays)), jnp.zeros((1,), np.int64), []
+    with value_checks.collecting() as found:
+        outputs = interpreter.run(*arrays)
+    return list(outputs), found.result(), list(found.checks)
+
+
+def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
+    """``gm`` as one program under ``policy``: passes, verdicts, what cannot be in it,
+    strict, host callbacks (see the module doc)."""
+    gm = run_passes(gm, before=list(policy.before), after=list(policy.after))
+    refused = CapabilityChecker(policy.fallback_ops).annotate(gm)
+    impossible = [v for v in refused if v.reason in policy.impossible]
+    if impossible:
+        raise policy.error(
+            policy.refusal + "\n" + "\n".join(f"  - {v.describe()}" for v in impossible)
+        )
+    submodules = [
+        n.target
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.nn.Module)
+    ]
+    if submodules:
+        raise policy.error(
+            "the graph has submodules (torch.cond, torch.while_loop or other control-flow "
+            f"operators: {', '.join(submodules)}), which one JAX program does not lower yet."
+        )
+    nodes = {n.name: n for n in gm.graph.nodes}
+    callbacks = [
+        v
+        for v in refused
+        if v.reason is not Reason.HOST_SCALAR
+        # A getitem picking an output of a callback is no callback of its own.
+        and nodes[v.node].target is not operator.getitem
+    ]
+    unwanted = [v for v in callbacks if not v.reason.is_choice]
+    if policy.strict and unwanted:
+        raise CallbackOpsError(unwanted)
+    return Program(gm, callbacks, needs_key(gm), graph_constants(gm))
+
+
+def failed(err: Any) -> bool:
+    """Whether a value checks' vector (``Program.run``) reports a failed check."""
+    return bool(int(np.asarray(err)[0]))
+
+
+def select_unless_failed(err: Any, new: Sequence[Any], old: Sequence[Any]) -> list[Any]:
+    """``new``, or ``old`` where the checks of ``err`` failed (inside a trace: one
+    select per array, which XLA fuses into the computation of ``new``)."""
+    bad = err[0] != 0
+    return [jax.numpy.where(bad, o, n) for n, o in zip(new, old, strict=True)]

@@ -1,0 +1,177 @@
+"""The module's view of a ``TrainStep``'s state between syncs.
+
+``ModuleView``: between syncs the state lives only in JAX, and the module's parameters
+and buffers are *released*: each tensor object (the one the optimizer and the user hold)
+is swapped, with ``torch.utils.swap_tensors``, for a meta tensor of the same shape and
+dtype, so the host keeps one copy of the state, not two. The module comes back whole
+by itself when the user reaches it through the module: calling any of its modules,
+``state_dict()``, ``load_state_dict()`` (and the optimizer's ``state_dict()``) sync it
+first; ``step.sync()`` does so explicitly (before reading a parameter directly). An
+in-place edit of a released tensor is refused at the next step, with the advice to
+sync first; an edit of a synced module is taken up at the next step (version counters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dynajax.errors import TrainStepError
+
+
+class ModuleView:
+    """The module's (and the optimizer's) tensors between syncs; see the module doc.
+
+    Args:
+        model: the trained module.
+        optimizer: its optimizer.
+        tensors: the step's parameters then buffers (the tensor objects it trains).
+        sync: the step's ``sync``, which the hooks call. They hold the step (the module
+            keeps it alive while the state lives there).
+        release: whether tensors are released between syncs (``release_module=``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        tensors: Sequence[torch.Tensor],
+        sync: Callable[[], None],
+        release: bool,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.tensors = list(tensors)
+        self.release_enabled = release
+        self.released = False
+        self.quiet = 0  # > 0 while the step itself runs the module (tracing): no hooks
+        self.optimizer_loaded = False  # optimizer.load_state_dict since the last load
+        self.kept: dict[int, str] = {}  # tensors that could not be released, and why
+        self.devices = [t.device for t in self.tensors]
+        self._versions = self.versions()
+        self._handles: list[Any] = []
+
+        def sync_first(*_: Any, **__: Any) -> None:
+            if self.released and not self.quiet:
+                sync()
+
+        for module in model.modules():
+            self._handles.append(module.register_forward_pre_hook(sync_first))
+            self._handles.append(module.register_state_dict_pre_hook(sync_first))
+            self._handles.append(module.register_load_state_dict_pre_hook(sync_first))
+        self._handles.append(optimizer.register_state_dict_pre_hook(sync_first))
+        self._handles.append(optimizer.register_load_state_dict_pre_hook(sync_first))
+
+        def loaded(*_: Any) -> None:
+            self.optimizer_loaded = True
+
+        self._handles.append(optimizer.register_load_state_dict_post_hook(loaded))
+
+    def detach(self) -> None:
+        """Removes the hooks (the module must be whole: call after a sync)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- versions ----------------------------------------------------------------------
+
+    def versions(self) -> list[int]:
+        return [t._version for t in self.tensors]
+
+    def changed(self) -> list[int]:
+        """Positions of the tensors written in place since the last record."""
+        now = self.versions()
+        return [i for i, (a, b) in enumerate(zip(now, self._versions, strict=True)) if a != b]
+
+    def record(self) -> None:
+        self._versions = self.versions()
+
+    def check_not_edited(self, names: Sequence[str]) -> list[int]:
+        """While released: raises for a released tensor written in place (it holds no
+        values, so the write is lost); returns the kept tensors written in place (to
+        take up). Whole: returns every tensor written in place."""
+        edited = self.changed()
+        if not self.released:
+            return edited
+        lost = [i for i in edited if i not in self.kept]
+        if lost:
+            shown = ", ".join(repr(names[i]) for i in lost[:3])
+            self.record()
+            raise TrainStepError(
+                f"{shown} of the module were written in place while train_step held the "
+                "state (between syncs the module's tensors hold no values), so the write "
+                "had no effect. Call step.sync() before editing the module's tensors; "
+                "the next step takes the edit up. The training state is unchanged."
+            )
+        return edited
+
+    # -- release and restore -----------------------------------------------------------
+
+    def release(self) -> None:
+        """Swaps each tensor for a meta stand-in, freeing its memory (its values live
+        in the step's arrays); the optimizer's state tensors likewise."""
+        if not self.release_enabled or self.released:
+            return
+        for i, t in enumerate(self.tensors):
+            if i in self.kept:
+                continue
+            why = _unreleasable(t)
+            if why is None:
+                try:
+                    torch.utils.swap_tensors(t, _like(t, torch.empty_like(t, device="meta")))
+                except RuntimeError as e:  # another reference to its TensorImpl
+                    why = str(e).splitlines()[0]
+            if why is not None:
+                self.kept[i] = why
+        for state in self.optimizer.state.values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                    state[key] = torch.empty_like(value, device="meta")
+        self.released = True
+        self.record()
+
+    def restore(self, values: Sequence[torch.Tensor]) -> None:
+        """Writes ``values`` (whole tensors, one per tensor, on any device) into the
+        module: a released tensor gets new memory, swapped in; a kept one is copied
+        into."""
+        with torch.no_grad():
+            for i, (t, v) in enumerate(zip(self.tensors, values, strict=True)):
+                if t.device.type == "meta" and i not in self.kept:
+                    device = self.devices[i]
+                    real = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    real.copy_(v)
+                    torch.utils.swap_tensors(t, _like(t, real))
+                else:
+                    t.copy_(v)
+        self.released = False
+        self.record()
+
+    @contextlib.contextmanager
+    def quiet_hooks(self) -> Iterator[None]:
+        """The hooks off for the length of the block (the step reading the module
+        itself: tracing, ``state_dict()``)."""
+        self.quiet += 1
+        try:
+            yield
+        finally:
+            self.quiet -= 1
+
+
+def _unreleasable(t: torch.Tensor) -> str | None:
+    if type(t) not in (torch.Tensor, nn.Parameter):
+        return f"a {type(t).__name__} (a tensor subclass) is kept as it is"
+    if t.device.type == "meta":
+        return "already a meta tensor"
+    return None
+
+
+def _like(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` as the same kind of tensor as ``t`` (a Parameter with its
+    ``requires_grad``, or a plain tensor), for ``swap_tensors``."""
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(data, requires_grad=t.requires_grad)
+    return data
