@@ -128,6 +128,7 @@ class TrainStep:
         self.steps = 0
         self.traces = 0
         self.retraces: list[str] = []  # why each program after the first was traced
+        self._why: str | None = None  # a change of settings seen, for the next trace
         self._view: ModuleView | None = None
         self.params: list[jax.Array] = []
         self.frozen: list[jax.Array] = []
@@ -274,6 +275,10 @@ class TrainStep:
         first, as the module's tensors hold no values then (``release_module``)."""
         if self._view is None:
             return  # another step holds the state, or this one let go: the module has it
+        if not self._view.released:
+            # The module holds values: what the user wrote there since (load_state_dict)
+            # is the state, not the step's older arrays.
+            self._take_up_edits()
         self._sync_module()
         for (i, key), a in self.state.items():
             self.optimizer.state[self._params[i]][key] = gather_to_torch(a).clone()
@@ -306,7 +311,7 @@ class TrainStep:
         optimizer state, step count, RNG state) under ``directory`` with
         orbax-checkpoint, as ``directory/<step count>``; returns that number. Each
         process writes its own shards."""
-        self._own()
+        self._take_up()
         return checkpoint.save(self.train_state(), directory)
 
     def restore(self, directory: str | os.PathLike[str], at: int | None = None) -> int:
@@ -314,7 +319,7 @@ class TrainStep:
         out on this step's devices (another mesh than the one that saved it works); a
         checkpoint of another model or optimizer raises ``TrainStepError`` and changes
         nothing. Returns its number."""
-        self._own()
+        self._take_up()  # (what the checkpoint replaces, so that nothing is left pending)
         state = self.train_state()
         with _x64():
             number = checkpoint.restore(state, directory, at)
@@ -327,14 +332,14 @@ class TrainStep:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with the trained values, as torch tensors (copies),
         for use outside dynajax; the module itself is unchanged (``sync`` writes it)."""
-        self._own()
+        self._take_up()
         assert self._view is not None
         with self._view.quiet_hooks():
             return checkpoint.state_dict(self.train_state())
 
     def save_safetensors(self, path: str | os.PathLike[str]) -> None:
         """``state_dict()`` as a safetensors file."""
-        self._own()
+        self._take_up()
         assert self._view is not None
         with self._view.quiet_hooks():
             checkpoint.save_safetensors(self.train_state(), path)
@@ -371,23 +376,9 @@ class TrainStep:
         dicts; its other leaves are constants of the program), returns the loss as a
         ``jax.Array`` (reading it, ``float(loss)``, waits for the step; not reading it
         does not, unless the program computes eager's value checks)."""
-        self._own()
+        settings = self._take_up()
         view = self._view
         assert view is not None
-        edited = view.check_not_edited(self._state_names)
-        changes = self._watch.look()
-        if changes.reload is not None:
-            self._reload(changes.reload)  # writes back and loads every tensor anew
-            view = self._view
-            assert view is not None
-            # The settings of the tensors as they are now (the reload's new Watch).
-            changes = dataclasses.replace(changes, program_key=self._watch.flags, retrace=None)
-        elif edited:
-            # The user changed the module's tensors (load_state_dict, an assignment under
-            # no_grad); the optimizer's state stays the step's, as it would in eager.
-            self._load_module(edited)
-        if view.optimizer_loaded:  # optimizer.load_state_dict since the last step
-            self._load_optimizer()
         layout, tensors = BatchLayout.of(batch)
         device = view.devices[0] if view.devices else torch.device("cpu")
         for i, x in enumerate(tensors):
@@ -403,19 +394,43 @@ class TrainStep:
                     "equal micro-batches."
                 )
         with _x64():
-            loss = self._step(layout, tensors, changes.program_key, changes.retrace)
+            loss = self._step(layout, tensors, settings)
         view.release()
         return loss
 
+    def _take_up(self) -> tuple[Any, ...]:
+        """Takes up what the user changed since the step last looked (``Watch``, and
+        writes into the module or optimizer): makes this step the holder of the state,
+        reloads it where its make-up changed; returns the settings that key the
+        program (a change of them is noted for ``retraces``)."""
+        self._own()
+        self._take_up_edits()
+        changes = self._watch.look()
+        if changes.reload is not None:
+            self._reload(changes.reload)  # writes back and loads every tensor anew
+            return self._watch.flags  # the settings as they are now (the new Watch's)
+        if changes.retrace is not None:
+            self._why = changes.retrace
+        return changes.program_key
+
+    def _take_up_edits(self) -> None:
+        """Loads what the user wrote into the module's tensors (``load_state_dict``, an
+        assignment under ``no_grad``: the optimizer's state stays the step's, as in
+        eager) and into the optimizer (``load_state_dict``) since the step last
+        looked; a write into a released tensor is refused (``ModuleView``)."""
+        view = self._view
+        assert view is not None
+        edited = view.check_not_edited(self._state_names)
+        if edited:
+            self._load_module(edited)
+        if view.optimizer_loaded:
+            self._load_optimizer()
+
     def _step(
-        self,
-        layout: BatchLayout,
-        batch: Sequence[torch.Tensor],
-        settings: tuple[Any, ...],
-        why: str | None,
+        self, layout: BatchLayout, batch: Sequence[torch.Tensor], settings: tuple[Any, ...]
     ) -> jax.Array:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        program = self._program(layout, batch, lrs, settings, why)
+        program = self._program(layout, batch, lrs, settings)
         graph = program.graph
         state_in = [self.state[k] for k in graph.state_in]
         rng = torch.get_rng_state() if program.random else None
@@ -454,7 +469,6 @@ class TrainStep:
         batch: Sequence[torch.Tensor],
         lrs: list[float],
         settings: tuple[Any, ...],
-        why: str | None,
     ) -> _Program:
         key = (
             layout.key(),
@@ -466,8 +480,9 @@ class TrainStep:
         )
         program = self._programs.get(key)
         if program is None:
-            if self._programs and why is not None:
-                self.retraces.append(why)
+            if self._programs and self._why is not None:
+                self.retraces.append(self._why)
+            self._why = None
             program = self._programs[key] = self._compile(layout, batch, lrs)
         return program
 

@@ -587,3 +587,60 @@ def test_bfloat16_autocast_with_a_norm_trains_as_eager(norm) -> None:
         expected.append(_eager_step(eager, eager_opt, loss_fn, *batch))
         actual.append(float(step(*batch)))
     np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=1e-3)
+
+
+# -- the user's writes are the state (found by the training fuzzer) --------------------
+
+
+def _rewind_then(then: str) -> None:
+    """Two steps, a snapshot, two more, the snapshot loaded back into the module and
+    the optimizer, then ``then``, then a step: eager's losses."""
+    eager, ours = _twins(_mlp)
+    eager_opt, our_opt = (
+        optim.AdamW(eager.parameters(), lr=0.03),
+        optim.AdamW(ours.parameters(), lr=0.03),
+    )
+    step = dynajax.train_step(ours, our_opt, _regression)
+    data = _data(6)
+    expected, actual = [], []
+    for i in range(4):
+        if i == 2:
+            saved = [copy.deepcopy(m.state_dict()) for m in (ours, our_opt)]
+            saved_eager = [copy.deepcopy(m.state_dict()) for m in (eager, eager_opt)]
+        expected.append(_eager_step(eager, eager_opt, _regression, *data[i]))
+        actual.append(float(step(*data[i])))
+    eager.load_state_dict(saved_eager[0])
+    eager_opt.load_state_dict(saved_eager[1])
+    ours.load_state_dict(saved[0])
+    our_opt.load_state_dict(saved[1])
+    if then == "another step takes over":
+        step = dynajax.train_step(ours, our_opt, _regression, clip_grad_norm=1e9)
+    elif then == "save and restore":
+        import tempfile
+
+        pytest.importorskip("orbax.checkpoint")
+        with tempfile.TemporaryDirectory() as directory:
+            step.save(directory)
+            step.restore(directory)
+    elif then == "a param group edit":
+        with torch.no_grad():
+            for model in (eager, ours):
+                model[0].weight.mul_(0.5)  # a write into the synced module, then a reload
+        for opt in (eager_opt, our_opt):
+            opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])[::-1]
+    for batch in data[4:]:
+        expected.append(_eager_step(eager, eager_opt, _regression, *batch))
+        actual.append(float(step(*batch)))
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+    step.sync()
+    assert_same(dict(ours.state_dict()), dict(eager.state_dict()), model=True)
+
+
+@pytest.mark.parametrize(
+    "then", ["another step takes over", "save and restore", "a param group edit"]
+)
+def test_what_the_user_loads_into_the_module_is_the_state(then: str) -> None:
+    # Before: the step letting go synced its older state over the loaded values; save()
+    # saved the older state; a reload wrote it back; restore() left the optimizer's
+    # load pending over meta tensors (ValueError: Unknown device type meta for Dlpack).
+    _rewind_then(then)
