@@ -11,7 +11,9 @@ run eagerly, must agree (``python -m fuzz``; a tool of the repository, not shipp
 - ``fuzz.shrink``: a failing program reduced to a small one failing the same way;
 - ``fuzz.reproducer``: standalone reproducer files;
 - ``fuzz.known_bugs``: dynajax bugs found and not fixed yet, by signature;
-- ``fuzz.campaign``: a run (``python -m fuzz``).
+- ``fuzz.campaign``: a run (``python -m fuzz``);
+- ``fuzz.training_case``, ``fuzz.training_source``, ``fuzz.training``: whole training
+  runs through ``dynajax.train_step`` against the eager loop (``--through train_step``).
 """
 
 from __future__ import annotations

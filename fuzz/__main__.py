@@ -5,11 +5,15 @@
     python -m fuzz --replay fuzz_failures/seed0-program17.json   # check one again
     python -m fuzz --seed 0 --minutes 30 --start 6663   # from program 6663 on
     python -m fuzz --seed 0 --minutes 30 --through jax_function   # via jax_function
+    python -m fuzz --seed 0 --minutes 30 --through train_step     # training runs
 
 Prints the programs tried, the failures (distinct signatures, known bugs apart) and
 where the reproducers are; exits 1 when a failure is new (not in ``fuzz.known_bugs``).
 The programs are checked in a child process: a program that kills it (XLA's compiler
 aborts the process on some) is a ``crash`` failure, and a new child goes on after it.
+
+``--through train_step`` checks whole training runs instead (``fuzz/training.py``):
+``dynajax.train_step`` against the eager loop; ``--programs`` counts runs there.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pathlib
 import sys
 from typing import Any
 
-from fuzz import through_jax
+from fuzz import through_jax, training
 from fuzz.campaign import run, supervise
 from fuzz.check import check, dynajax_backend
 from fuzz.program import Program, source
@@ -56,13 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--through",
-        choices=["backend", "jax_function"],
+        choices=["backend", "jax_function", "train_step"],
         default="backend",
         help="what runs the programs: torch.compile with the dynajax backend (default), "
-        "or dynajax.jax_function (forward, and jax.grad against torch.autograd)",
+        "or dynajax.jax_function (forward, and jax.grad against torch.autograd); or "
+        "train_step: whole training runs through dynajax.train_step against eager's loop",
+    )
+    parser.add_argument(
+        "--optional-events",
+        default=",".join(training.OPTIONAL_KINDS),
+        help="train_step: the optional event kinds to generate, comma separated "
+        f"(default all: {','.join(training.OPTIONAL_KINDS)}; '' for none)",
     )
     parser.add_argument("--state", help=argparse.SUPPRESS)  # a child's summary so far
     args = parser.parse_args(argv)
+    if args.through == "train_step":
+        return _train_step(parser, args)
     backend: Any = {"backend": dynajax_backend, "jax_function": through_jax.BACKEND}[args.through]
     if args.replay:
         return _replay(args.replay, backend)
@@ -83,6 +96,35 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(args.seed, backend=backend, **options)
     else:
         summary = supervise(args.seed, through=args.through, **options)
+    print("\n".join(summary.lines()))
+    return 1 if summary.new_failures else 0
+
+
+def _train_step(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--through train_step``: the training fuzzer (``fuzz.training``)."""
+    if args.replay:
+        return training.replay(args.replay)
+    if args.minutes is None and args.programs is None:
+        parser.error("give --minutes or --programs")
+    optional = tuple(k for k in args.optional_events.split(",") if k)
+    unknown = set(optional) - set(training.OPTIONAL_KINDS)
+    if unknown:
+        parser.error(f"unknown optional event kinds: {sorted(unknown)}")
+    options: dict[str, Any] = {
+        "runs": args.programs,
+        "minutes": args.minutes,
+        "out_dir": args.out,
+        "shrink_seconds": args.shrink_seconds,
+        "start": args.start,
+        "optional": optional,
+    }
+    if args.state:  # a child of supervise_training: the parent prints the summary
+        training.run_training(args.seed, state=pathlib.Path(args.state), **options)
+        return 0
+    if args.in_process:
+        summary = training.run_training(args.seed, **options)
+    else:
+        summary = training.supervise_training(args.seed, **options)
     print("\n".join(summary.lines()))
     return 1 if summary.new_failures else 0
 

@@ -10,3 +10,8 @@ shrinks). One bug shows under several signatures (each op and dtype it reaches).
 from __future__ import annotations
 
 KNOWN_BUGS: dict[str, str] = {}
+
+# ``python -m fuzz --through train_step`` (``fuzz/training.py``): train_step's
+# failures against the eager training loop, by signature pattern (``fnmatch``: ``*``
+# any text). Empty when train_step agrees with eager on every case.
+KNOWN_TRAINING_BUGS: dict[str, str] = {}
