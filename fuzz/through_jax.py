@@ -129,7 +129,7 @@ def _differentiable_outputs(fn: Callable[..., Any], inputs: Any) -> list[bool] |
 
 def via_torch_export(fn: Callable[..., Any]) -> Callable[..., list[torch.Tensor]]:
     """``fn`` exported by ``torch.export`` at each call's inputs and run by torch."""
-    from dynajax.interop.function import export
+    from dynajax.interop.torch_export import export
 
     def call(*inputs: torch.Tensor) -> list[torch.Tensor]:
         ep = export(fn, tuple(t.detach().clone() for t in inputs))

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
         InputUpdatesDiscardedWarning,
         JaxFunction,
         jax_function,
-        jax_values,
     )
+    from dynajax.interop.trees import jax_values
     from dynajax.program.callbacks import CallbackOp
 
 # public name -> the submodule that defines it
@@ -32,7 +32,7 @@ _LAZY = {
     "JaxFunction": "dynajax.interop.function",
     "ValueCheckResult": "dynajax.interop.checked",
     "jax_function": "dynajax.interop.function",
-    "jax_values": "dynajax.interop.function",
+    "jax_values": "dynajax.interop.trees",
 }
 
 __all__ = [

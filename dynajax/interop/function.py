@@ -41,11 +41,11 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from dynajax.aot import decompositions, eager_aware
 from dynajax.capability import Reason, Unsupported, verdict_of
 from dynajax.capability.verdict import source_line
 from dynajax.errors import DynajaxError, JaxFunctionError
-from dynajax.interop import caches, user_passes
+from dynajax.interop import kv_caches as caches
+from dynajax.interop import user_passes
 from dynajax.interop.autograd import (
     TorchBackward,
     in_modes,
@@ -53,7 +53,8 @@ from dynajax.interop.autograd import (
     with_torch_backward,
 )
 from dynajax.interop.checked import ValueCheckResult
-from dynajax.lowering import attention
+from dynajax.interop.torch_export import export
+from dynajax.interop.trees import jax_tree
 from dynajax.lowering.dtypes import JAX_TO_TORCH, TORCH_TO_JAX
 from dynajax.lowering.registry import get_rule
 from dynajax.passes.user import RewriteRecord
@@ -91,129 +92,6 @@ class _Run(NamedTuple):
     updates: dict[str, jax.Array]  # new values of mutated buffers (and parameters)
     new_args: tuple[Any, ...]  # the arguments, mutated inputs replaced by their new values
     checked: ValueCheckResult | None  # the value checks, when asked for
-
-
-# -- export ------------------------------------------------------------------------------
-
-
-def _fused_cpu_kernel(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-) -> bool:
-    """Whether eager's CPU dispatch runs ``scaled_dot_product_attention`` through its
-    fused kernel (``_scaled_dot_product_flash_attention_for_cpu``) for these
-    arguments: the conditions of ``use_flash_attention_cpp`` in PyTorch's
-    ``sdp_utils_cpp``, else it runs the math kernel."""
-    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-    if query.device.type != "cpu" or dropout_p != 0.0:
-        return False
-    if not (query.dim() == key.dim() == value.dim() == 4):
-        return False
-    if query.dtype not in dtypes or not (query.dtype == key.dtype == value.dtype):
-        return False
-    batch, heads, length, dim = query.shape
-    if not (key.size(0) == value.size(0) == batch and key.size(1) == value.size(1)):
-        return False
-    if heads % key.size(1) != 0 or not (key.size(-1) == value.size(-1) == dim):
-        return False
-    if length == 0 or key.size(2) == 0:
-        return False
-    if any(t.stride(-1) != 1 for t in (query, key, value)):
-        return False
-    if attn_mask is None:
-        return True
-    if attn_mask.size(-2) not in (length, 1) or attn_mask.size(-1) not in (key.size(2), 1):
-        return False
-    if attn_mask.dim() == 2:
-        return True
-    return (
-        attn_mask.dim() == 4 and attn_mask.size(0) in (batch, 1) and attn_mask.size(1) in (heads, 1)
-    )
-
-
-def _sdpa_as_exported(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """``scaled_dot_product_attention`` with the output strides torch.export recorded.
-
-    torch.export records the op whole, with the strides of the kernel eager's CPU
-    dispatch picks (the fused kernel lays its output out as (batch, sequence, heads,
-    dim); the math kernel's is contiguous), and later views of the output rely on
-    them. ``run_decompositions`` then decomposes it through its CompositeImplicit
-    kernel, which on fake tensors takes the math kernel and its strides, so a later
-    ``view`` fails ("Cannot view a tensor with shape ..."; pytorch/pytorch#136543;
-    GPT-2 and LLaMA of ``transformers`` hit it). Here the math kernel computes the
-    values (PyTorch's decomposition of the fused kernel does the same) and, where eager
-    picks the fused kernel (``_fused_cpu_kernel``), a copy gives them its layout, so
-    every recorded view stays valid; XLA sees the copy as a transpose pair. A boolean
-    mask becomes the additive one the kernels take (0 where kept, -inf elsewhere, in
-    the query's dtype), as the op's own kernel does before dispatching. A large fused
-    one (``attention.whole``) stays the fused op, for its rule (the ``attention-512``
-    block through ``jax_function``: 57.9 -> 32.9 ms per call).
-    """
-    fused = _fused_cpu_kernel(query, key, value, attn_mask, dropout_p)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        zero = torch.zeros((), dtype=query.dtype, device=attn_mask.device)
-        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), zero)
-    grouped_ok = enable_gqa or query.size(1) == key.size(1)
-    if fused and grouped_ok and attention.whole(query, key, dropout_p):
-        # A large one stays the fused op (its output in the fused layout): its JAX rule
-        # (lowering/attention.py) takes one head at a time, its scores in the CPU's
-        # cache, where the math attention makes the whole batch's.
-        return aten._scaled_dot_product_flash_attention_for_cpu.default(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-        )[0]
-    out = aten._scaled_dot_product_attention_math.default(
-        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-    )[0]
-    if fused:
-        out = out.transpose(1, 2).contiguous().transpose(1, 2)
-    return out
-
-
-@functools.cache
-def export_decompositions() -> dict[Any, Callable[..., Any]]:
-    """The backend's decomposition table (``dynajax.aot.decompositions``, each entry
-    keeping its op whole for dtypes eager refuses, as the backend's tracing does), plus
-    the attention entry that ``run_decompositions`` needs (``_sdpa_as_exported``)."""
-    return {
-        **eager_aware(decompositions()),
-        aten.scaled_dot_product_attention.default: _sdpa_as_exported,
-    }
-
-
-class _FunctionModule(nn.Module):
-    """A plain function as a module, for torch.export (it has no state of its own:
-    tensors it closes over become constants of the JAX function)."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-
-def export(
-    module_or_fn: nn.Module | Callable[..., Any],
-    example_args: tuple[Any, ...],
-    dynamic_shapes: Any = None,
-) -> ExportedProgram:
-    """The core ATen ``ExportedProgram`` of a module (in its current mode) or function."""
-    caches.register()
-    module = module_or_fn if isinstance(module_or_fn, nn.Module) else _FunctionModule(module_or_fn)
-    ep = torch.export.export(module, example_args, dynamic_shapes=dynamic_shapes, strict=False)
-    return caches.run_decompositions(ep, export_decompositions())
 
 
 # -- the function ------------------------------------------------------------------------
@@ -428,7 +306,7 @@ class JaxFunction:
         self._updates_returned = updated <= returned
         self._in_spec = ep.call_spec.in_spec
         self._out_spec = ep.call_spec.out_spec
-        # The arguments as JAX values: a transformers cache as its dict (interop/caches.py).
+        # The arguments as JAX values: a transformers cache as its dict (interop/kv_caches.py).
         self._jax_in_spec = caches.jax_spec(self._in_spec, jax_tree)
         self._range = dict(ep.range_constraints)
         self._warned = False
@@ -931,34 +809,6 @@ def _array(value: Any, example: Any, where: str, *, static_only: bool = False) -
                 f"static size {want_size}{dynamic}."
             )
     return value
-
-
-def jax_values(tree: Any) -> Any:
-    """Torch values as a JAX function takes them: tensors as ``jax.Array`` (zero-copy
-    where the device allows), transformers caches as their dicts, containers as
-    ``jax_tree`` gives them."""
-    leaves, spec = pytree.tree_flatten(tree)
-    return jax_tree(spec, iter(to_jax(v) if isinstance(v, torch.Tensor) else v for v in leaves))
-
-
-def jax_tree(spec: pytree.TreeSpec, leaves: Any) -> Any:
-    """The torch output structure, with containers JAX can trace: tuples, lists,
-    namedtuples and dicts as themselves, any other container with keys (a
-    ``transformers`` ModelOutput) as a dict of its fields, the rest as tuples."""
-    if spec.is_leaf():
-        return next(leaves)
-    children = [jax_tree(c, leaves) for c in spec.children()]
-    kind = spec.type
-    if caches.is_cache(kind):  # a transformers cache: a dict of its arrays (interop/caches.py)
-        return dict(zip(caches.keys(spec), children, strict=True))
-    if kind in (tuple, list):
-        return kind(children)
-    if isinstance(spec.context, type) and issubclass(spec.context, tuple):  # namedtuple
-        return spec.context(*children)
-    context = spec.context
-    if isinstance(context, list | tuple) and len(context) == len(children):
-        return dict(zip(context, children, strict=True))
-    return tuple(children)
 
 
 # -- building ----------------------------------------------------------------------------

@@ -35,7 +35,8 @@ from torch.export.graph_signature import InputKind
 
 from dynajax.capability import Unsupported
 from dynajax.errors import CallbackOpsError, ExportError, ExportOpsError, JaxFunctionError
-from dynajax.interop.function import JaxFunction, jax_function, jax_tree, jax_values
+from dynajax.interop.function import JaxFunction, jax_function
+from dynajax.interop.trees import jax_tree, jax_values
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.program.interpreter import SizeBindings
 
