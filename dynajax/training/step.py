@@ -13,7 +13,10 @@ but the batch (zero-copy) and each group's learning rate (a float). The module a
 optimizer see the trained values after ``step.sync()``. A parameter or buffer the user
 changes in the module (``load_state_dict``, an assignment under ``no_grad``) is taken up
 at the next step: the step compares each tensor's version counter with the one it
-recorded.
+recorded. Other changes (param groups, ``requires_grad``, train/eval, replaced members,
+dtypes, the loss's tensors) are seen by ``training/watch.py`` and taken up the same way.
+Eager's value checks run in the program; where one fails, the program returns the state
+it took and the step raises eager's error.
 
 The program is ``training/graph.py``'s functional ATen graph of the whole step, lowered
 through the rule table by ``ExportInterpreter`` (ops without a JAX rule run in eager
@@ -683,14 +686,25 @@ def train_step(
             host keeps one copy of the state; calling the model, ``state_dict()`` or
             ``load_state_dict()`` syncs first. False keeps the module's own (untrained
             until ``sync()``) values alongside the step's.
+        checks: compute eager's value checks in the program (an index out of range
+            raises eager's error, the state unchanged); each step then waits for its
+            program. False skips them.
 
     Returns:
-        A ``TrainStep``: ``step(*batch)`` returns the loss (a ``jax.Array``);
+        A ``TrainStep``: ``step(*batch)`` (``batch``: any pytree of tensors; its other
+        leaves are constants of the program) returns the loss (a ``jax.Array``);
         ``step.sync()`` writes the trained state back into the module and optimizer.
+        What the user changes between steps (param groups, ``requires_grad``,
+        ``train()``/``eval()``, the module's tensors, dtypes, the loss's tensors) is
+        taken up at the next step; ``step.retraces`` says why each new program was
+        traced.
 
     Raises:
         TrainStepError: an optimizer that cannot be compiled (LBFGS, SparseAdam), or,
-            at the first step, a loss that is not one floating element.
+            at the first step, a loss that is not one floating element, a loss under
+            float16 autocast, or a branch on a tensor's value.
+        Eager's own error (``IndexError``, ``RuntimeError``): a batch whose values eager
+            refuses; the training state is unchanged.
     """
     return TrainStep(
         model,
