@@ -331,7 +331,8 @@ def _mixed_batch_norm(op: Any) -> Callable[..., Any]:
 
     def mixed(x: torch.Tensor, weight: Any, bias: Any, *rest: Any) -> Any:
         low = (torch.float16, torch.bfloat16)
-        params = [t for t in (weight, bias) if t is not None]
+        # The affine parameters and the running statistics (affine=False still has them).
+        params = [t for t in (weight, bias, *rest[:2]) if isinstance(t, torch.Tensor)]
         if x.dtype not in low or not params or any(t.dtype != torch.float32 for t in params):
             return NotImplemented
         out, *others = op(x.to(torch.float32), weight, bias, *rest)

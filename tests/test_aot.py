@@ -148,7 +148,16 @@ def _autocast_layer_norm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.
         return model(x).float().square().mean()
 
 
-@pytest.mark.parametrize("norm", [torch.nn.LayerNorm, torch.nn.BatchNorm1d])
+@pytest.mark.parametrize(
+    "norm",
+    [
+        torch.nn.LayerNorm,
+        torch.nn.BatchNorm1d,
+        # No weights, float32 running statistics (the training fuzzer's seed 1, run 226).
+        lambda n: torch.nn.BatchNorm1d(n, affine=False),
+    ],
+    ids=["layer", "batch", "batch-not-affine"],
+)
 def test_a_bfloat16_autocast_norm_trains_as_eager(norm) -> None:
     # A norm of a bfloat16 input with float32 weights: the CPU kernel's statistics are
     # float32 where its meta kernel says bfloat16, and the backward refused those

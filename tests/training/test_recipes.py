@@ -570,7 +570,11 @@ def test_public_errors_are_importable_from_dynajax() -> None:
         assert name in dynajax.__all__
 
 
-@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.BatchNorm1d])
+@pytest.mark.parametrize(
+    "norm",
+    [nn.LayerNorm, nn.BatchNorm1d, lambda n: nn.BatchNorm1d(n, affine=False)],
+    ids=["layer", "batch", "batch-not-affine"],
+)
 def test_bfloat16_autocast_with_a_norm_trains_as_eager(norm) -> None:
     def make() -> nn.Module:
         return nn.Sequential(nn.Linear(6, 16), norm(16), nn.Linear(16, 3))
