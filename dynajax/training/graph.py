@@ -21,11 +21,12 @@ How it is captured, in two traces:
    optimizer moments) become the new values the graph returns.
 
 The graph's inputs are ``params + buffers + state + frozen + lrs + batch`` and its
-outputs ``loss, params, buffers, state`` (the state's entries after the step, which the
-first step creates), each list in the order ``StepGraph`` records. ``frozen`` are the
-model's parameters the optimizer does not hold (frozen layers, the other half of a GAN):
-inputs the step reads, never writes, so that an edit of them, or another step's
-training of them, is what the next step sees. ``batch`` is the flat list of the batch's
+outputs ``loss, params, buffers, written frozen, state`` (the state's entries after the
+step, which the first step creates), each list in the order ``StepGraph`` records.
+``frozen`` are the model's parameters the optimizer does not hold (frozen layers, the
+other half of a GAN): inputs the step reads, so that an edit of them, or another step's
+training of them, is what the next step sees; the few an op writes in place (an
+embedding's ``max_norm``) are returned too. ``batch`` is the flat list of the batch's
 tensor leaves (``BatchLayout``); its other leaves are constants of the trace.
 """
 
@@ -64,6 +65,9 @@ class StepGraph:
     n_buffers: int
     state_in: list[StateKey]  # the state tensors the step reads
     state_out: list[StateKey]  # the state tensors the step returns
+    # The frozen parameters the step writes in place (an embedding's max_norm renorm),
+    # by position: returned after the buffers, before the state.
+    frozen_out: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +240,7 @@ def trace_step(
     n_frozen = len(frozen)
     wanted = [p.requires_grad for p in params]  # the others get no gradient, as in eager
     state_out: list[StateKey] = []
+    frozen_out: list[int] = []
 
     def step(*flat: torch.Tensor) -> tuple[Any, ...]:
         ps = list(flat[:n_params])
@@ -244,6 +249,7 @@ def trace_step(
         st = dict(zip(state_in, flat[at : at + n_state], strict=True))
         at += n_state
         fixed = list(flat[at : at + n_frozen])
+        versions = [f._version for f in fixed]
         at += n_frozen
         group_lrs = list(flat[at : at + len(lrs)])
         xs = flat[at + len(lrs) :]
@@ -297,7 +303,10 @@ def trace_step(
                         )
                     state_out.append((i, key))
                     out.append(value)
-        return (loss.detach(), *ps, *bufs, *out)
+        # A frozen parameter written in place (F.embedding's max_norm renormalizes the
+        # rows it reads): returned, so that the next step reads it as eager would.
+        frozen_out[:] = [i for i, f in enumerate(fixed) if f._version != versions[i]]
+        return (loss.detach(), *ps, *bufs, *[fixed[i] for i in frozen_out], *out)
 
     examples = [
         *[p.detach().requires_grad_(p.requires_grad) for p in params],
@@ -330,7 +339,7 @@ def trace_step(
             # names torch's frames); the original stays on ``error.traced``.
             error.traced = e  # type: ignore[attr-defined]
             raise error from None
-    return StepGraph(gm, n_params, n_buffers, state_in, state_out)
+    return StepGraph(gm, n_params, n_buffers, state_in, state_out, frozen_out)
 
 
 class _NoFloat16Autocast(TorchFunctionMode):

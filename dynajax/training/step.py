@@ -439,7 +439,7 @@ class TrainStep:
         rng = torch.get_rng_state() if program.random else None
         seed = draw_seed() if program.random else np.int64(0)
         try:
-            loss, params, buffers, state, err = program.run(
+            loss, params, buffers, state, err, frozen = program.run(
                 (self.params, self.buffers, state_in),
                 self.frozen,
                 [np.float64(lr) for lr in lrs],
@@ -453,6 +453,8 @@ class TrainStep:
                 torch.set_rng_state(rng)
             raise
         self.params, self.buffers = list(params), list(buffers)
+        for i, a in zip(graph.frozen_out, frozen, strict=True):
+            self.frozen[i] = a
         new_state = dict(zip(graph.state_out, state, strict=True))
         if program.checks and failed(err):
             # Eager raises on this batch: the program returned the state it took (the
@@ -537,7 +539,9 @@ class TrainStep:
             ),
         )
         state_layout = self.layout
-        state_shapes = _output_shapes(program.gm)[1 + graph.n_params + graph.n_buffers :]
+        written = graph.frozen_out
+        after = 1 + graph.n_params + graph.n_buffers + len(written)
+        state_shapes = _output_shapes(program.gm)[after:]
         state_shardings = [
             state_layout.state(k, shape)
             for k, shape in zip(graph.state_out, state_shapes, strict=True)
@@ -555,12 +559,14 @@ class TrainStep:
             checks[:] = found
             loss = out[0]
             new_params, new_buffers = out[1 : 1 + n], out[1 + n : 1 + n + b]
-            new_state = out[1 + n + b :]
+            new_frozen = out[1 + n + b : after]
+            new_state = out[after:]
             if checks:
                 # Where eager raises, the step changes nothing: the outputs are the
                 # state it took (XLA fuses the selects into the update).
                 new_params = select_unless_failed(err, new_params, params)
                 new_buffers = select_unless_failed(err, new_buffers, buffers)
+                new_frozen = select_unless_failed(err, new_frozen, [frozen[i] for i in written])
                 carried = [i for i in range(len(kept)) if kept[i] >= 0]
                 selected = select_unless_failed(
                     err, [new_state[i] for i in carried], [opt_state[kept[i]] for i in carried]
@@ -568,7 +574,7 @@ class TrainStep:
                 new_state = list(new_state)
                 for i, a in zip(carried, selected, strict=True):
                     new_state[i] = a
-            return loss, list(new_params), list(new_buffers), list(new_state), err
+            return loss, list(new_params), list(new_buffers), list(new_state), err, list(new_frozen)
 
         # Donated, the state's buffers are gone once the program starts; a host callback
         # (eager PyTorch) can still raise then, so a step with callbacks keeps them. The
@@ -581,6 +587,7 @@ class TrainStep:
             state_layout.buffers,
             state_shardings,
             replicated,
+            [state_layout.frozen[i] for i in written],
         )
         run = jax.jit(step, donate_argnums=donate, out_shardings=out_shardings)
         return _Program(graph, run, random, checks)

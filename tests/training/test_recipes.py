@@ -648,3 +648,33 @@ def test_what_the_user_loads_into_the_module_is_the_state(then: str) -> None:
     # saved the older state; a reload wrote it back; restore() left the optimizer's
     # load pending over meta tensors (ValueError: Unknown device type meta for Dlpack).
     _rewind_then(then)
+
+
+def test_a_frozen_embedding_with_max_norm_is_renormalized_as_in_eager() -> None:
+    # F.embedding's max_norm rescales the rows it reads, in place, in the weight: a frozen
+    # weight (read, not trained) written so must carry the write to the next step (the
+    # training fuzzer's seed 1, run 260: the validation loss drifted by 2e-4).
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 8, padding_idx=9, max_norm=1.0)
+            self.head = nn.Linear(8, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(x).mean(1))
+
+    eager, ours = _twins(Model)
+    for model in (eager, ours):
+        with torch.no_grad():
+            model.embed.weight.mul_(3.0)  # rows past the norm, so that reading renorms them
+        model.embed.requires_grad_(False)
+    eager_opt = optim.Adam(eager.head.parameters(), lr=1e-2)
+    our_opt = optim.Adam(ours.head.parameters(), lr=1e-2)
+    step = dynajax.train_step(ours, our_opt, _classification)
+    expected, actual = [], []
+    for batch in _data(5, "classes"):
+        expected.append(_eager_step(eager, eager_opt, _classification, *batch))
+        actual.append(float(step(*batch)))
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+    step.sync()
+    assert_same(dict(ours.state_dict()), dict(eager.state_dict()), model=True)
