@@ -300,6 +300,17 @@ def _nll_loss_forward(
     return output, total_weight
 
 
+def _mixed(x: torch.Tensor, params: Sequence[Any]) -> bool:
+    """Whether a norm's call is autocast's mixed one: a float16/bfloat16 input, and its
+    tensor parameters (at least one) all float32."""
+    tensors = [t for t in params if isinstance(t, torch.Tensor)]
+    return (
+        x.dtype in (torch.float16, torch.bfloat16)
+        and bool(tensors)
+        and all(t.dtype == torch.float32 for t in tensors)
+    )
+
+
 def _mixed_layer_norm(
     x: torch.Tensor,
     normalized_shape: Sequence[int],
@@ -313,9 +324,7 @@ def _mixed_layer_norm(
     then saw those dtypes, which its kernel refuses ("expected scalar type Float but
     found BFloat16"), and the statistics were rounded. As the kernel: in float32, the
     output cast back. Any other call is traced whole (NotImplemented)."""
-    low = (torch.float16, torch.bfloat16)
-    params = [t for t in (weight, bias) if t is not None]
-    if x.dtype not in low or not params or any(t.dtype != torch.float32 for t in params):
+    if not _mixed(x, (weight, bias)):
         return NotImplemented
     out, mean, rstd = aten.native_layer_norm.default(
         x.to(torch.float32), normalized_shape, weight, bias, eps
@@ -330,10 +339,8 @@ def _mixed_batch_norm(op: Any) -> Callable[..., Any]:
     expect parameter to have scalar type of Float"); the output cast back."""
 
     def mixed(x: torch.Tensor, weight: Any, bias: Any, *rest: Any) -> Any:
-        low = (torch.float16, torch.bfloat16)
         # The affine parameters and the running statistics (affine=False still has them).
-        params = [t for t in (weight, bias, *rest[:2]) if isinstance(t, torch.Tensor)]
-        if x.dtype not in low or not params or any(t.dtype != torch.float32 for t in params):
+        if not _mixed(x, (weight, bias, *rest[:2])):
             return NotImplemented
         out, *others = op(x.to(torch.float32), weight, bias, *rest)
         return (out.to(x.dtype), *others)
