@@ -9,7 +9,9 @@ that state as torch's.
 A checkpoint holds the parameters, buffers, the optimizer's state (keyed by parameter
 name), PyTorch's RNG state (dropout's seeds are drawn from it) as arrays, and as JSON
 the step count, each param group's hyperparameters and every array's name, shape and
-dtype. orbax's ``CheckpointManager`` writes each one into a temporary directory and
+dtype. An array with no elements (a parameter of shape ``(0, n)``, its moments) has
+nothing to write and orbax refuses it, so it lives in the JSON layout only and is made
+again, empty, at restore. orbax's ``CheckpointManager`` writes each one into a temporary directory and
 renames it when complete, so a process killed during a save leaves the previous
 checkpoint as it was. ``restore`` reads the JSON first and refuses a checkpoint of
 another model (names, shapes or dtypes that differ) before anything changes.
@@ -78,6 +80,18 @@ def _trees(step: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     return arrays, meta
 
 
+def _stored(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` without its arrays of no elements (orbax writes none; their shape and
+    dtype are in the JSON layout)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out[key] = _stored(value)
+        elif getattr(value, "size", 1) != 0:
+            out[key] = value
+    return out
+
+
 def _is_json(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return all(_is_json(v) for v in value)
@@ -92,7 +106,9 @@ def save(step: TrainState, directory: str | os.PathLike[str]) -> int:
     manager = _manager(directory)
     manager.save(
         step.steps,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_stored(arrays)), meta=ocp.args.JsonSave(meta)
+        ),
         force=True,
     )
     manager.wait_until_finished()
@@ -135,16 +151,23 @@ def restore(step: TrainState, directory: str | os.PathLike[str], at: int | None 
             for name, keys in saved.meta["optimizer"].items()
         }
         loaded = manager.restore(
-            number, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            number, args=ocp.args.Composite(state=ocp.args.StandardRestore(_stored(target)))
         ).state
     finally:
         manager.close()
-    step.params = [loaded["params"][n] for n in step.param_names]
-    step.buffers = [loaded["buffers"][n] for n in step.buffer_names]
+
+    def value(part: str, name: str, key: str | None = None) -> Any:
+        where = loaded[part] if key is None else loaded[part].get(name, {})
+        t = target[part][name] if key is None else target[part][name][key]
+        found = where.get(name if key is None else key)
+        return jax.numpy.zeros(t.shape, t.dtype, device=t.sharding) if found is None else found
+
+    step.params = [value("params", n) for n in step.param_names]
+    step.buffers = [value("buffers", n) for n in step.buffer_names]
     step.state = {
-        (position[name], key): a
-        for name, keys in loaded["optimizer"].items()
-        for key, a in keys.items()
+        (position[name], key): value("optimizer", name, key)
+        for name, keys in target["optimizer"].items()
+        for key in keys
     }
     for group, hyper in zip(step.optimizer.param_groups, saved.meta["param_groups"], strict=True):
         group.update(

@@ -536,6 +536,43 @@ def test_a_checkpoint_of_another_model_is_refused_and_nothing_changes(tmp_path) 
         step.restore(tmp_path, at=7)
 
 
+def test_a_parameter_with_no_elements_is_saved_and_restored(tmp_path) -> None:
+    """orbax refuses to write an array of size 0; the checkpoint keeps its shape and
+    dtype and restore makes it again (the training fuzzer, seed 2 run 54: an SGD
+    momentum buffer of shape (0, 3))."""
+
+    class WithEmpty(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 8)
+            self.empty = nn.Parameter(torch.zeros(0, 3))
+            self.register_buffer("nothing", torch.zeros(0, dtype=torch.int64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) + self.empty.sum() + self.nothing.sum()
+
+    batches = _batches("mlp")[:4]
+    torch.manual_seed(0)
+    model = WithEmpty()
+    step = dynajax.train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), regression
+    )
+    losses = [float(step(*batch)) for batch in batches[:2]]
+    assert step.save(tmp_path) == 2
+    losses += [float(step(*batch)) for batch in batches[2:]]
+
+    torch.manual_seed(1)
+    other = WithEmpty()
+    resumed = dynajax.train_step(
+        other, torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9), regression
+    )
+    assert resumed.restore(tmp_path) == 2
+    assert [float(resumed(*batch)) for batch in batches[2:]] == losses[2:]
+    resumed.sync()
+    assert other.empty.shape == (0, 3) and other.nothing.dtype == torch.int64
+    assert resumed.optimizer.state[other.empty]["momentum_buffer"].shape == (0, 3)
+
+
 def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path) -> None:
     import json
     import os
