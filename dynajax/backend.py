@@ -37,6 +37,7 @@ from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import compile_partition
 from dynajax.sharding import GraphSharding, Placement, StateName, dynamo_input_names
 from dynajax.sharding.names import aten_input_names, partition_input_names
+from dynajax.sharding.placement import crossing
 
 log = logging.getLogger("dynajax.backend")
 
@@ -171,7 +172,6 @@ class Backend:
         )
         for name, sub in list(gm.named_children()):
             if name.startswith(PREFIX) and isinstance(sub, torch.fx.GraphModule):
-                vals = [n.meta.get("val") for n in sub.graph.nodes if n.op == "placeholder"]
                 part = compile_partition(
                     name,
                     sub,
@@ -180,11 +180,7 @@ class Backend:
                     max_executables=self.options.max_executables,
                     pad_to_buckets=self.options.pad_to_buckets,
                     checks=self.options.checks,
-                    placement=(
-                        placement.for_partition(names.get(name, []), vals)
-                        if placement is not None
-                        else None
-                    ),
+                    crossing=crossing(sub, placement, names.get(name, [])),
                 )
                 if sharding is not None:
                     sharding.add(part)

@@ -94,6 +94,18 @@ class JaxInterpreter(torch.fx.Interpreter):
         raise AssertionError("get_attr nodes never enter a JAX partition")
 
 
+def input_vals(gm: torch.fx.GraphModule) -> list[Any]:
+    """The ``meta["val"]`` of each input of ``gm`` (its fake tensor or SymInt)."""
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def output_vals(gm: torch.fx.GraphModule) -> list[Any]:
+    """The ``meta["val"]`` of each output of ``gm`` (a non-node output as itself)."""
+    out = gm.graph.output_node().args[0]
+    outs = out if isinstance(out, list | tuple) else [out]
+    return [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outs]
+
+
 def needs_key(gm: torch.fx.GraphModule) -> bool:
     """Whether any node of the graph draws random numbers."""
     for node in gm.graph.nodes:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,25 +40,24 @@ import torch
 import torch.fx
 
 from dynajax.lowering.checks import CheckedFunction, CheckTable
-from dynajax.lowering.interpreter import needs_key, to_jax_function
+from dynajax.lowering.interpreter import input_vals, needs_key, output_vals, to_jax_function
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.conversion import (
     cpu_device,
-    cpu_to_torch,
     fast_to_jax,
     from_source_or,
     quiet_readonly_warning,
     remembering,
-    to_jax,
     to_torch,
     torch_importer,
-    zero_copy_array,
 )
 from dynajax.runtime.executables import Executables
 from dynajax.runtime.inputs import InputCache
 from dynajax.runtime.jax_internals import X64, array_putter, direct_executor, dispatch_of
 from dynajax.runtime.programs import describe_partition
-from dynajax.sharding.placement import PartitionPlacement, Placement
+
+if TYPE_CHECKING:  # placement decides, the runtime asks: no import at run time
+    from dynajax.sharding.placement import Crossing
 
 _from_numpy = torch.from_numpy
 _asarray = np.asarray
@@ -104,14 +103,13 @@ class CompiledPartition(torch.nn.Module):
         stats: where compiles, cache hits and misses are counted (the Report's).
         max_executables: executables kept under dynamic shapes (an LRU).
         pad_to_buckets: pad provably safe symbolic sizes to powers of two.
-        device: the JAX device to run on (None: where the tensors are); the same as a
-            ``placement`` of that one device.
-        placement: where each input lives (``dynajax.sharding``): one device, or a
-            ``NamedSharding`` per input on a mesh. Inputs that ``InputCache`` keeps
-            (parameters, buffers) are copied there once and stay resident until PyTorch
-            changes them; the rest are copied per call; outputs come back to the
-            tensors' device (on a mesh: replicated by the program, then this process's
-            copy).
+        crossing: where the partition runs and how its tensors cross, as placement
+            decided it (``sharding/placement.py``'s ``crossing``): where the tensors
+            are (zero-copy on the CPU, DLPack on an accelerator), or placed on one
+            device or a mesh (a ``NamedSharding`` per input). Inputs that
+            ``InputCache`` keeps (parameters, buffers) stay resident until PyTorch
+            changes them; the rest cross per call; outputs come back to the tensors'
+            device (on a mesh: replicated by the program, then this process's copy).
 
     Executables are compiled ahead of time and called directly (``executables.py``):
     one, built at the first call, for a graph of static shapes; one per concrete shape
@@ -129,8 +127,7 @@ class CompiledPartition(torch.nn.Module):
         stats: CompileStats | None = None,
         max_executables: int = 16,
         pad_to_buckets: bool = False,
-        device: jax.Device | None = None,
-        placement: PartitionPlacement | None = None,
+        crossing: Crossing,
     ) -> None:
         super().__init__()
         self.name = name
@@ -144,58 +141,17 @@ class CompiledPartition(torch.nn.Module):
         # The partition's function under plain jax.jit: the raw-JAX floor the benchmarks
         # compare against (the per-call path uses the AOT executable instead).
         self.jitted = jax.jit(owned)
-        # Where eager runs the graph: its inputs' device; with none, its outputs'. A
-        # 0-dim CPU tensor may meet a GPU's tensors in one op (PyTorch takes it as a
-        # scalar): the partition runs on the GPU and takes that tensor there per call.
-        vals = [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]
-        out_vals = _output_vals(graph)
-        devices = _device_types(vals) or _device_types(out_vals)
-        accelerators = devices - {"cpu"}
-        self.device_type = (
-            accelerators.pop() if len(accelerators) == 1 else "cpu" if devices == {"cpu"} else None
-        )
-        on_cpu = self.device_type == "cpu"
-        if placement is None and device is not None:
-            placement = Placement(device=device).for_partition([], vals)
-        if placement is not None and on_cpu and placement.device == cpu_device():
-            placement = None  # where CPU tensors run anyway (zero-copy)
-        self.placement = placement
-        self.device = placement.device if placement is not None else None
-        tensor_pos = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
-        make_cached: Any = zero_copy_array
-        convert: Any
-        out_sharding = None
-        if placement is not None:
-            # Per input: its sharding on the device or mesh; state resident there.
-            convert, make_cached = placement.converters(tensor_pos)
-            sharding, platform = placement.default_sharding, placement.platform
-            out_sharding = placement.out_sharding
-            if placement.multi_device:
-                # The persistent cache keys a program by platform, not by devices, and
-                # a loaded executable must run on this mesh's devices: compile here.
-                cache = None
-        elif on_cpu and jax.default_backend() != "cpu":
-            convert = _committed_cpu  # NumPy would land on JAX's default accelerator
-            sharding, platform = jax.sharding.SingleDeviceSharding(cpu_device()), "cpu"
-        elif on_cpu:
-            convert = fast_to_jax
-            sharding, platform = jax.sharding.SingleDeviceSharding(cpu_device()), "cpu"
-        else:
-            convert = fast_to_jax
-            sharding, platform = None, jax.default_backend()
-            if "cpu" in devices:  # a CPU scalar, copied per call to the accelerator
-                make_cached = _accelerator_array
-        # Outputs eager gives on the CPU from a partition that runs elsewhere (a CPU
-        # scalar's arithmetic beside a GPU's, a graph that only creates tensors).
-        self._cpu_outputs = (
-            []
-            if on_cpu or placement is not None
-            else [
-                i
-                for i, v in enumerate(out_vals)
-                if isinstance(v, torch.Tensor) and v.device.type == "cpu"
-            ]
-        )
+        # Where it runs and how its tensors cross: placement's decision.
+        vals, out_vals = input_vals(graph), output_vals(graph)
+        self.crossing = crossing
+        self.device_type = crossing.device_type
+        self.placement = crossing.partition
+        self.device = crossing.device
+        if crossing.multi_device:
+            # The persistent cache keys a program by platform, not by devices, and a
+            # loaded executable must run on this mesh's devices: compile here.
+            cache = None
+        self._cpu_outputs = crossing.cpu_outputs
         self.stats = stats if stats is not None else CompileStats()
         self.executables = Executables(
             name,
@@ -207,9 +163,9 @@ class CompiledPartition(torch.nn.Module):
             stats=self.stats,
             max_executables=max_executables,
             pad_to_buckets=pad_to_buckets,
-            sharding=sharding,
-            platform_name=platform,
-            out_sharding=out_sharding,
+            sharding=crossing.sharding,
+            platform_name=crossing.platform,
+            out_sharding=crossing.out_sharding,
             program=(
                 describe_partition(graph, name)
                 if cache is not None and cache.directory is not None
@@ -224,7 +180,7 @@ class CompiledPartition(torch.nn.Module):
         # The executable's own entry point, for calls whose cached inputs are unchanged.
         self._direct: _Direct | None = None
         # The direct entry point is checked on one device's outputs only.
-        self._direct_failed = placement is not None and placement.multi_device
+        self._direct_failed = crossing.multi_device
         # A snapshot whose per-call inputs cannot take the direct entry point.
         self._no_direct: Any = None
         # The executable whose direct entry point gave the regular path's outputs.
@@ -235,28 +191,27 @@ class CompiledPartition(torch.nn.Module):
             self._run = self._run_dynamic  # type: ignore[method-assign,assignment]
         # The device the partition's results come from (its one accelerator, else the
         # CPU; results eager gives on the CPU are moved there afterwards).
-        self._results_device = _results_device([*vals, *out_vals])
+        self._results_device = crossing.results_device
         # Outputs that NumPy can view and torch.from_numpy can wrap as they are (CPU,
         # no bfloat16 or float8): wrapped by two C-level maps, no Python frame per output.
-        self._numpy_outputs = (
-            on_cpu
-            and placement is None
-            and all(isinstance(v, torch.Tensor) and v.dtype in _NUMPY_DTYPES for v in out_vals)
+        self._numpy_outputs = crossing.zero_copy and all(
+            isinstance(v, torch.Tensor) and v.dtype in _NUMPY_DTYPES for v in out_vals
         )
         # Inputs converted per call reach the direct entry point through a putter.
-        self._fresh_by_putter = on_cpu and placement is None
-        if not on_cpu and placement is None:
-            self.cross_as_on_an_accelerator(convert, make_cached)
+        self._fresh_by_putter = crossing.zero_copy
+        if crossing.on_accelerator:
+            self.cross_as_on_an_accelerator(crossing.convert, crossing.make_cached)
         else:
             # A resident copy on another device is stale after any in-place update; a
             # zero-copy array on the CPU is the tensor's memory and sees it.
             self.inputs = InputCache(
-                n_inputs, convert, make_cached, same_layout_reuse=on_cpu and placement is None
+                n_inputs,
+                crossing.convert,
+                crossing.make_cached,
+                same_layout_reuse=crossing.zero_copy,
             )
-            if placement is not None and placement.multi_device:
-                self._to_torch = placement.placement.to_torch()  # this process's whole copy
-            else:
-                self._to_torch = cpu_to_torch if on_cpu else to_torch
+            assert crossing.to_torch is not None
+            self._to_torch = crossing.to_torch
         quiet_readonly_warning()
 
     def cross_as_on_an_accelerator(self, convert: Any, make_cached: Any) -> None:
@@ -566,40 +521,6 @@ def _own_outputs(
     return owned
 
 
-def _output_vals(graph: torch.fx.GraphModule) -> list[Any]:
-    for node in graph.graph.nodes:
-        if node.op == "output":
-            out = node.args[0]
-            outs = out if isinstance(out, list | tuple) else [out]
-            return [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outs]
-    return []
-
-
-def _device_types(vals: Sequence[Any]) -> set[str]:
-    """The device types of the tensors among ``meta["val"]`` values."""
-    return {v.device.type for v in vals if isinstance(v, torch.Tensor)}
-
-
-def _results_device(vals: Sequence[Any]) -> torch.device | None:
-    """The one accelerator among the tensors of ``vals``, the CPU if they have none,
-    None if they span several."""
-    devices = {
-        v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type != "cpu"
-    } or {torch.device("cpu")}
-    return devices.pop() if len(devices) == 1 else None
-
-
-def _accelerator_array(t: torch.Tensor) -> jax.Array | None:
-    """``zero_copy_array`` for a partition on an accelerator: a CPU tensor there (a
-    0-dim one PyTorch lets meet a GPU's) is not cached as a CPU array, and crosses per
-    call (the executable puts it on its device)."""
-    return None if t.device.type == "cpu" else zero_copy_array(t)
-
-
-def _committed_cpu(t: torch.Tensor) -> jax.Array:
-    return jax.device_put(to_jax(t), cpu_device(), may_alias=True)
-
-
 def draw_seed() -> np.ndarray:
     """A seed for a program with random ops, drawn from PyTorch's default generator
     (so `torch.manual_seed` makes compiled programs reproducible)."""
@@ -609,8 +530,8 @@ def draw_seed() -> np.ndarray:
 def compile_partition(name: str, gm: torch.fx.GraphModule, **options: Any) -> CompiledPartition:
     """Lowers the ATen graph ``gm`` to JAX and wraps it for calls from torch.
 
-    ``options``: ``cache``, ``stats``, ``max_executables``, ``pad_to_buckets``,
-    ``device``, ``placement`` of ``CompiledPartition``; ``checks`` (default True): the
+    ``options``: ``crossing`` (required), ``cache``, ``stats``, ``max_executables``,
+    ``pad_to_buckets`` of ``CompiledPartition``; ``checks`` (default True): the
     rules' value checks run in the program and raise eager's errors
     (``lowering/checks.py``).
     """

@@ -260,6 +260,19 @@ def zero_copy_array(t: torch.Tensor) -> jax.Array | None:
     return arr if same else None
 
 
+def committed_cpu(t: torch.Tensor) -> jax.Array:
+    """``t`` (a CPU tensor) as an array committed to JAX's CPU device, where JAX's
+    default backend is an accelerator (a NumPy view would land there)."""
+    return jax.device_put(to_jax(t), cpu_device(), may_alias=True)
+
+
+def accelerator_array(t: torch.Tensor) -> jax.Array | None:
+    """``zero_copy_array`` for a partition on an accelerator: a CPU tensor there (a
+    0-dim one PyTorch lets meet a GPU's) is not cached as a CPU array, and crosses per
+    call (the executable puts it on its device)."""
+    return None if t.device.type == "cpu" else zero_copy_array(t)
+
+
 _CPU = None
 
 

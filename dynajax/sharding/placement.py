@@ -1,4 +1,15 @@
-"""Placement: where each input of a JAX partition lives, on one device or a mesh.
+"""Placement: where each input of a JAX partition lives, and its results come back.
+
+The one home of that decision. The runtime asks it (``crossing``) and does not decide;
+the conversions it uses (``runtime/conversion.py``) are a leaf below it. ``crossing``
+gives each partition a ``Crossing``, one of four cases:
+
+    where the tensors are, on the CPU   zero-copy: input arrays are the tensors' memory,
+                                        outputs are NumPy views of XLA's buffers
+    ... with JAX's default an accelerator  the same, committed to JAX's CPU device
+    where the tensors are, an accelerator  DLPack both ways (``cross_as_on_an_accelerator``)
+    placed (``device=``, ``mesh=``)     a ``PartitionPlacement``: a ``Sharding`` per
+                                        input, state resident on its devices
 
 A ``Placement`` belongs to a ``Backend`` (built from its ``device``, ``mesh`` and
 ``sharding`` options); ``Placement.for_partition`` decides, per input of one partition,
@@ -23,6 +34,7 @@ PyTorch ops between partitions, the optimizer and the user always see whole tens
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import weakref
@@ -32,11 +44,22 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+import torch.fx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from dynajax.errors import OptionsError, ShardingError
 from dynajax.lowering.dtypes import TORCH_TO_JAX
-from dynajax.runtime.conversion import cpu_to_torch, to_jax, to_torch
+from dynajax.lowering.interpreter import input_vals, output_vals
+from dynajax.runtime.conversion import (
+    accelerator_array,
+    committed_cpu,
+    cpu_device,
+    cpu_to_torch,
+    fast_to_jax,
+    to_jax,
+    to_torch,
+    zero_copy_array,
+)
 from dynajax.sharding.names import StateName
 from dynajax.sharding.rules import RulesLike, ShardingRules, describe_spec, misfit
 
@@ -283,6 +306,166 @@ class PartitionPlacement:
             return convert(t, placement.sharding(spec))
 
         return convert_by_shape
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Crossing:
+    """How one partition's tensors cross into JAX and its results back (``crossing``).
+
+    Attributes:
+        partition: the ``device=``/``mesh=`` decisions (None: where the tensors are).
+        device_type: the torch device type eager runs the graph on (None: several).
+        device: the JAX device partitions are placed on (None: where the tensors are,
+            or a mesh).
+        multi_device: placed on a mesh of several devices.
+        on_accelerator: the tensors are on an accelerator and the partition runs there:
+            they cross by DLPack, and results remember the arrays they view.
+        zero_copy: CPU tensors run where they are: a cached input array is the tensor's
+            memory and sees its in-place writes; outputs are NumPy views.
+        convert: a tensor -> its array for this call (one for all inputs, or one per
+            tensor input when placed).
+        make_cached: a tensor -> the array kept across calls (None: convert per
+            call); one for all, or one per tensor input.
+        sharding: the executables' input sharding (None: JAX's default device).
+        platform: the JAX platform the executables are compiled for.
+        out_sharding: the outputs' sharding (replicated on a mesh, else None).
+        to_torch: an output array -> a tensor (None ``on_accelerator``: the runtime's
+            remembering importer for ``results_device``).
+        results_device: the device results come from (one accelerator, else the CPU;
+            None where the tensors span several).
+        cpu_outputs: the outputs eager gives on the CPU from a partition that runs on
+            an accelerator (a CPU scalar's arithmetic, a graph that only creates
+            tensors): moved there after each call.
+    """
+
+    partition: PartitionPlacement | None
+    device_type: str | None
+    on_accelerator: bool
+    zero_copy: bool
+    convert: Converter | list[Converter]
+    make_cached: Converter | list[Converter]
+    sharding: Sharding | None
+    platform: str
+    to_torch: Callable[[jax.Array], torch.Tensor] | None
+    results_device: torch.device | None
+    cpu_outputs: list[int]
+
+    @property
+    def device(self) -> jax.Device | None:
+        return self.partition.device if self.partition is not None else None
+
+    @property
+    def multi_device(self) -> bool:
+        return self.partition is not None and self.partition.multi_device
+
+    @property
+    def out_sharding(self) -> Sharding | None:
+        return self.partition.out_sharding if self.partition is not None else None
+
+    def __repr__(self) -> str:
+        where = (
+            repr(self.partition.placement)
+            if self.partition is not None
+            else "accelerator, where the tensors are"
+            if self.on_accelerator
+            else "CPU, zero-copy"
+        )
+        return f"Crossing({where})"
+
+
+def crossing(
+    graph: torch.fx.GraphModule,
+    placement: Placement | None = None,
+    names: Sequence[StateName | None] = (),
+) -> Crossing:
+    """Where the partition ``graph`` runs and how its tensors cross: on ``placement``
+    (the backend's ``device=``/``mesh=``; ``names``: each input's parameter or buffer
+    name, for the mesh's rules), else where eager runs it, its tensors' device."""
+    vals, out_vals = input_vals(graph), output_vals(graph)
+    # Where eager runs the graph: its inputs' device; with none, its outputs'. A 0-dim
+    # CPU tensor may meet a GPU's tensors in one op (PyTorch takes it as a scalar): the
+    # partition runs on the GPU and takes that tensor there per call.
+    devices = _device_types(vals) or _device_types(out_vals)
+    accelerators = devices - {"cpu"}
+    device_type = (
+        accelerators.pop() if len(accelerators) == 1 else "cpu" if devices == {"cpu"} else None
+    )
+    on_cpu = device_type == "cpu"
+    results_device = _results_device([*vals, *out_vals])
+    if placement is not None and not (
+        on_cpu and placement.device == cpu_device()  # where CPU tensors run anyway
+    ):
+        partition = placement.for_partition(names, vals)
+        tensor_pos = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
+        convert, make_cached = partition.converters(tensor_pos)
+        return Crossing(
+            partition=partition,
+            device_type=device_type,
+            on_accelerator=False,
+            zero_copy=False,
+            convert=convert,
+            make_cached=make_cached,
+            sharding=partition.default_sharding,
+            platform=partition.platform,
+            # On a mesh: this process's copy of the whole (replicated) output.
+            to_torch=(
+                placement.to_torch()
+                if partition.multi_device
+                else cpu_to_torch
+                if on_cpu
+                else to_torch
+            ),
+            results_device=results_device,
+            cpu_outputs=[],
+        )
+    if on_cpu:
+        cpu = SingleDeviceSharding(cpu_device())
+        return Crossing(
+            partition=None,
+            device_type=device_type,
+            on_accelerator=False,
+            zero_copy=True,
+            # NumPy views would land on JAX's default device where it is an accelerator.
+            convert=fast_to_jax if jax.default_backend() == "cpu" else committed_cpu,
+            make_cached=zero_copy_array,
+            sharding=cpu,
+            platform="cpu",
+            to_torch=cpu_to_torch,
+            results_device=results_device,
+            cpu_outputs=[],
+        )
+    return Crossing(
+        partition=None,
+        device_type=device_type,
+        on_accelerator=True,
+        zero_copy=False,
+        convert=fast_to_jax,
+        # A CPU scalar among the accelerator's tensors is copied per call.
+        make_cached=accelerator_array if "cpu" in devices else zero_copy_array,
+        sharding=None,
+        platform=jax.default_backend(),
+        to_torch=None,
+        results_device=results_device,
+        cpu_outputs=[
+            i
+            for i, v in enumerate(out_vals)
+            if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+        ],
+    )
+
+
+def _device_types(vals: Sequence[Any]) -> set[str]:
+    """The device types of the tensors among ``meta["val"]`` values."""
+    return {v.device.type for v in vals if isinstance(v, torch.Tensor)}
+
+
+def _results_device(vals: Sequence[Any]) -> torch.device | None:
+    """The one accelerator among the tensors of ``vals``, the CPU if they have none,
+    None if they span several."""
+    devices = {
+        v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+    } or {torch.device("cpu")}
+    return devices.pop() if len(devices) == 1 else None
 
 
 def _bind(fn: Callable[[torch.Tensor, Sharding], Any], sharding: Sharding) -> Converter:

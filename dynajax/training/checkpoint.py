@@ -11,10 +11,11 @@ name), PyTorch's RNG state (dropout's seeds are drawn from it) as arrays, and as
 the step count, each param group's hyperparameters and every array's name, shape and
 dtype. An array with no elements (a parameter of shape ``(0, n)``, its moments) has
 nothing to write and orbax refuses it, so it lives in the JSON layout only and is made
-again, empty, at restore. orbax's ``CheckpointManager`` writes each one into a temporary directory and
-renames it when complete, so a process killed during a save leaves the previous
-checkpoint as it was. ``restore`` reads the JSON first and refuses a checkpoint of
-another model (names, shapes or dtypes that differ) before anything changes.
+again, empty, at restore. orbax's ``CheckpointManager`` writes each checkpoint into a
+temporary directory and renames it when complete, so a process killed during a save
+leaves the previous checkpoint as it was. ``restore`` reads the JSON first and refuses
+a checkpoint of another model (names, shapes or dtypes that differ) before anything
+changes.
 """
 
 from __future__ import annotations

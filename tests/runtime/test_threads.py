@@ -19,6 +19,7 @@ import dynajax
 from dynajax.runtime.compiled import compile_partition
 from dynajax.runtime.conversion import fast_to_jax, zero_copy_array
 from dynajax.runtime.inputs import InputCache
+from dynajax.sharding.placement import crossing
 from tests.helpers import report_of
 from tests.models import cnn, mlp
 from tests.tolerances import assert_same
@@ -99,7 +100,7 @@ def _partition() -> tuple[Any, list[torch.Tensor]]:
     weights = [torch.randn(16, 32), torch.randn(32), torch.randn(32, 32), torch.randn(32)]
     weights.append(torch.randn(32, 8))
     gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 16), *weights)
-    return (compile_partition("jax_0", gm), f), weights
+    return (compile_partition("jax_0", gm, crossing=crossing(gm)), f), weights
 
 
 def test_input_cache_refreshes_racing_give_every_argument() -> None:
