@@ -97,7 +97,7 @@ from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.lowering import attention
 from dynajax.passes.writes import Write, new_values, rewrite_writes, writing_back, written_outputs
 from dynajax.runtime import aot_cache, aot_rebuild
-from dynajax.runtime.cache import ExecutableCache
+from dynajax.store import BlobStore
 
 aten = torch.ops.aten
 
@@ -785,7 +785,7 @@ def aot_compile(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
     compile_aten_graph: GraphCompiler,
-    cache: ExecutableCache | None = None,
+    cache: BlobStore | None = None,
 ) -> Callable[..., Any]:
     """Runs aot_autograd on Dynamo's graph and hands each ATen graph it makes to
     ``compile_aten_graph(graph, inputs, kind=..., aot=...)``, ``kind`` being

@@ -30,7 +30,7 @@ from typing import Any
 
 from dynajax.capability.verdict import Reason
 from dynajax.lowering.registry import Rule
-from dynajax.runtime.cache import ExecutableCache
+from dynajax.store import BlobStore
 
 log = logging.getLogger("dynajax.capability")
 
@@ -49,7 +49,7 @@ class Evaluations:
     """The evaluations one ``CapabilityChecker`` consults; ``cache`` (None: the process
     only) is where they persist."""
 
-    def __init__(self, cache: ExecutableCache | None = None) -> None:
+    def __init__(self, cache: BlobStore | None = None) -> None:
         self._store = _store_for(cache)
         self._new: dict[str, tuple[str, str] | None] = {}
 
@@ -102,7 +102,7 @@ def _text(key: Any) -> str | None:
 class _Store:
     """The persistent entry of one cache directory, read once and merged on save."""
 
-    def __init__(self, cache: ExecutableCache) -> None:
+    def __init__(self, cache: BlobStore) -> None:
         self.cache = cache
         self.key = cache.value_key("verdicts", "abstract evaluations of built-in rules")
         self._known: dict[str, tuple[str, str] | None] | None = None
@@ -138,7 +138,7 @@ class _Store:
             )
 
 
-def _store_for(cache: ExecutableCache | None) -> _Store | None:
+def _store_for(cache: BlobStore | None) -> _Store | None:
     if cache is None or cache.directory is None:
         return None
     name = str(cache.directory)

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from dynajax.runtime.cache import ExecutableCache
+from dynajax.store import BlobStore
 
 log = logging.getLogger("dynajax.cache")
 
@@ -78,7 +78,7 @@ class Lookup:
     """One Dynamo graph's entry: its key (None where it cannot have one), and what
     became of it (``status``: shown in the reports of the graphs that ``follow`` it)."""
 
-    def __init__(self, cache: ExecutableCache | None, key: str | None, status: str) -> None:
+    def __init__(self, cache: BlobStore | None, key: str | None, status: str) -> None:
         self.cache = cache
         self.key = key
         self.miss = ""
@@ -205,7 +205,7 @@ def load_aten_graph(data: bytes) -> torch.fx.GraphModule:
 
 
 def lookup(
-    cache: ExecutableCache | None, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+    cache: BlobStore | None, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
 ) -> Lookup:
     """The entry of Dynamo's graph ``gm`` called with ``example_inputs`` (without a
     cache: no key, status ``traced``)."""

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import dynajax
-from dynajax.runtime import aot_cache, cache
+from dynajax import store
+from dynajax.runtime import aot_cache
 from tests.helpers import run_python
 from tests.models import mlp
 from tests.tolerances import assert_same
@@ -180,8 +181,8 @@ def test_stale_or_tampered_entry_is_a_miss(tmp_path, aot_runs, monkeypatch) -> N
         _compile(tmp_path, model)[0](x)
         entries = {p.name: p.read_bytes() for p in tmp_path.glob("*.*")}
         # another torch wrote it: stale, traced and replaced
-        real = cache.versions()
-        monkeypatch.setattr(cache, "versions", lambda: (*real, ("x", "other")))
+        real = store.versions()
+        monkeypatch.setattr(store, "versions", lambda: (*real, ("x", "other")))
         f, backend = _compile(tmp_path, model)
         assert_same(f(x), want)
         assert "stale entry (x changed)" in backend.graphs[0].aot

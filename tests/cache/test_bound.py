@@ -19,9 +19,8 @@ import pytest
 import torch
 
 import dynajax
-from dynajax import Options, OptionsError
+from dynajax import Options, OptionsError, store
 from dynajax.capability import memo
-from dynajax.runtime import cache
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from tests.cache.worker import graph
 from tests.tolerances import assert_same
@@ -98,7 +97,7 @@ def test_files_that_are_not_entries_are_never_evicted(tmp_path) -> None:
         (tmp_path / name).write_bytes(data)
     c = ExecutableCache(tmp_path, max_bytes=1)
     assert c.prune() == 0
-    old_tmp = tmp_path / f".tmp-{cache._HOST}-1-abc.part"  # a dynajax temp, a day old
+    old_tmp = tmp_path / f".tmp-{store._HOST}-1-abc.part"  # a dynajax temp, a day old
     old_tmp.write_bytes(b"half an entry")
     _age(old_tmp, 86_400)
     c.prune()
@@ -163,11 +162,11 @@ def test_four_processes_share_one_bounded_directory(tmp_path) -> None:
     assert 0 < sum(sizes.values()) <= bound, sizes
     assert sorted(p.name for p in directory.iterdir()) == sorted(sizes)  # no temp files
     # every entry left is whole and authentic
-    secret = cache.default_key_file().read_bytes()
+    secret = store.default_key_file().read_bytes()
     for name in sizes:
         blob = (directory / name).read_bytes()
-        body = blob[len(cache._MAGIC) + 32 :]
-        assert blob[len(cache._MAGIC) : len(cache._MAGIC) + 32] == cache._mac(
+        body = blob[len(store._MAGIC) + 32 :]
+        assert blob[len(store._MAGIC) : len(store._MAGIC) + 32] == store._mac(
             secret, name.split(".")[0], body
         )
 
@@ -211,12 +210,12 @@ def test_writer_killed_half_way_leaves_nothing_loadable(tmp_path, monkeypatch) -
 
 def test_young_temp_file_of_a_live_writer_is_kept(tmp_path) -> None:
     c = ExecutableCache(tmp_path, max_bytes=None)
-    live = tmp_path / f".tmp-{cache._HOST}-{os.getpid()}-abc.part"
+    live = tmp_path / f".tmp-{store._HOST}-{os.getpid()}-abc.part"
     live.write_bytes(b"being written")
     _age(live, 600)  # older than a minute, but its writer (this process) is alive
     _compile(c, 8)
     assert live.exists()
-    dead = tmp_path / f".tmp-{cache._HOST}-{_dead_pid()}-abc.part"
+    dead = tmp_path / f".tmp-{store._HOST}-{_dead_pid()}-abc.part"
     dead.write_bytes(b"half")  # a dead writer's, but only just written: kept for now
     c.prune()
     assert dead.exists()

@@ -18,7 +18,7 @@ import torch
 import dynajax
 from dynajax.lowering import attention
 from dynajax.runtime import cache
-from dynajax.runtime.cache import default_cache_dir
+from dynajax.store import default_cache_dir
 from tests.helpers import run_python
 from tests.models import mlp
 from tests.tolerances import assert_same
@@ -188,14 +188,14 @@ def test_truncated_entry_warns_and_recompiles(tmp_path) -> None:
 def test_entry_that_cannot_be_loaded_warns_and_recompiles(tmp_path) -> None:
     import pickle
 
-    from dynajax.runtime import cache
+    from dynajax import store
 
     x = torch.randn(4, 3)
     _run(tmp_path, _f, x)
     [entry] = _entries(tmp_path)
     body = pickle.dumps(("not an executable", None, None))
-    secret = cache.default_key_file().read_bytes()
-    entry.write_bytes(cache._MAGIC + cache._mac(secret, entry.stem, body) + body)  # authentic
+    secret = store.default_key_file().read_bytes()
+    entry.write_bytes(store._MAGIC + store._mac(secret, entry.stem, body) + body)  # authentic
     with pytest.warns(RuntimeWarning, match="cannot load cache entry"):
         out, stats = _run(tmp_path, _f, x)
     assert_same(out, _f(x))

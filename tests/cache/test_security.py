@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dynajax
-from dynajax.runtime import cache
+from dynajax import store
 from tests.tolerances import assert_same
 
 
@@ -46,7 +46,7 @@ class _Payload:
 def test_key_is_private_and_outside_the_cache(tmp_path) -> None:
     x = torch.randn(4, 3)
     _run(tmp_path / "cache", x)
-    key = cache.default_key_file()
+    key = store.default_key_file()
     assert key.parent.parent == Path(os.environ["XDG_CONFIG_HOME"])
     assert not key.is_relative_to(tmp_path / "cache")
     assert len(key.read_bytes()) == 32
@@ -57,11 +57,11 @@ def test_key_is_private_and_outside_the_cache(tmp_path) -> None:
 
 
 def _planted_bad_mac(body: bytes, name: str) -> bytes:
-    return cache._MAGIC + os.urandom(32) + body
+    return store._MAGIC + os.urandom(32) + body
 
 
 def _planted_other_key(body: bytes, name: str) -> bytes:
-    return cache._MAGIC + cache._mac(os.urandom(32), name, body) + body
+    return store._MAGIC + store._mac(os.urandom(32), name, body) + body
 
 
 def _planted_old_format(body: bytes, name: str) -> bytes:
@@ -139,7 +139,7 @@ def test_symlink_under_an_entry_name_is_not_followed(tmp_path) -> None:
 def test_unsafe_key_turns_the_cache_off(tmp_path, spoil, message) -> None:
     x = torch.randn(4, 3)
     _run(tmp_path, x)  # an entry, and the key
-    spoil(cache.default_key_file())
+    spoil(store.default_key_file())
     with pytest.warns(RuntimeWarning, match=message):
         out, stats = _run(tmp_path, x)
     assert_same(out, _f(x))
@@ -154,7 +154,7 @@ def test_key_created_by_many_at_once_is_one_key(tmp_path) -> None:
 
     def make() -> None:
         start.wait()
-        keys.append(cache._load_or_create_key(path))
+        keys.append(store._load_or_create_key(path))
 
     threads = [threading.Thread(target=make) for _ in range(8)]
     for t in threads:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import dynajax
+from dynajax import store
 from dynajax.lowering import interpreter
-from dynajax.runtime import cache
 from tests.helpers import count_calls, run_worker
 from tests.tolerances import assert_same
 
@@ -148,9 +148,9 @@ def test_entry_of_another_version_is_a_stale_miss(tmp_path, monkeypatch, caplog)
     f(x)
     upgraded = tuple(
         (name, value + "+edited" if name == "dynajax sources" else value)
-        for name, value in cache.versions()
+        for name, value in store.versions()
     )
-    monkeypatch.setattr(cache, "versions", lambda: upgraded)
+    monkeypatch.setattr(store, "versions", lambda: upgraded)
     f, warm = _compile(tmp_path, _f)
     with caplog.at_level(logging.DEBUG, logger="dynajax.cache"):
         assert_same(f(x), _f(x))

@@ -20,6 +20,7 @@ from typing import IO
 import torch
 
 import dynajax
+from dynajax import store
 from dynajax.runtime import cache
 
 
@@ -61,7 +62,7 @@ def stall(cache_dir: str, ready: Path) -> None:
         ready.touch()
         time.sleep(600)
 
-    cache._write_entry = half_then_sleep
+    store._write_entry = half_then_sleep
     torch.compile(graph, backend=dynajax.Backend(cache_dir=cache_dir))(torch.randn(4, 3))
     raise AssertionError("the write should have stalled until the process was killed")
 

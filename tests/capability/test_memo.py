@@ -7,13 +7,16 @@ evaluated afresh in each process, and a rule replaced meanwhile is evaluated aga
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import jax.numpy as jnp
 import pytest
 import torch
 
 import dynajax
+from dynajax import store
 from dynajax.capability import memo, support
-from dynajax.runtime import cache
 from tests.helpers import count_calls
 from tests.tolerances import assert_same
 
@@ -100,8 +103,8 @@ def test_stale_evaluations_are_evaluated_again(tmp_path, evaluations, monkeypatc
     _compile(tmp_path)[0](x)
     made = evaluations[0]
     _new_process(monkeypatch)
-    real = cache.versions()
-    monkeypatch.setattr(cache, "versions", lambda: (*real, ("dynajax sources", "edited")))
+    real = store.versions()
+    monkeypatch.setattr(store, "versions", lambda: (*real, ("dynajax sources", "edited")))
     _compile(tmp_path)[0](x)
     assert evaluations[0] == 2 * made
 
@@ -149,3 +152,21 @@ def test_keys_known_only_by_identity_are_not_kept() -> None:
     assert memo._text(("op", ("T", (3,), "float32"))) is not None
     assert memo._text(("op", ("id", 1234))) is None
     assert memo._text(("op", "<object at 0x7f00>")) is None
+
+
+def _dynajax_imports(path: Path) -> set[str]:
+    """The dynajax modules ``path`` imports, anywhere in it (functions included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {n for n in names if n.startswith("dynajax.")}
+
+
+def test_the_store_is_a_leaf_and_memo_does_not_reach_into_the_runtime() -> None:
+    assert _dynajax_imports(Path(store.__file__)) == {"dynajax._version.__version__"}
+    assert not any(
+        name.startswith("dynajax.runtime") for name in _dynajax_imports(Path(memo.__file__))
+    )
