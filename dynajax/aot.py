@@ -467,22 +467,61 @@ def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.f
     return gm
 
 
-@contextlib.contextmanager
-def _quiet_fake_tensors() -> Iterator[None]:
-    """FakeTensor's error log off: where an op fails on fake tensors it logs the
-    traceback at ERROR level before raising, and the caller's own error (which names
-    the op's message) is then the only thing the user should see."""
+class _Held:
+    """A process-wide change held while any block, in any thread, is inside: made by
+    the first block to enter and undone by the last to leave (a save/restore per block
+    would let two overlapping threads restore each other's values and leave the change
+    in place for good)."""
+
+    def __init__(self, make: Callable[[], Callable[[], None]]) -> None:
+        self._make = make  # makes the change, returns its undo
+        self._undo: Callable[[], None] | None = None
+        self._depth = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                self._undo = self._make()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._undo is not None:
+                    self._undo()
+                    self._undo = None
+
+
+def _silence_fake_tensor_log() -> Callable[[], None]:
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return lambda: logger.setLevel(level)
 
 
-@contextlib.contextmanager
-def compiling() -> Iterator[None]:
+# FakeTensor's error log off: where an op fails on fake tensors it logs the traceback at
+# ERROR level before raising, and the caller's own error (which names the op's message)
+# is then the only thing the user should see.
+_quiet_fake_tensors = _Held(_silence_fake_tensor_log)
+
+
+def _set_compiling_flag() -> Callable[[], None]:
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+
+    def undo() -> None:
+        torch.compiler._is_compiling_flag = old
+
+    return undo
+
+
+_compiling = _Held(_set_compiling_flag)
+
+
+def compiling() -> contextlib.AbstractContextManager[None]:
     """``torch.compiler.is_compiling()`` true for the length of the block, as during
     torch.export and torch.compile: model code takes its traceable paths (transformers'
     experts call its ``grouped_mm_fallback`` op, not ``torch._grouped_mm``, whose fake
@@ -492,18 +531,12 @@ def compiling() -> Iterator[None]:
 
     The flag is torch's, process-wide (not per thread), as it is under torch.compile:
     while a trace runs, another thread's eager code also reads ``is_compiling()`` as
-    true. Nested blocks restore the value they found."""
-    session = getattr(torch.compiler, "_compile_session_context", None)
-    if session is not None:
-        with session():
-            yield
-        return
-    old = torch.compiler._is_compiling_flag  # a torch without the private context
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = old
+    true. Blocks in several threads overlap safely: the first to enter sets it, the
+    last to leave restores it (a Dynamo compile in another thread saves and restores
+    it on its own). A torch without the flag: nothing is set."""
+    if not hasattr(torch.compiler, "_is_compiling_flag"):
+        return contextlib.nullcontext()
+    return _compiling()
 
 
 def eager_aware(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:

@@ -163,7 +163,7 @@ def test_a_bfloat16_autocast_norm_trains_as_eager(norm) -> None:
     # float32 where its meta kernel says bfloat16, and the backward refused those
     # ("expected scalar type Float but found BFloat16"; MIXED_DTYPE_KERNELS).
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), norm(8), torch.nn.Linear(8, 2))
     x = torch.randn(3, 4)
     compiled = torch.compile(
         lambda x: _autocast_layer_norm_loss(model, x), backend="dynajax", fullgraph=True
@@ -178,3 +178,37 @@ def test_a_bfloat16_autocast_norm_trains_as_eager(norm) -> None:
     for mine, p in zip(ours, model.parameters(), strict=True):
         # bfloat16 matmuls: the gradients agree to bfloat16's precision.
         torch.testing.assert_close(mine, p.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_the_compiling_flag_survives_overlapping_blocks_in_two_threads() -> None:
+    """The first block to enter sets torch's process-wide flag, the last to leave
+    restores it: with a save/restore per block, thread A leaving first would clear it
+    under B, and B would then restore A's True for good."""
+    import threading
+
+    from dynajax.aot import compiling
+
+    assert not torch.compiler.is_compiling()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def a() -> None:
+        with compiling():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait(5)
+        with compiling():
+            b_in.set()
+            a_out.wait(5)
+            seen.append(torch.compiler.is_compiling())  # A has left, B is still in
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [True]
+    assert not torch.compiler.is_compiling()

@@ -8,11 +8,12 @@
 
 How it is built: ``torch.export.export`` captures the module (in its current train/eval
 mode; a plain function is wrapped in a module), ``run_decompositions`` with dynajax's
-table gives the core ATen graph the backend sees, then the backend's own stages run on
-it: ``run_passes``, the capability verdicts, and the lowering table through
-``ExportInterpreter``. There is no partitioning: the whole graph is one JAX function.
-Ops without a JAX rule run in eager PyTorch through host callbacks
-(``interop/callbacks.py``), listed in ``fn.callbacks``; ``strict=True`` refuses them.
+table gives the core ATen graph the backend sees, then the whole-graph driver
+(``program/``) lowers it under jax_function's ``Policy``: ``run_passes``, the capability
+verdicts, and the lowering table through ``ExportInterpreter``. There is no
+partitioning: the whole graph is one JAX function. Ops without a JAX rule run in eager
+PyTorch through host callbacks (``program/callbacks.py``), listed in ``fn.callbacks``;
+``strict=True`` refuses them.
 
 The export's graph signature maps the graph's placeholders to state names
 (``inputs_to_parameters``, ``inputs_to_buffers``), lifted tensor constants (closed over,
@@ -66,7 +67,7 @@ from dynajax.program.callbacks import (
     from_numpy,
     raised_on_host,
 )
-from dynajax.program.interpreter import TRUNCATION_WARNING, SizeBindings
+from dynajax.program.interpreter import TRUNCATION_WARNING, SizeBindings, graph_constants
 from dynajax.runtime.conversion import to_jax
 from dynajax.sharding.placement import gather_to_torch
 
@@ -231,6 +232,8 @@ class JaxFunction:
         self._variants: dict[Any, JaxFunction] = {}
         self.checks = checks
         self.graph_module = gm
+        # the arrays of the tensors its get_attr nodes read (a user's pass may add one)
+        self._graph_constants = graph_constants(gm)
         self.callbacks = callbacks
         self.random_ops = random_ops
         sig = ep.graph_signature
@@ -612,7 +615,12 @@ class JaxFunction:
                 # arrays): the rules take jax.Arrays.
                 vals[i] = a if isinstance(a, jax.Array) else jnp.asarray(a)
             results, vector, found = run_graph(
-                self.graph_module, vals, key=key, sizes=sizes, check=check
+                self.graph_module,
+                vals,
+                key=key,
+                sizes=sizes,
+                check=check,
+                constants=self._graph_constants,
             )
             if not check:
                 return tuple(results), None

@@ -139,11 +139,16 @@ def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
         raise policy.error(
             policy.refusal + "\n" + "\n".join(f"  - {v.describe()}" for v in impossible)
         )
-    submodules = [
-        n.target
-        for n in gm.graph.nodes
-        if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.nn.Module)
-    ]
+    attrs = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    others = [t for t, a in attrs.items() if not isinstance(a, torch.nn.Module | torch.Tensor)]
+    if others:
+        kinds = ", ".join(sorted({type(attrs[t]).__name__ for t in others}))
+        raise policy.error(
+            f"the graph reads attributes that are neither tensors nor submodules "
+            f"({', '.join(others)}: {kinds}), which one JAX program cannot hold; keep "
+            "such values out of the traced code."
+        )
+    submodules = [t for t, a in attrs.items() if isinstance(a, torch.nn.Module)]
     if submodules:
         raise policy.error(
             "the graph has submodules (torch.cond, torch.while_loop or other control-flow "

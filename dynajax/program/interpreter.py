@@ -9,7 +9,7 @@ nodes the capability stage kept out of JAX:
     HOST_SCALAR (sym_size, operator.*,
       _assert_scalar, ...)            -> evaluated while tracing, from the traced shapes
     any other Unsupported             -> eager PyTorch through a host callback
-                                         (interop/callbacks.py)
+                                         (program/callbacks.py)
 
 Sizes are read from the arrays being traced (``x.shape[d]``), never from the hints
 torch.export recorded, so one graph serves every shape its dynamic dims allow: under

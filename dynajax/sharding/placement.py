@@ -308,7 +308,7 @@ class PartitionPlacement:
         return convert_by_shape
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
+@dataclasses.dataclass(frozen=True, repr=False, eq=False)
 class Crossing:
     """How one partition's tensors cross into JAX and its results back (``crossing``).
 

@@ -6,7 +6,8 @@ that state as torch's.
     step.state_dict()               # the model's state dict, trained values, torch tensors
     step.save_safetensors("m.safetensors")
 
-A checkpoint holds the parameters, buffers, the optimizer's state (keyed by parameter
+A checkpoint holds the parameters (the optimizer's and the frozen ones, which an op
+may write: an embedding's ``max_norm``), buffers, the optimizer's state (keyed by parameter
 name), PyTorch's RNG state (dropout's seeds are drawn from it) as arrays, and as JSON
 the step count, each param group's hyperparameters and every array's name, shape and
 dtype. An array with no elements (a parameter of shape ``(0, n)``, its moments) has
@@ -60,9 +61,11 @@ def _trees(step: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     for (i, key), a in step.state.items():
         optimizer.setdefault(names[i], {})[key] = a
     params = dict(zip(names, step.params, strict=True))
+    frozen = dict(zip(step.frozen_names, step.frozen, strict=True))
     buffers = dict(zip(step.buffer_names, step.buffers, strict=True))
     arrays = {
         "params": params,
+        "frozen": frozen,
         "buffers": buffers,
         "optimizer": optimizer,
         "rng": torch.get_rng_state().numpy(),
@@ -70,6 +73,7 @@ def _trees(step: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     meta = {
         "steps": step.steps,
         "params": _layout(params),
+        "frozen": _layout(frozen),
         "buffers": _layout(buffers),
         "optimizer": {n: _layout(s) for n, s in optimizer.items()},
         "optimizer_class": type(step.optimizer).__name__,
@@ -139,6 +143,8 @@ def restore(step: TrainState, directory: str | os.PathLike[str], at: int | None 
         target = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_sharding(a)), arrays
         )
+        if "frozen" not in saved.meta:
+            del target["frozen"]
         position = {n: i for i, n in enumerate(step.param_names)}
         target["optimizer"] = {
             name: {
@@ -164,6 +170,8 @@ def restore(step: TrainState, directory: str | os.PathLike[str], at: int | None 
         return jax.numpy.zeros(t.shape, t.dtype, device=t.sharding) if found is None else found
 
     step.params = [value("params", n) for n in step.param_names]
+    if "frozen" in saved.meta:  # (a checkpoint written before frozen ones were kept)
+        step.frozen = [value("frozen", n) for n in step.frozen_names]
     step.buffers = [value("buffers", n) for n in step.buffer_names]
     step.state = {
         (position[name], key): value("optimizer", name, key)
@@ -192,7 +200,9 @@ def _check_same_model(saved: dict[str, Any], ours: dict[str, Any], directory: An
         problems.append(
             f"optimizer: {saved['optimizer_class']} saved, {ours['optimizer_class']} here"
         )
-    for part in ("params", "buffers"):
+    for part in ("params", "frozen", "buffers"):
+        if part not in saved:
+            continue
         for name in sorted(set(saved[part]) | set(ours[part])):
             a, b = saved[part].get(name), ours[part].get(name)
             if a != b:

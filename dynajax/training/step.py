@@ -19,10 +19,10 @@ Eager's value checks run in the program; where one fails, the program returns th
 it took and the step raises eager's error.
 
 The program is ``training/graph.py``'s functional ATen graph of the whole step, lowered
-through the rule table by ``ExportInterpreter`` (ops without a JAX rule run in eager
-PyTorch through host callbacks, as in ``jax_function``) under ``jax.jit``, compiled once
-per batch signature and once more for the first step of an optimizer without state
-(that step creates the state).
+by the whole-graph driver (``program/``, under train_step's ``Policy``; ops without a
+JAX rule run in eager PyTorch through host callbacks, as in ``jax_function``) under
+``jax.jit``, compiled once per batch signature and once more for the first step of an
+optimizer without state (that step creates the state).
 """
 
 from __future__ import annotations
@@ -326,7 +326,8 @@ class TrainStep:
         state = self.train_state()
         with _x64():
             number = checkpoint.restore(state, directory, at)
-        self.params, self.buffers, self.state = state.params, state.buffers, state.state
+        self.params, self.frozen, self.buffers = state.params, state.frozen, state.buffers
+        self.state = state.state
         self.steps = state.steps
         assert self._view is not None
         self._view.release()  # the module's values are the old ones: sync on access

@@ -29,7 +29,8 @@ class ModuleView:
     Args:
         model: the trained module.
         optimizer: its optimizer.
-        tensors: the step's parameters then buffers (the tensor objects it trains).
+        tensors: the step's parameters, frozen parameters, then buffers (the tensor
+            objects it holds).
         sync: the step's ``sync``, which the hooks call. They hold the step (the module
             keeps it alive while the state lives there).
         release: whether tensors are released between syncs (``release_module=``).

@@ -255,6 +255,36 @@ def test_jax_function_and_export_apply_post_aot_passes() -> None:
     assert set(state) == {"lin.weight", "lin.bias"}
 
 
+def _add_a_constant(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A post_aot pass that adds a tensor, read by ``get_attr``, to the linear's
+    output (before the sine)."""
+    gm.register_buffer("_offset", torch.full((4,), 0.5))
+    [sin] = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sin.default]
+    with gm.graph.inserting_before(sin):
+        offset = gm.graph.get_attr("_offset")
+        shifted = gm.graph.call_function(torch.ops.aten.add.Tensor, (sin.args[0], offset))
+    val = sin.args[0].meta["val"]
+    offset.meta["val"] = val.fake_mode.from_tensor(gm._offset)
+    shifted.meta["val"] = val  # as a pass must: the value each new node computes
+    sin.args = (shifted,)
+    gm.recompile()
+    return gm
+
+
+def test_a_tensor_a_users_pass_adds_to_a_jax_function_is_read_when_it_runs() -> None:
+    """(The whole-graph driver's constants reach jax_function's calls: before, such a
+    graph built and its first call failed.)"""
+    import jax
+    import numpy as np
+
+    torch.manual_seed(0)
+    model, x = SinModel(), torch.randn(3, 4)
+    fn, state = dynajax.jax_function(model, x, passes={"post_aot": _add_a_constant})
+    with torch.no_grad():
+        expected = torch.sin(model.lin(x) + 0.5)
+    assert_same(torch.from_numpy(np.asarray(jax.jit(fn)(state, x.numpy()))), expected)
+
+
 def test_jax_function_applies_rewrites_and_their_gradients() -> None:
     import jax
     import numpy as np

@@ -640,6 +640,44 @@ def _rewind_then(then: str) -> None:
     assert_same(dict(ours.state_dict()), dict(eager.state_dict()), model=True)
 
 
+class _Decaying(nn.Module):
+    """A frozen parameter the forward writes in place (a decaying temperature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 5)
+        self.temperature = nn.Parameter(torch.tensor(2.0), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.temperature.mul_(0.5)
+        return self.linear(x) / self.temperature
+
+
+def test_a_checkpoint_keeps_what_the_program_wrote_into_a_frozen_parameter(tmp_path) -> None:
+    """A frozen parameter the program writes is in the checkpoint: a fresh model
+    restored from it trains on as the run that saved it."""
+    batches = [(x, torch.arange(8) % 5) for x, _ in _data(5)]
+    eager, ours = _twins(_Decaying)
+    eager_opt = optim.SGD(eager.linear.parameters(), lr=1e-2)
+    expected = [_eager_step(eager, eager_opt, _classification, *b) for b in batches]
+
+    step = dynajax.train_step(ours, optim.SGD(ours.linear.parameters(), lr=1e-2), _classification)
+    for b in batches[:2]:
+        step(*b)
+    step.save(tmp_path)
+
+    _, fresh = _twins(_Decaying)  # its temperature 2.0: only the checkpoint has 0.5
+    resumed = dynajax.train_step(
+        fresh, optim.SGD(fresh.linear.parameters(), lr=1e-2), _classification
+    )
+    assert resumed.restore(tmp_path) == 2
+    actual = [float(resumed(*b)) for b in batches[2:]]
+    np.testing.assert_allclose(actual, expected[2:], rtol=1e-4, atol=1e-6)
+    resumed.sync()
+    assert_same(dict(fresh.state_dict()), dict(eager.state_dict()), model=True)
+
+
 @pytest.mark.parametrize(
     "then", ["another step takes over", "save and restore", "a param group edit"]
 )
@@ -650,24 +688,29 @@ def test_what_the_user_loads_into_the_module_is_the_state(then: str) -> None:
     _rewind_then(then)
 
 
+class _MaxNormModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8, padding_idx=9, max_norm=1.0)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x).mean(1))
+
+
+def _frozen_max_norm(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        model.embed.weight.mul_(3.0)  # rows past the norm, so that reading renorms them
+    return model.embed.requires_grad_(False)
+
+
 def test_a_frozen_embedding_with_max_norm_is_renormalized_as_in_eager() -> None:
     # F.embedding's max_norm rescales the rows it reads, in place, in the weight: a frozen
     # weight (read, not trained) written so must carry the write to the next step (the
     # training fuzzer's seed 1, run 260: the validation loss drifted by 2e-4).
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(10, 8, padding_idx=9, max_norm=1.0)
-            self.head = nn.Linear(8, 5)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.embed(x).mean(1))
-
-    eager, ours = _twins(Model)
+    eager, ours = _twins(_MaxNormModel)
     for model in (eager, ours):
-        with torch.no_grad():
-            model.embed.weight.mul_(3.0)  # rows past the norm, so that reading renorms them
-        model.embed.requires_grad_(False)
+        _frozen_max_norm(model)
     eager_opt = optim.Adam(eager.head.parameters(), lr=1e-2)
     our_opt = optim.Adam(ours.head.parameters(), lr=1e-2)
     step = dynajax.train_step(ours, our_opt, _classification)
