@@ -28,6 +28,7 @@ from dynajax.capability.memo import Evaluations
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, graph_report, snapshot_graph
 from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
+from dynajax.diagnostics.recompiles import DynamoCompile, dynamo_compile
 from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitched_callable
 from dynajax.passes import run_passes
@@ -110,6 +111,11 @@ class Backend:
             # Parameter and buffer names, by Dynamo input, for the sharding rules.
             names = dynamo_input_names(gm)
             compile_aten_graph = functools.partial(compile_aten_graph, input_names=names)
+        # Dynamo's compile id and, for a recompile, the guard failures that caused it:
+        # every graph of this Dynamo graph (forward, backward) reports them.
+        dynamo = dynamo_compile(self.options)
+        if dynamo is not None:
+            compile_aten_graph = functools.partial(compile_aten_graph, dynamo=dynamo)
         compiled = aot_compile(gm, example_inputs, compile_aten_graph, self.cache)
         # Dynamo calls what a backend returns unboxed, f(*inputs). aot_autograd's
         # forward is such a function, but it copies the ``_boxed_call`` flag of the boxed
@@ -128,6 +134,7 @@ class Backend:
         input_names: Sequence[StateName | None] = (),
         rewrites: Sequence[RewriteRecord] = (),
         aot: str | aot_cache.Lookup = "traced",
+        dynamo: DynamoCompile | None = None,
     ) -> Callable[..., Any]:
         """Compiles one ATen graph: JAX partitions for what JAX can run, eager for the rest.
 
@@ -137,6 +144,8 @@ class Backend:
         whether aot_autograd traced the graph or it was loaded from the cache, for the
         report: a string, or the graph's ``aot_cache.Lookup``, whose status the report
         follows (a training graph's entry is stored after its forward compiled).
+        ``dynamo``: the Dynamo compile the graph comes from, with the guard failures of
+        a recompile (the report's ``recompiles``).
         """
         gm = run_passes(
             gm,
@@ -201,6 +210,7 @@ class Backend:
             else:
                 report.aot = aot
             report.sharding = sharding
+            report.dynamo = dynamo
             if kind != "backward":  # (the forward's report shows its Dynamo graph's rewrites)
                 report.rewrites = list(rewrites)
             self.graphs.append(report)

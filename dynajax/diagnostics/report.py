@@ -11,6 +11,8 @@ import os
 import torch.fx
 
 from dynajax.capability import Reason, Unsupported, verdict_of
+from dynajax.diagnostics.recompiles import DynamoCompile
+from dynajax.diagnostics.recompiles import lines as recompile_lines
 from dynajax.diagnostics.whatif import WhatIf, current_partitions, rank, what_if
 from dynajax.partition import PREFIX, PartitionModule, compute_op_count
 from dynajax.passes.user import RewriteRecord
@@ -58,6 +60,9 @@ class GraphReport:
         aot: how the graph was made: ``traced`` by aot_autograd, ``loaded from the
             cache``, or traced and stored, with the reason of a miss or of not storing
             it (``runtime/aot_cache.py``).
+        dynamo: Dynamo's compile that produced the graph: its compile id and, for a
+            recompile, the guard failures that caused it (``diagnostics/recompiles.py``);
+            None when not compiled under Dynamo.
     """
 
     kind: str
@@ -73,6 +78,7 @@ class GraphReport:
     sharding: GraphSharding | None = None
     rewrites: list[RewriteRecord] = dataclasses.field(default_factory=list)
     aot: str = "traced"
+    dynamo: DynamoCompile | None = None
 
     @property
     def jax_ops(self) -> int:
@@ -128,6 +134,7 @@ class GraphReport:
                 out.append(f"    {w.op:<{width}}  {w.describe()}")
         if self.compile_stats is not None:
             out.extend(_stats_lines(self.compile_stats, "  "))
+        out.extend(recompile_lines(self.dynamo, self.compile_stats, "  "))
         if self.aot != "traced":
             out.append(f"  aot_autograd: {self.aot}")
         if self.sharding is not None:

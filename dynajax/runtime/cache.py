@@ -40,7 +40,10 @@ A cache never breaks a run. A missing entry compiles and stores; a corrupt,
 unauthenticated or unloadable entry warns, compiles and overwrites it; an unreadable or
 unwritable directory, or an unusable key, warns once and compiles. Hits and misses, with
 the reason of each miss, are logged on ``dynajax.cache`` and counted in a
-``CompileStats`` (shown in the Report).
+``CompileStats`` (shown in the Report), which also keeps a ``CompileEvent`` per
+executable compiled or loaded: its partition, inputs, why it was needed (``first
+call``, a new shape, ...), the seconds it took and a refused entry's reason. They are
+recorded on the compile path only; a call that finds its executable records nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import os
 import pickle
 import platform
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +82,40 @@ _STATS_LOCK = threading.Lock()
 COMPILER_OPTIONS: dict[str, Any] = {"xla_allow_excess_precision": False}
 
 
+# The reason of the one miss that refuses no entry: there was none.
+NOT_CACHED = "not cached yet"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileEvent:
+    """One executable of a partition, compiled by XLA or loaded from the persistent cache.
+
+    Attributes:
+        partition: the partition's name (``jax_0``).
+        inputs: its inputs' types as the executable takes them (padded to a bucket
+            where it pads), and the sizes bound into it: ``f32[8,3], i64[8], 8``.
+        reason: why it was needed: ``first call`` (the partition's first executable),
+            or, under dynamic shapes, ``new shape``, ``new bucket`` or ``evicted
+            earlier`` (max_executables), each with its detail.
+        seconds: what getting it took: trace, lowering and XLA's compile, or the load.
+        loaded: loaded from the persistent cache (not compiled).
+        cache: an enabled persistent cache's miss reason (``not cached yet``, ``stale
+            entry (torch changed)``); empty when loaded or when the cache is off.
+    """
+
+    partition: str
+    inputs: str
+    reason: str
+    seconds: float
+    loaded: bool = False
+    cache: str = ""
+
+    @property
+    def refused(self) -> str:
+        """The reason an existing cache entry was refused (stale, corrupt, ...), or ''."""
+        return "" if self.cache in ("", NOT_CACHED) else self.cache
+
+
 @dataclasses.dataclass
 class CompileStats:
     """What compiling a graph's partitions took, counted as it happens.
@@ -92,6 +130,8 @@ class CompileStats:
         buckets: partitions that pad dynamic dimensions to buckets.
         exact: partitions compiled per exact size although bucketing was asked for,
             with the reason (``jax_0: s0: reduce_sum over the padded dimension``).
+        events: every executable compiled or loaded, in order (``CompileEvent``): one
+            per XLA compile and per cache hit.
     """
 
     xla_compiles: int = 0
@@ -101,6 +141,7 @@ class CompileStats:
     cache_evictions: int = 0
     buckets: list[str] = dataclasses.field(default_factory=list)
     exact: list[str] = dataclasses.field(default_factory=list)
+    events: list[CompileEvent] = dataclasses.field(default_factory=list)
 
     def __iadd__(self, other: CompileStats) -> CompileStats:
         self.xla_compiles += other.xla_compiles
@@ -110,7 +151,23 @@ class CompileStats:
         self.cache_evictions += other.cache_evictions
         self.buckets.extend(other.buckets)
         self.exact.extend(other.exact)
+        self.events.extend(other.events)
         return self
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent getting executables: compiling (trace, lower, compile) and loading."""
+        return sum(e.seconds for e in self.events)
+
+    def recompiles(self) -> list[CompileEvent]:
+        """The events after each partition's first, and any whose cache entry was refused."""
+        seen: set[str] = set()
+        out = []
+        for e in self.events:
+            if e.partition in seen or e.refused:
+                out.append(e)
+            seen.add(e.partition)
+        return out
 
     def line(self) -> str:
         """``3 XLA compile(s), 2 cache hit(s), 3 miss(es) (not cached yet x3)``."""
@@ -205,10 +262,28 @@ class ExecutableCache(store.BlobStore):
         *,
         name: str = "",
         platform_name: str | None = None,
+        event: tuple[str, str, str] | None = None,
     ) -> jax.stages.Compiled:
-        """The executable of ``lowered``: loaded from the cache, or compiled and stored."""
+        """The executable of ``lowered``: loaded from the cache, or compiled and stored.
+
+        ``event``: (partition, inputs, reason) of the ``CompileEvent`` recorded in
+        ``stats`` (default: ``name``, no inputs, ``first call``)."""
+        start = time.perf_counter()
+        compiled, why = self._compile_lowered(lowered, stats, name, platform_name)
+        _record(stats, event or (name, "", "first call"), start, why)
+        return compiled
+
+    def _compile_lowered(
+        self,
+        lowered: jax.stages.Lowered,
+        stats: CompileStats,
+        name: str,
+        platform_name: str | None,
+    ) -> tuple[jax.stages.Compiled, str | None]:
+        """``compile``'s executable, and the cache's miss reason (None: loaded; '': the
+        cache is off)."""
         if self.directory is None:
-            return self._compile(lowered, stats)
+            return self._compile(lowered, stats), ""
         platform_name = platform_name or jax.default_backend()
         key = self.key(lowered, platform_name)
         path = self.directory / f"{key}.bin"
@@ -222,7 +297,7 @@ class ExecutableCache(store.BlobStore):
             with _STATS_LOCK:
                 stats.cache_hits += 1
             log.debug("cache hit: %s (%s)", name, key[:16])
-            return compiled
+            return compiled, None
         with _STATS_LOCK:
             stats.cache_misses[why] += 1
         log.debug("cache miss: %s (%s): %s", name, key[:16], why)
@@ -232,7 +307,7 @@ class ExecutableCache(store.BlobStore):
             if evicted:
                 with _STATS_LOCK:
                     stats.cache_evictions += evicted
-        return compiled
+        return compiled, why
 
     def program_key(self, program: str, platform_name: str) -> str:
         """The entry's name for a program described before tracing
@@ -259,6 +334,7 @@ class ExecutableCache(store.BlobStore):
         name: str = "",
         platform_name: str | None = None,
         extra: Callable[[], Any] = lambda: None,
+        event: tuple[str, str, str] | None = None,
     ) -> tuple[jax.stages.Compiled, Any]:
         """The executable of a program, loaded without tracing it when cached.
 
@@ -271,12 +347,18 @@ class ExecutableCache(store.BlobStore):
             platform_name: the platform the executable runs on.
             extra: what the trace recorded that a caller needs without tracing (the
                 value checks), stored with the executable; called after ``lower``.
+            event: (partition, inputs, reason) of the ``CompileEvent`` recorded in
+                ``stats``, timed from here (the trace and lowering included).
 
         Returns:
             The executable, and ``extra()`` as stored (None when ``program`` is None).
         """
+        start = time.perf_counter()
+        event = event or (name, "", "first call")
         if program is None or self.directory is None:
-            return self.compile(lower(), stats, name=name, platform_name=platform_name), None
+            exe, miss = self._compile_lowered(lower(), stats, name, platform_name)
+            _record(stats, event, start, miss)
+            return exe, None
         platform_name = platform_name or jax.default_backend()
         key = self.program_key(program, platform_name)
         path = self.directory / f"{key}.bin"
@@ -291,11 +373,13 @@ class ExecutableCache(store.BlobStore):
             with _STATS_LOCK:
                 stats.cache_hits += 1
             log.debug("cache hit: %s (%s, not traced)", name, key[:16])
+            _record(stats, event, start, None)
             return compiled, value
         with _STATS_LOCK:
             stats.cache_misses[why] += 1
         log.debug("cache miss: %s (%s): %s", name, key[:16], why)
         compiled = self._compile(lower(), stats)
+        _record(stats, event, start, why)  # (before storing it: compiled, not written)
         value = extra()
         if secret is not None and self._store(
             path, key, secret, compiled, name, trailer=(store.versions(), value)
@@ -382,6 +466,24 @@ class ExecutableCache(store.BlobStore):
             log.info("not caching %s: the executable cannot be serialized (%s)", name, e)
             return False
         return self._write_authentic(path, key, secret, body, f"the executable of {name}")
+
+
+def _record(
+    stats: CompileStats, event: tuple[str, str, str], start: float, miss: str | None
+) -> None:
+    """Adds the ``CompileEvent`` of an executable got since ``start``: loaded (``miss``
+    None), or compiled after the cache's miss ``miss`` ('' with the cache off)."""
+    partition, inputs, reason = event
+    done = CompileEvent(
+        partition,
+        inputs,
+        reason,
+        time.perf_counter() - start,
+        loaded=miss is None,
+        cache=miss or "",
+    )
+    with _STATS_LOCK:
+        stats.events.append(done)
 
 
 def stats_of(items: Any) -> CompileStats:

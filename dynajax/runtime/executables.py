@@ -14,6 +14,11 @@ from the persistent cache) and the executable is called directly:
   symbolic dimensions (a tuple, no per-call tracing).
 * ``pad_to_buckets``: symbols that ``buckets.check_padding`` proves safe are padded to
   the next power of two, so the LRU holds one executable per bucket.
+
+Each executable compiled (or loaded) is a ``CompileEvent`` in the partition's
+``CompileStats`` with the reason it was needed: ``first call``, then a new shape, a new
+bucket, or a shape whose executable the LRU dropped earlier (the Report's
+``recompiles``). They are recorded on a miss of the LRU only.
 """
 
 from __future__ import annotations
@@ -149,6 +154,10 @@ class Executables:
         self._allowed: dict[tuple[Any, int], bool] = {}
         self._lru: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
         self._lock = threading.RLock()
+        # Keys whose executable the LRU dropped, and the buckets compiled for (the sizes
+        # of the padded symbols): for the reason of compiling another executable.
+        self._evicted: set[Any] = set()
+        self._buckets: set[tuple[int, ...]] = set()
 
     def __len__(self) -> int:
         """Executables currently kept."""
@@ -156,10 +165,13 @@ class Executables:
 
     # -- compiling ----------------------------------------------------------------------
 
-    def compile(self, args: Sequence[Any], arrays: Sequence[Any]) -> jax.stages.Compiled:
+    def compile(
+        self, args: Sequence[Any], arrays: Sequence[Any], reason: str = "first call"
+    ) -> jax.stages.Compiled:
         """The executable for the inputs ``args`` (placeholder order; the static ones are
         bound into it), called on ``arrays`` (``[seed,] *`` the tensor inputs, converted).
-        The arrays' shapes, dtypes and devices are its signature. Call with x64 on."""
+        The arrays' shapes, dtypes and devices are its signature. Call with x64 on.
+        ``reason``: why it is needed, for its ``CompileEvent``."""
         statics = {i: _static(args[i]) for i in self.static_pos}
         avals = [
             jax.ShapeDtypeStruct(
@@ -195,6 +207,10 @@ class Executables:
             keep_unused=self.keep_unused,
         )
         shapes = ", ".join(str(list(a.shape)) for a in avals)
+        inputs = ", ".join(
+            [_short_type(a) for a in avals[1 if self.needs_seed else 0 :]]
+            + [str(v) for v in statics.values()]
+        )
         compiled, checks = self.cache.compile_traced(
             program,
             lower,
@@ -202,6 +218,7 @@ class Executables:
             name=f"{self.name}({shapes})",
             platform_name=self.platform_name,
             extra=lambda: table.checks if table is not None else None,
+            event=(self.name, inputs, reason),
         )
         if table is not None and checks is not None:
             table.record(checks)  # loaded without a trace: the checks it recorded
@@ -218,13 +235,29 @@ class Executables:
             if call is not None:
                 self._lru.move_to_end(key)
                 return call
-            call = self.compile(args, arrays)
+            call = self.compile(args, arrays, self._reason(key, args))
             self._lru[key] = call
             while len(self._lru) > self.max_executables:
                 old, _ = self._lru.popitem(last=False)
+                self._evicted.add(old)
                 self.stats.evictions += 1
                 log.debug("%s: dropped the executable of %s (max_executables)", self.name, old)
             return call
+
+    def _reason(self, key: Any, args: Sequence[Any]) -> str:
+        """Why the executable of ``key`` (missing from the LRU; ``args`` padded) is
+        compiled: the partition's first, one the LRU dropped, or a new shape, which
+        is a new bucket where the padded sizes are new."""
+        bucket = tuple(p.size(args) for p in self.plans or ())
+        new_bucket = bucket not in self._buckets
+        self._buckets.add(bucket)
+        if key in self._evicted:
+            return f"evicted earlier (max_executables={self.max_executables})"
+        if not self._lru and not self._evicted:
+            return "first call"
+        if self.plans and new_bucket:
+            return "new bucket (no executable for it yet)"
+        return "new shape (no executable for it yet)"
 
     # -- buckets ------------------------------------------------------------------------
 
@@ -306,6 +339,15 @@ class Executables:
                     log.info("%s: %s not padded (%s); one executable per size", self.name, sym, why)
             self.plans = plans
             return plans
+
+
+def _short_type(aval: Any) -> str:
+    """``f32[8,3]``: an input's dtype and shape, as JAX prints them."""
+    name = str(aval.dtype)
+    for long, short in (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i")):
+        name = name.replace(long, short)
+    name = name.replace("complex", "c")
+    return f"{name}[{','.join(map(str, aval.shape))}]"
 
 
 def _static(value: Any) -> Any:

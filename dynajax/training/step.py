@@ -356,7 +356,8 @@ class TrainStep:
 
     def report(self) -> str:
         """Where the state lives: the device or mesh, and per part (parameters,
-        buffers, optimizer state) its whole size and the bytes each device holds."""
+        buffers, optimizer state) its whole size and the bytes each device holds; then
+        the programs traced and why each after the first was (``retraces``)."""
         lines = report_lines(
             self.layout,
             {
@@ -371,6 +372,15 @@ class TrainStep:
             names = self._state_names
             lines.append("  kept whole in the module (not released between syncs):")
             lines += [f"    {names[i]}: {why}" for i, why in view.kept.items()]
+        lines.append(f"  programs traced: {self.traces}")
+        if self.retraces:
+            lines.append(
+                "  retraced for a change of the module, optimizer or loss (step.retraces):"
+            )
+            counts: dict[str, int] = {}
+            for why in self.retraces:
+                counts[why] = counts.get(why, 0) + 1
+            lines += [f"    {why}" + (f" x{n}" if n > 1 else "") for why, n in counts.items()]
         return "\n".join(lines)
 
     # -- the step -----------------------------------------------------------------
