@@ -79,6 +79,8 @@ import jax
 import jaxlib
 import torch
 
+from dynajax._version import __version__
+
 log = logging.getLogger("dynajax.cache")
 
 FORMAT = 4  # bump when the on-disk layout changes
@@ -125,8 +127,6 @@ def versions() -> tuple[tuple[str, str], ...]:
     loaded: the versions of jax, jaxlib, torch and dynajax, and a digest of dynajax's
     sources (its rules are code; a rule edited without a new version must not reuse old
     programs)."""
-    from dynajax._version import __version__
-
     package = Path(__file__).resolve().parent  # (this module lies at dynajax's top)
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):

@@ -871,7 +871,10 @@ def jax_function(
             torch.export's reason.
         strict: raise ``CallbackOpsError`` listing every op without a JAX rule (with
             its source line), instead of running those ops in eager PyTorch through
-            host callbacks.
+            host callbacks. It holds for torch's backward too: where ``jax.grad``
+            differentiates through torch's own backward graph (``interop/autograd.py``)
+            and that graph has an op without a rule, the error comes when
+            ``jax.grad`` traces, not here.
         fallback_ops: ops to run in eager PyTorch through host callbacks even where a
             JAX rule exists, as the backend's option of that name: ``"aten.sort"`` (all
             overloads) or ``"aten.sort.default"``. ``strict`` accepts these.

@@ -101,9 +101,12 @@ def input_vals(gm: torch.fx.GraphModule) -> list[Any]:
 
 def output_vals(gm: torch.fx.GraphModule) -> list[Any]:
     """The ``meta["val"]`` of each output of ``gm`` (a non-node output as itself)."""
-    out = gm.graph.output_node().args[0]
-    outs = out if isinstance(out, list | tuple) else [out]
-    return [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outs]
+    for node in reversed(gm.graph.nodes):
+        if node.op == "output":
+            out = node.args[0]
+            outs = out if isinstance(out, list | tuple) else [out]
+            return [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outs]
+    return []
 
 
 def needs_key(gm: torch.fx.GraphModule) -> bool:

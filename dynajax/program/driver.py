@@ -155,13 +155,9 @@ def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
             f"operators: {', '.join(submodules)}), which one JAX program does not lower yet."
         )
     nodes = {n.name: n for n in gm.graph.nodes}
-    callbacks = [
-        v
-        for v in refused
-        if v.reason is not Reason.HOST_SCALAR
-        # A getitem picking an output of a callback is no callback of its own.
-        and nodes[v.node].target is not operator.getitem
-    ]
+    # (``annotate`` returns fallbacks only: host-scalar nodes are evaluated while
+    # tracing.) A getitem picking an output of a callback is no callback of its own.
+    callbacks = [v for v in refused if nodes[v.node].target is not operator.getitem]
     unwanted = [v for v in callbacks if not v.reason.is_choice]
     if policy.strict and unwanted:
         raise CallbackOpsError(unwanted)

@@ -237,6 +237,78 @@ class Placement:
         return lambda a: base(a.addressable_data(0))
 
 
+def resolve_device(value: Any) -> jax.Device | None:
+    """A ``jax.Device`` from a device or a ``"platform[:index]"`` string."""
+    if value is None or isinstance(value, jax.Device):
+        return value
+    if not isinstance(value, str):
+        raise OptionsError(
+            f"device must be a jax.Device or a string like 'cpu:1' or 'gpu:0', got {value!r}."
+        )
+    platform, _, index = value.strip().partition(":")
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        available = sorted({d.platform for d in jax.devices()} | {"cpu"})
+        raise OptionsError(
+            f"device {value!r}: JAX has no {platform!r} devices here; available platforms: "
+            f"{', '.join(available)}."
+        ) from None
+    if not index:
+        return devices[0]
+    if not index.isdigit() or int(index) >= len(devices):
+        raise OptionsError(
+            f"device {value!r}: JAX has {len(devices)} {platform} device(s), numbered "
+            f"0 to {len(devices) - 1}."
+        )
+    return devices[int(index)]
+
+
+def check_mesh(mesh: Any, device: Any) -> None:
+    """Raises ``OptionsError`` unless ``mesh`` is None or a concrete ``Mesh`` given
+    without ``device``."""
+    if mesh is None:
+        return
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        raise OptionsError(
+            "mesh must be a concrete jax.sharding.Mesh with devices; an AbstractMesh has "
+            "none to place tensors on (build one with jax.make_mesh or "
+            "jax.sharding.Mesh(devices, axis_names))."
+        )
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise OptionsError(
+            f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('data',))), got "
+            f"{type(mesh).__name__}: {mesh!r}."
+        )
+    if device is not None:
+        raise OptionsError(
+            f"device={device} and mesh= both say where the JAX partitions run; pass one: "
+            "device= for one device, mesh= for several (a mesh of one device is the same "
+            "as device=)."
+        )
+
+
+def placement_of(
+    tensors: Sequence[torch.Tensor], device: Any = None, mesh: Any = None, rules: RulesLike = None
+) -> Placement:
+    """Where one whole program runs (``train_step``'s options): ``mesh`` (laid out by
+    ``rules``), ``device``, or by default the JAX device of ``tensors`` (the model's own:
+    the CPU for a CPU model)."""
+    device = resolve_device(device)
+    check_mesh(mesh, device)
+    if mesh is not None:
+        return Placement(mesh=mesh, rules=rules)
+    if rules is not None:
+        raise OptionsError(
+            "sharding= lays the state out on a mesh: pass mesh= too (e.g. "
+            "jax.make_mesh((8,), ('data',)))."
+        )
+    if device is None:
+        first = tensors[0] if tensors else torch.empty(0)
+        device = cpu_device() if first.device.type == "cpu" else next(iter(to_jax(first).devices()))
+    return Placement(device=device)
+
+
 class PartitionPlacement:
     """The placement of one partition's inputs (``Placement.for_partition``).
 
@@ -314,7 +386,8 @@ class Crossing:
 
     Attributes:
         partition: the ``device=``/``mesh=`` decisions (None: where the tensors are).
-        device_type: the torch device type eager runs the graph on (None: several).
+        device_type: the torch device type eager runs the graph on (None: several, or a
+            graph with no tensors).
         device: the JAX device partitions are placed on (None: where the tensors are,
             or a mesh).
         multi_device: placed on a mesh of several devices.
@@ -357,6 +430,13 @@ class Crossing:
     @property
     def multi_device(self) -> bool:
         return self.partition is not None and self.partition.multi_device
+
+    @property
+    def persistent(self) -> bool:
+        """Whether its executables may come from the persistent cache: not on a mesh of
+        several devices (the cache keys a program by platform, not by devices, and a
+        loaded executable must run on this mesh's devices)."""
+        return not self.multi_device
 
     @property
     def out_sharding(self) -> Sharding | None:

@@ -40,16 +40,13 @@ import torch
 from torch import nn
 
 from dynajax.capability import Reason
-from dynajax.config import check_mesh, resolve_device
-from dynajax.errors import OptionsError, TrainStepError
+from dynajax.errors import TrainStepError
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.program import NEVER, Policy, failed, lower, select_unless_failed
 from dynajax.runtime.compiled import draw_seed
-from dynajax.runtime.conversion import cpu_device, to_jax
 from dynajax.runtime.jax_internals import X64
-from dynajax.sharding import Placement
-from dynajax.sharding.placement import gather_to_torch
+from dynajax.sharding.placement import gather_to_torch, placement_of
 from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
 from dynajax.training.graph import BatchLayout, StateKey, StepGraph, trace_step
@@ -140,7 +137,7 @@ class TrainStep:
         owner = _OWNERS.get(model)
         if owner is not None:
             owner._let_go()  # the module whole: its tensors say where the step runs
-        self._placement = _placement(list(model.parameters()), device, mesh, sharding)
+        self._placement = placement_of(list(model.parameters()), device, mesh, sharding)
         self._own()
 
     # -- state --------------------------------------------------------------------
@@ -624,26 +621,6 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
         tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "lr")))
         for g in optimizer.param_groups
     )
-
-
-def _placement(
-    params: Sequence[torch.Tensor], device: Any, mesh: Any, sharding: RulesLike
-) -> Placement:
-    """Where the step runs: ``mesh`` (with ``sharding``), ``device``, or by default the
-    JAX device of the model's own tensors (the CPU for a CPU model)."""
-    device = resolve_device(device)
-    check_mesh(mesh, device)
-    if mesh is not None:
-        return Placement(mesh=mesh, rules=sharding)
-    if sharding is not None:
-        raise OptionsError(
-            "sharding= lays the state out on a mesh: pass mesh= too (e.g. "
-            "jax.make_mesh((8,), ('data',)))."
-        )
-    if device is None:
-        first = params[0] if params else torch.empty(0)
-        device = cpu_device() if first.device.type == "cpu" else next(iter(to_jax(first).devices()))
-    return Placement(device=device)
 
 
 def _output_shapes(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
