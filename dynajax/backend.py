@@ -28,6 +28,7 @@ from dynajax.capability.memo import Evaluations
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, graph_report, snapshot_graph
 from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
+from dynajax.diagnostics.profile import GraphTimes, ProfiledPartition, profiled_graph
 from dynajax.diagnostics.recompiles import DynamoCompile, dynamo_compile
 from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitched_callable
@@ -216,11 +217,17 @@ class Backend:
             self.graphs.append(report)
         log_fallbacks_once(report.fallbacks)
         trace_artifact(report.__str__)
+        times = None
+        if self.options.profile:  # innermost, so that a hook's wrapper is timed too
+            times = report.times = GraphTimes(f"dynajax/graph{report.index}")
+            for p in report.partitions:
+                setattr(gm, p.name, ProfiledPartition(times, p.name, getattr(gm, p.name)))
         hook = self.partition_hook
         if hook is not None:
             for p in report.partitions:
                 setattr(gm, p.name, hook(report, p.name, getattr(gm, p.name)))
-        return stitched_callable(gm)
+        run = stitched_callable(gm)
+        return profiled_graph(run, times) if times is not None else run
 
 
 def dynajax_backend(

@@ -12,11 +12,11 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import jax
 import torch
 
 from dynajax.errors import OptionsError
 from dynajax.passes.user import normalize_passes, normalize_rewrites
+from dynajax.sharding.placement import check_mesh, resolve_device
 from dynajax.sharding.rules import ShardingRules
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -107,6 +107,15 @@ class Options:
             torch.fx's ``SubgraphMatcher``; the replacement traced per match and may call
             ``dynajax.call_jax``). The report lists each rewrite with its matches and
             their source lines. No environment variable.
+        profile: time every call of each graph and partition, and name them in the
+            profilers users already run: each partition's call is a range
+            ``dynajax/graph<i>/jax_<n>`` under ``torch.profiler.profile`` (a
+            ``record_function``) and inside ``jax.profiler.trace`` (a
+            ``TraceAnnotation``), each graph's call a range ``dynajax/graph<i>``; the
+            report then gives each partition's time split into its crossings and XLA's
+            run, and the time in PyTorch between partitions. Each call then waits for
+            XLA's result and pays a few microseconds for the ranges; off (the default),
+            the per-call path has none of this. Env: ``DYNAJAX_PROFILE``.
     """
 
     min_block_size: int = 1
@@ -123,6 +132,7 @@ class Options:
     sharding: Any = None
     passes: Any = ()
     rewrites: Any = ()
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.min_block_size, bool) or not isinstance(self.min_block_size, int):
@@ -137,6 +147,8 @@ class Options:
             )
         if not isinstance(self.strict, bool):
             raise OptionsError(f"strict must be True or False, got {self.strict!r}.")
+        if not isinstance(self.profile, bool):
+            raise OptionsError(f"profile must be True or False, got {self.profile!r}.")
         if not isinstance(self.checks, bool):
             raise OptionsError(f"checks must be True or False, got {self.checks!r}.")
         if not isinstance(self.perf_fallbacks, bool):
@@ -274,57 +286,6 @@ def _op_name(op: Any) -> str:
     return op._qualified_op_name.replace("::", ".")
 
 
-def resolve_device(value: Any) -> jax.Device | None:
-    """A ``jax.Device`` from a device or a ``"platform[:index]"`` string."""
-    if value is None or isinstance(value, jax.Device):
-        return value
-    if not isinstance(value, str):
-        raise OptionsError(
-            f"device must be a jax.Device or a string like 'cpu:1' or 'gpu:0', got {value!r}."
-        )
-    platform, _, index = value.strip().partition(":")
-    try:
-        devices = jax.devices(platform)
-    except RuntimeError:
-        available = sorted({d.platform for d in jax.devices()} | {"cpu"})
-        raise OptionsError(
-            f"device {value!r}: JAX has no {platform!r} devices here; available platforms: "
-            f"{', '.join(available)}."
-        ) from None
-    if not index:
-        return devices[0]
-    if not index.isdigit() or int(index) >= len(devices):
-        raise OptionsError(
-            f"device {value!r}: JAX has {len(devices)} {platform} device(s), numbered "
-            f"0 to {len(devices) - 1}."
-        )
-    return devices[int(index)]
-
-
-def check_mesh(mesh: Any, device: Any) -> None:
-    """Raises ``OptionsError`` unless ``mesh`` is None or a concrete ``Mesh`` given
-    without ``device``."""
-    if mesh is None:
-        return
-    if isinstance(mesh, jax.sharding.AbstractMesh):
-        raise OptionsError(
-            "mesh must be a concrete jax.sharding.Mesh with devices; an AbstractMesh has "
-            "none to place tensors on (build one with jax.make_mesh or "
-            "jax.sharding.Mesh(devices, axis_names))."
-        )
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise OptionsError(
-            f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('data',))), got "
-            f"{type(mesh).__name__}: {mesh!r}."
-        )
-    if device is not None:
-        raise OptionsError(
-            f"device={device} and mesh= both say where the JAX partitions run; pass one: "
-            "device= for one device, mesh= for several (a mesh of one device is the same "
-            "as device=)."
-        )
-
-
 def _parse_bool(name: str, raw: str) -> bool:
     low = raw.strip().lower()
     if low in _TRUE:
@@ -355,6 +316,7 @@ _ENV = {
     "DYNAJAX_CHECKS": ("checks", _parse_bool),
     "DYNAJAX_PERF_FALLBACKS": ("perf_fallbacks", _parse_bool),
     "DYNAJAX_DEVICE": ("device", lambda n, r: r),
+    "DYNAJAX_PROFILE": ("profile", _parse_bool),
 }
 
 

@@ -7,10 +7,13 @@ import dataclasses
 import functools
 import operator
 import os
+from collections.abc import Callable
 
 import torch.fx
 
 from dynajax.capability import Reason, Unsupported, verdict_of
+from dynajax.diagnostics.breaks import GraphBreak
+from dynajax.diagnostics.profile import GraphTimes
 from dynajax.diagnostics.recompiles import DynamoCompile
 from dynajax.diagnostics.recompiles import lines as recompile_lines
 from dynajax.diagnostics.whatif import WhatIf, current_partitions, rank, what_if
@@ -60,6 +63,8 @@ class GraphReport:
         aot: how the graph was made: ``traced`` by aot_autograd, ``loaded from the
             cache``, or traced and stored, with the reason of a miss or of not storing
             it (``runtime/aot_cache.py``).
+        times: with the ``profile`` option, the graph's calls and its partitions',
+            timed (``diagnostics/profile.py``); None without it.
         dynamo: Dynamo's compile that produced the graph: its compile id and, for a
             recompile, the guard failures that caused it (``diagnostics/recompiles.py``);
             None when not compiled under Dynamo.
@@ -78,6 +83,7 @@ class GraphReport:
     sharding: GraphSharding | None = None
     rewrites: list[RewriteRecord] = dataclasses.field(default_factory=list)
     aot: str = "traced"
+    times: GraphTimes | None = None
     dynamo: DynamoCompile | None = None
 
     @property
@@ -137,6 +143,8 @@ class GraphReport:
         out.extend(recompile_lines(self.dynamo, self.compile_stats, "  "))
         if self.aot != "traced":
             out.append(f"  aot_autograd: {self.aot}")
+        if self.times is not None:
+            out.extend(self.times.lines("  "))
         if self.sharding is not None:
             out.extend(self.sharding.lines("  ", eager_ops=len(self.fallbacks)))
         if self.host_scalars:
@@ -213,18 +221,43 @@ class Report:
     """
 
     graphs: list[GraphReport]
+    # What ``dynajax.explain`` adds, from its measured call of the whole program:
+    breaks: list[GraphBreak] | None = None  # where Dynamo stopped capturing
+    outside_ops: int | None = None  # ATen ops that ran outside any graph
+    graph_calls: dict[int, int] | None = None  # calls of each graph (by index)
+    call_s: float | None = None  # seconds of one call of the compiled program (mean)
+    eager_s: float | None = None  # seconds of one eager call (mean)
 
     @property
     def aten_ops(self) -> int:
+        """ATen ops of dynajax's graphs (each graph once)."""
         return sum(g.aten_ops for g in self.graphs)
 
     @property
     def jax_ops(self) -> int:
+        """ATen ops of dynajax's graphs that run in JAX (each graph once)."""
         return sum(g.jax_ops for g in self.graphs)
+
+    def _per_call(self, ops: Callable[[GraphReport], int]) -> int:
+        calls = self.graph_calls or {}
+        return sum(calls.get(g.index, 0) * ops(g) for g in self.graphs)
+
+    @property
+    def program_ops(self) -> int | None:
+        """ATen ops of one call of the whole program (``dynajax.explain``'s measured
+        call): those of the graphs it called, as often as it called them, and those run
+        outside any graph. None where unknown (a report built from a backend's graphs)."""
+        if self.outside_ops is None:
+            return None
+        return self._per_call(lambda g: g.aten_ops) + self.outside_ops
 
     @property
     def fraction_in_jax(self) -> float:
-        """Share of ATen ops that ran in JAX (1.0 for a graph with no ops)."""
+        """Share of ATen ops that ran in JAX: of the whole program's where known
+        (``program_ops``), else of dynajax's graphs' (1.0 for no ops at all)."""
+        total = self.program_ops
+        if total is not None:
+            return self._per_call(lambda g: g.jax_ops) / total if total else 1.0
         return self.jax_ops / self.aten_ops if self.aten_ops else 1.0
 
     @property
@@ -269,10 +302,45 @@ class Report:
         render(self.to_dot(), path, "png")
 
     def __str__(self) -> str:
-        lines = [
-            f"dynajax report: {len(self.graphs)} graph(s), {self.jax_ops}/{self.aten_ops} "
-            f"ATen ops in JAX ({100 * self.fraction_in_jax:.1f}%)"
-        ]
+        total = self.program_ops
+        if total is None:
+            lines = [
+                f"dynajax report: {len(self.graphs)} graph(s), {self.jax_ops}/{self.aten_ops} "
+                f"ATen ops in JAX ({100 * self.fraction_in_jax:.1f}%)"
+            ]
+        else:
+            inside = self._per_call(lambda g: g.aten_ops)
+            lines = [
+                f"dynajax report: {len(self.graphs)} graph(s), "
+                f"{self._per_call(lambda g: g.jax_ops)}/{total} of the program's ATen ops in "
+                f"JAX ({100 * self.fraction_in_jax:.1f}%): {inside} in dynajax's graphs, "
+                f"{self.outside_ops} outside any graph"
+            ]
+        if self.call_s is not None:
+            graphs_ms = sum(
+                (g.times.graph.mean_ms(g.times.graph.total_s) if g.times is not None else 0.0)
+                * (self.graph_calls or {}).get(g.index, 0)
+                for g in self.graphs
+            )
+            eager = (
+                f"; eager PyTorch {1e3 * self.eager_s:.3f} ms ({self.eager_s / self.call_s:.2f}x "
+                "the compiled program's time)"
+                if self.eager_s is not None
+                else ""
+            )
+            lines.append(
+                f"time per call: {1e3 * self.call_s:.3f} ms, {graphs_ms:.3f} ms of it in dynajax's "
+                f"graphs{eager}"
+            )
+        if self.breaks:
+            lines.append(
+                f"Dynamo left {len(self.breaks)} place(s) to Python (its ops ran in eager "
+                "PyTorch, outside any graph):"
+            )
+            for b in self.breaks:
+                lines.extend(b.lines("  "))
+        elif self.breaks is not None:
+            lines.append("Dynamo captured the whole program: no graph breaks.")
         if any(g.compile_stats is not None for g in self.graphs):
             lines.append(f"compiles: {self.compile_stats.line()}")
         for g in self.graphs:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -56,7 +57,7 @@ from dynajax.runtime.inputs import InputCache
 from dynajax.runtime.jax_internals import X64, array_putter, direct_executor, dispatch_of
 from dynajax.runtime.programs import describe_partition
 
-if TYPE_CHECKING:  # placement decides, the runtime asks: no import at run time
+if TYPE_CHECKING:  # placement decides (the backend asks it), the runtime takes its answer
     from dynajax.sharding.placement import Crossing
 
 _from_numpy = torch.from_numpy
@@ -147,10 +148,8 @@ class CompiledPartition(torch.nn.Module):
         self.device_type = crossing.device_type
         self.placement = crossing.partition
         self.device = crossing.device
-        if crossing.multi_device:
-            # The persistent cache keys a program by platform, not by devices, and a
-            # loaded executable must run on this mesh's devices: compile here.
-            cache = None
+        if not crossing.persistent:
+            cache = None  # compiled here (a mesh: see Crossing.persistent)
         self._cpu_outputs = crossing.cpu_outputs
         self.stats = stats if stats is not None else CompileStats()
         self.executables = Executables(
@@ -406,6 +405,38 @@ class CompiledPartition(torch.nn.Module):
         if self._numpy_outputs:
             return list(map(_from_numpy, map(_asarray, outs)))
         return self._outputs(outs)
+
+    def run_in_phases(
+        self, tensors: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], tuple[float, float, float] | None]:
+        """``run``, timed (for the ``profile`` option; the regular path, never the
+        direct entry point): the outputs and the seconds of its three phases, the
+        crossing into JAX, XLA's run (waited for) and the crossing back; None for a
+        partition under dynamic shapes, whose padding and LRU are not split."""
+        if self.executables.dynamic:
+            return self.run(tensors), None
+        token = X64.enable()
+        try:
+            start = time.perf_counter()
+            arrays = self.inputs.arrays(tensors)
+            if self.needs_seed:
+                arrays.insert(0, draw_seed())
+            crossed = time.perf_counter()
+            call = self.dispatch
+            outs = self._first_call(tensors, arrays) if call is None else call(*arrays)
+            jax.block_until_ready(outs)
+            ran = time.perf_counter()
+            if (checks := self.value_checks) is not None and checks.checks:
+                checks.raise_if_failed(outs[-1], self.name)
+                outs = outs[:-1]
+            if self._numpy_outputs:
+                result = list(map(_from_numpy, map(_asarray, outs)))
+            else:
+                result = self._outputs(outs)
+            back = time.perf_counter()
+        finally:
+            X64.restore(token)
+        return result, (crossed - start, ran - crossed, back - ran)
 
     def _first_call(self, tensors: Sequence[Any], arrays: list[Any]) -> Any:
         """Compiles (or loads) the one executable of a static-shape graph and calls it."""

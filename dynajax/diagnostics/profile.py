@@ -1,0 +1,224 @@
+"""Where the time goes (option ``profile``): each graph's and partition's calls, timed
+and named in the profilers users already run.
+
+With ``profile=True`` the backend hands each compiled partition to ``ProfiledPartition``
+and each stitched graph to ``profiled_graph``. Every call then
+
+- opens a range named ``dynajax/graph<i>/jax_<n>`` (a partition) or ``dynajax/graph<i>``
+  (a graph) in ``torch.profiler`` (``record_function``) and in JAX's profiler
+  (``jax.profiler.TraceAnnotation``), so a Perfetto or TensorBoard trace shows
+  dynajax's programs beside PyTorch's kernels;
+- adds its seconds to the graph's ``GraphTimes``: per partition the crossing into JAX,
+  XLA's run (waited for) and the crossing back (``CompiledPartition.run_in_phases``),
+  and per graph the time outside its partitions: PyTorch's ops between them and the
+  stitching around them.
+
+The first call of each is kept apart (it compiles). Without ``profile`` none of this
+exists: the per-call path is the one the benchmarks measure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import torch
+
+
+@dataclasses.dataclass
+class Times:
+    """Calls of one graph or partition and their seconds.
+
+    Attributes:
+        first_s: the first call (XLA's compile included), None before it.
+        calls: the calls after the first.
+        total_s: their seconds, wall time.
+        cross_in_s, xla_s, cross_out_s: those seconds by phase (partitions of static
+            shapes; a partition under dynamic shapes counts its whole call as XLA's).
+    """
+
+    first_s: float | None = None
+    calls: int = 0
+    total_s: float = 0.0
+    cross_in_s: float = 0.0
+    xla_s: float = 0.0
+    cross_out_s: float = 0.0
+
+    def add(self, seconds: float, phases: tuple[float, float, float] | None = None) -> bool:
+        """Counts one call; False for the first, which is kept apart."""
+        if self.first_s is None:
+            self.first_s = seconds
+            return False
+        self.calls += 1
+        self.total_s += seconds
+        cross_in, xla, cross_out = phases if phases is not None else (0.0, seconds, 0.0)
+        self.cross_in_s += cross_in
+        self.xla_s += xla
+        self.cross_out_s += cross_out
+        return True
+
+    def restart(self) -> None:
+        """Forgets the calls after the first (``dynajax.explain`` times its own)."""
+        self.calls = 0
+        self.total_s = self.cross_in_s = self.xla_s = self.cross_out_s = 0.0
+
+    def mean_ms(self, seconds: float) -> float:
+        return 1e3 * seconds / self.calls if self.calls else 0.0
+
+
+@dataclasses.dataclass
+class GraphTimes:
+    """One graph's calls (``GraphReport.times``): the graph's own, and each
+    partition's by name."""
+
+    label: str
+    graph: Times = dataclasses.field(default_factory=Times)
+    partitions: dict[str, Times] = dataclasses.field(default_factory=dict)
+    # seconds in partitions during the graph's calls after its first
+    inside_s: float = 0.0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def restart(self) -> None:
+        """Forgets the calls after the first, the graph's and its partitions'."""
+        with self._lock:
+            self.graph.restart()
+            for t in self.partitions.values():
+                t.restart()
+            self.inside_s = 0.0
+
+    @property
+    def between_s(self) -> float:
+        """Seconds of the graph's calls (after the first) outside its partitions: the
+        PyTorch ops between them and the stitching."""
+        return max(0.0, self.graph.total_s - self.inside_s)
+
+    def lines(self, indent: str = "  ") -> list[str]:
+        g = self.graph
+        if g.first_s is None:
+            return [f"{indent}time: not called yet"]
+        if not g.calls:
+            return [f"{indent}time: first call {1e3 * g.first_s:.2f} ms (compiles included)"]
+        out = [
+            f"{indent}time per call: {g.mean_ms(g.total_s):.3f} ms over {g.calls} call(s) "
+            f"after the first ({1e3 * g.first_s:.1f} ms, compiles included)"
+        ]
+        for name, t in self.partitions.items():
+            if not t.calls:
+                continue
+            out.append(
+                f"{indent}  {name:<8} {t.mean_ms(t.total_s):9.3f} ms  (into JAX "
+                f"{t.mean_ms(t.cross_in_s):.3f}, XLA {t.mean_ms(t.xla_s):.3f}, back to "
+                f"torch {t.mean_ms(t.cross_out_s):.3f})"
+            )
+        out.append(
+            f"{indent}  {'PyTorch':<8} {g.mean_ms(self.between_s):9.3f} ms  (ops kept in "
+            "PyTorch between partitions, and the stitching)"
+        )
+        return out
+
+
+class ProfiledPartition(torch.nn.Module):
+    """A compiled partition whose calls are timed and named (``profile=True``).
+
+    Args:
+        times: the graph's ``GraphTimes``.
+        name: the partition's name (``jax_0``).
+        part: the ``CompiledPartition``.
+    """
+
+    part: Any  # the CompiledPartition
+
+    def __init__(self, times: GraphTimes, name: str, part: Any) -> None:
+        super().__init__()
+        self.__dict__["part"] = part  # not a submodule: the graph calls this one
+        self.graph_module = part.graph_module
+        self.name = name
+        self.label = f"{times.label}/{name}"
+        self._times = times
+        self._own = times.partitions.setdefault(name, Times())
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        with torch.profiler.record_function(self.label), jax.profiler.TraceAnnotation(self.label):
+            outs, phases = self.part.run_in_phases(tensors)
+        seconds = time.perf_counter() - start
+        with self._times._lock:
+            if self._own.add(seconds, phases) and self._times.graph.first_s is not None:
+                self._times.inside_s += seconds
+        return outs
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.run(tensors))
+
+    forward = __call__
+
+
+def profiled_graph(run: Callable[..., Any], times: GraphTimes) -> Callable[..., Any]:
+    """The stitched graph's callable ``run`` (aot_autograd's boxed convention, with its
+    ``unboxed`` factory), its calls timed and named ``times.label``."""
+
+    def timed(call: Callable[..., Any]) -> Callable[..., Any]:
+        def profiled(*args: Any) -> Any:
+            start = time.perf_counter()
+            with (
+                torch.profiler.record_function(times.label),
+                jax.profiler.TraceAnnotation(times.label),
+            ):
+                out = call(*args)
+            with times._lock:
+                times.graph.add(time.perf_counter() - start)
+            return out
+
+        return profiled
+
+    boxed = timed(run)
+    boxed._boxed_call = True  # type: ignore[attr-defined]
+    boxed.graph_module = run.graph_module  # type: ignore[attr-defined]
+    unboxed = run.unboxed  # type: ignore[attr-defined]
+    boxed.unboxed = lambda *a, **k: timed(unboxed(*a, **k))  # type: ignore[attr-defined]
+    return boxed
+
+
+def count_ops(events: Sequence[Any]) -> tuple[int, dict[str, int]]:
+    """From a ``torch.profiler`` run of a program compiled with ``profile=True``: the
+    ATen ops it ran outside any dynajax graph, and the calls of each graph (by its
+    range's name).
+
+    An op is counted as PyTorch's kernels ran it: the innermost ATen calls the profiler
+    records (``aten::linear`` is its ``aten::addmm`` and the views under it; an eager
+    ``aten::gru`` is the ops of every step), which is how the graphs count theirs, after
+    decomposition to core ATen. Ops that torch.compile's own wrappers run around a
+    graph (writing a mutated input back) count as outside too.
+    """
+    has_child: set[int] = set()
+    for e in events:
+        parent = _aten_parent(e)
+        if e.name.startswith("aten::") and parent is not None:
+            has_child.add(id(parent))
+    outside = 0
+    calls: dict[str, int] = {}
+    for e in events:
+        if e.name.startswith(_PREFIX) and e.name.count("/") == 1:
+            calls[e.name] = calls.get(e.name, 0) + 1
+        elif e.name.startswith("aten::") and id(e) not in has_child:
+            if not any(p.name.startswith(_PREFIX) for p in _ancestors(e)):
+                outside += 1
+    return outside, calls
+
+
+_PREFIX = "dynajax/"
+
+
+def _ancestors(e: Any) -> Iterator[Any]:
+    p = e.cpu_parent
+    while p is not None:
+        yield p
+        p = p.cpu_parent
+
+
+def _aten_parent(e: Any) -> Any:
+    return next((p for p in _ancestors(e) if p.name.startswith("aten::")), None)

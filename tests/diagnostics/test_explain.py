@@ -1,0 +1,205 @@
+"""The report tells the whole program: what Dynamo left out (graph breaks, their
+reasons, lines and hints), the share of the program's ATen ops that ran in JAX, and
+where the time goes (the ``profile`` option, and the ranges it names in
+``torch.profiler`` and JAX's profiler)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import torch
+from torch import nn
+
+import dynajax
+from dynajax.diagnostics.profile import ProfiledPartition
+from dynajax.runtime.compiled import CompiledPartition
+from tests.helpers import compare_with_eager
+
+
+class RNNNet(nn.Module):
+    """A conv, a BatchNorm, a GRU, an LSTM and a head: Dynamo breaks at the GRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3)
+        self.bn = nn.BatchNorm1d(8)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x)).relu().transpose(1, 2)
+        o, _ = self.gru(h)  # the GRU's line
+        o, _ = self.lstm(o)
+        return self.head(o[:, -1])
+
+
+def _rnn() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return RNNNet().eval(), torch.randn(2, 4, 10)
+
+
+@torch.no_grad()
+def test_an_rnn_dynamo_leaves_to_python_never_reads_as_all_in_jax() -> None:
+    model, x = _rnn()
+    report = dynajax.explain(model, x)
+    # dynajax's one graph is all in JAX, but the GRU, LSTM and head ran outside it
+    assert report.jax_ops == report.aten_ops == 4
+    assert report.outside_ops is not None and report.outside_ops > 100
+    assert report.program_ops == 4 + report.outside_ops
+    assert report.fraction_in_jax < 0.05
+    [gb] = report.breaks or []
+    assert gb.reason == "Attempted to wrap RNN, GRU, or LSTM"
+    assert gb.where.endswith(f"test_explain.py:{_line_of('# the GRU')}")
+    assert gb.code.startswith("o, _ = self.gru(h)")
+    assert any("torch._dynamo.config.allow_rnn=True" in h for h in gb.hints)
+    text = str(report)
+    assert "4/" in text and "outside any graph" in text and "allow_rnn" in text
+
+
+@torch.no_grad()
+def test_with_allow_rnn_the_same_net_is_one_graph_in_jax(monkeypatch) -> None:
+    monkeypatch.setattr(torch._dynamo.config, "allow_rnn", True)
+    model, x = _rnn()
+    report = dynajax.explain(model, x)
+    assert report.breaks == [] and report.outside_ops == 0
+    assert report.graph_calls == {0: 1}
+    assert report.fraction_in_jax > 0.9 and report.aten_ops > 100
+    assert "no graph breaks" in str(report)
+    compare_with_eager(model, x)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum().item() > 0:  # the data-dependent branch
+            h = h * 2
+        print("shape", tuple(h.shape))  # the print
+        return self.b(h).relu()
+
+
+@torch.no_grad()
+def test_an_item_branch_and_a_print_are_listed_with_their_lines_and_hints(capsys) -> None:
+    torch.manual_seed(0)
+    report = dynajax.explain(Branchy(), torch.randn(2, 8))
+    breaks = {b.where.rsplit(":", 1)[1]: b for b in report.breaks or []}
+    item = breaks[str(_line_of("# the data-dependent branch"))]
+    assert "item()" in item.reason and "capture_scalar_outputs" in " ".join(item.hints)
+    shown = breaks[str(_line_of("# the print"))]
+    assert "print" in shown.explanation and shown.code.startswith("print(")
+    # the graphs around the breaks ran (three graphs, each once per call) and count
+    assert sorted(report.graph_calls.values()) == [1] * len(report.graphs)
+    assert report.program_ops >= report.aten_ops
+    assert "shape (2, 8)" in capsys.readouterr().out  # the program's own print ran
+
+
+def tagged(x: torch.Tensor) -> torch.Tensor:
+    y = torch.tanh(x) * 2
+    pid = os.getpid()  # the library call
+    return y * (pid > 0) + 1
+
+
+def test_a_library_function_dynamo_skips_is_listed() -> None:
+    report = dynajax.explain(tagged, torch.randn(16))
+    [gb] = report.breaks or []
+    assert gb.reason == "Attempted to call function marked as skipped"
+    assert gb.where.endswith(f":{_line_of('# the library call')}")
+    assert len(report.graphs) == 2  # before and after it, each once per call
+    assert report.graph_calls == {0: 1, 1: 1}
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line and "_line_of" not in line:
+                return i
+    raise AssertionError(marker)
+
+
+# -- where the time goes -------------------------------------------------------------
+
+
+def mixed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(x @ w)
+    h = torch.sort(h, dim=-1).values  # kept in PyTorch: two partitions around it
+    return torch.tanh(h @ w.T)
+
+
+@torch.no_grad()
+def test_each_partition_is_a_named_range_in_torch_profiler_with_its_time() -> None:
+    backend = dynajax.Backend(profile=True, fallback_ops=["aten.sort"])
+    compiled = torch.compile(mixed, backend=backend)
+    x, w = torch.randn(64, 32), torch.randn(32, 32)
+    compiled(x, w)  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            out = compiled(x, w)
+    torch.testing.assert_close(out, mixed(x, w))
+    found = {e.key: e for e in prof.key_averages()}
+    for name in ("dynajax/graph0", "dynajax/graph0/jax_0", "dynajax/graph0/jax_1"):
+        assert found[name].count == 3, name
+        assert found[name].cpu_time_total > 0, name
+    # the partitions' ranges nest in the graph's, the sort between them outside both
+    events = prof.events()
+    sort = next(e for e in events if e.name == "aten::sort")
+    parents = []
+    p = sort.cpu_parent
+    while p is not None:
+        parents.append(p.name)
+        p = p.cpu_parent
+    assert "dynajax/graph0" in parents and not any("jax_" in n for n in parents)
+
+
+@torch.no_grad()
+def test_the_report_gives_each_partitions_time_by_phase(monkeypatch) -> None:
+    annotations: list[str] = []
+    real = jax.profiler.TraceAnnotation
+
+    class Recorded(real):  # type: ignore[misc,valid-type]
+        def __init__(self, name: str, **kwargs: object) -> None:
+            annotations.append(name)
+            super().__init__(name, **kwargs)
+
+    monkeypatch.setattr(jax.profiler, "TraceAnnotation", Recorded)
+    backend = dynajax.Backend(profile=True, fallback_ops=["aten.sort"])
+    compiled = torch.compile(mixed, backend=backend)
+    x, w = torch.randn(64, 32), torch.randn(32, 32)
+    for _ in range(5):
+        compiled(x, w)
+    # JAX's profiler sees the same names (a Perfetto trace of jax.profiler.trace)
+    assert annotations.count("dynajax/graph0/jax_0") == 5
+    assert annotations.count("dynajax/graph0") == 5
+    [graph] = backend.graphs
+    times = graph.times
+    assert times is not None and times.graph.calls == 4 and times.graph.first_s > 0
+    for name in ("jax_0", "jax_1"):
+        t = times.partitions[name]
+        assert t.calls == 4 and t.xla_s > 0 and t.cross_in_s > 0 and t.cross_out_s > 0
+        assert t.cross_in_s + t.xla_s + t.cross_out_s <= t.total_s
+    assert 0 < times.between_s < times.graph.total_s
+    text = str(dynajax.Report(backend.graphs))
+    assert "time per call:" in text and "XLA" in text and "PyTorch " in text
+
+
+@torch.no_grad()
+def test_without_profile_the_per_call_path_has_no_wrappers() -> None:
+    backend = dynajax.Backend(fallback_ops=["aten.sort"])
+    compiled = torch.compile(mixed, backend=backend)
+    compiled(torch.randn(4, 8), torch.randn(8, 8))
+    [graph] = backend.graphs
+    kids = list(graph.graph_module.children())
+    assert len(kids) == 2 and all(type(m) is CompiledPartition for m in kids), kids
+    assert graph.times is None
+    # with it, the same partitions are wrapped
+    profiled = dynajax.Backend(profile=True, fallback_ops=["aten.sort"])
+    torch._dynamo.reset()
+    torch.compile(mixed, backend=profiled)(torch.randn(4, 8), torch.randn(8, 8))
+    [graph] = profiled.graphs
+    kids = list(graph.graph_module.children())
+    assert len(kids) == 2 and all(type(m) is ProfiledPartition for m in kids), kids
