@@ -114,7 +114,7 @@ class Backend:
             compile_aten_graph = functools.partial(compile_aten_graph, input_names=names)
         # Dynamo's compile id and, for a recompile, the guard failures that caused it:
         # every graph of this Dynamo graph (forward, backward) reports them.
-        dynamo = dynamo_compile(self.options)
+        dynamo = dynamo_compile(self.options, gm)
         if dynamo is not None:
             compile_aten_graph = functools.partial(compile_aten_graph, dynamo=dynamo)
         compiled = aot_compile(gm, example_inputs, compile_aten_graph, self.cache)

@@ -47,11 +47,15 @@ class DynamoCompile:
             Double``: the guard of compile ``0/0`` that failed); empty for a first compile.
         backends: for a failure of the backend-match guard, what changed against that
             compile's backend, by its compile id (``min_block_size 1 -> 3``).
+        graph_break: where the graph ended at a graph break, Dynamo's reason and the
+            user's line (``Attempted to wrap RNN, GRU, or LSTM at model.py:12``): what
+            follows ran in Python until the next graph; "" where it ended at a return.
     """
 
     compile_id: str
     failures: tuple[str, ...] = ()
     backends: dict[str, str] = dataclasses.field(default_factory=dict)
+    graph_break: str = ""
 
     @property
     def recompile(self) -> bool:
@@ -85,25 +89,42 @@ def _numbers(compile_id: str) -> list[int]:
     return [int(n) for n in re.findall(r"\d+", compile_id)]
 
 
-def dynamo_compile(options: Any) -> DynamoCompile | None:
+def dynamo_compile(options: Any, gm: Any = None) -> DynamoCompile | None:
     """The Dynamo compile in progress, with the guard failures that caused it (None
     outside one). ``options``: the compiling backend's, to say what changed against a
-    cached graph's backend. Call from the backend, which Dynamo calls in its compile."""
+    cached graph's backend; ``gm``: Dynamo's graph, whose ``compile_subgraph_reason``
+    says whether it ended at a graph break. Call from the backend, which Dynamo calls
+    in its compile."""
     from torch._guards import CompileContext
 
     cid = CompileContext.current_compile_id()
     if cid is None or cid.frame_id is None or cid.frame_compile_id is None:
         return None
     compile_id = str(cid)
+    graph_break = _graph_break(gm)
     if cid.frame_compile_id == 0:
-        return DynamoCompile(compile_id)
+        return DynamoCompile(compile_id, graph_break=graph_break)
     try:
         code, failures = _failures_of(compile_id)
         backends = _backend_changes(code, failures, options) if code is not None else {}
     except Exception as e:  # noqa: BLE001 - Dynamo's internals: a report never fails a compile
         log.debug("cannot read Dynamo's guard failures for %s: %s", compile_id, e)
-        return DynamoCompile(compile_id)
-    return DynamoCompile(compile_id, tuple(failures), backends)
+        return DynamoCompile(compile_id, graph_break=graph_break)
+    return DynamoCompile(compile_id, tuple(failures), backends, graph_break)
+
+
+def _graph_break(gm: Any) -> str:
+    """``reason at file:line`` where Dynamo's graph ``gm`` ended at a graph break."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return ""
+    text = str(reason.reason).strip().splitlines()
+    first = text[0] if text else "a graph break"
+    if first == "step_unsupported":  # Dynamo's name for a break it could not resume
+        first = "code Dynamo does not trace (dynajax.explain says which)"
+    stack = list(getattr(reason, "user_stack", None) or [])
+    where = f" at {stack[-1].filename}:{stack[-1].lineno}" if stack else ""
+    return first + where
 
 
 def _failures_of(compile_id: str) -> tuple[Any, list[str]]:

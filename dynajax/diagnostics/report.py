@@ -113,6 +113,12 @@ class GraphReport:
             f"{len(self.partitions)} JAX partition(s), {len(self.fallbacks)} op(s) in "
             f"PyTorch{host}"
         ]
+        if self.dynamo is not None and self.dynamo.graph_break and self.kind != "backward":
+            reason, _, where = self.dynamo.graph_break.rpartition(" at ")
+            out.append(
+                f"  ends at a graph break at {_short(where)}: {reason}; what follows ran in "
+                "Python until the next graph"
+            )
         if self.rewrites:
             out.append("  rewrites (option rewrites, on Dynamo's graph before aot_autograd):")
             for r in self.rewrites:
@@ -243,6 +249,17 @@ class Report:
         return sum(calls.get(g.index, 0) * ops(g) for g in self.graphs)
 
     @property
+    def graph_breaks(self) -> int:
+        """Dynamo graphs that ended at a graph break (counted once per Dynamo compile)."""
+        return len(
+            {
+                g.dynamo.compile_id
+                for g in self.graphs
+                if g.dynamo is not None and g.dynamo.graph_break
+            }
+        )
+
+    @property
     def program_ops(self) -> int | None:
         """ATen ops of one call of the whole program (``dynajax.explain``'s measured
         call): those of the graphs it called, as often as it called them, and those run
@@ -308,6 +325,12 @@ class Report:
                 f"dynajax report: {len(self.graphs)} graph(s), {self.jax_ops}/{self.aten_ops} "
                 f"ATen ops in JAX ({100 * self.fraction_in_jax:.1f}%)"
             ]
+            breaks = self.graph_breaks
+            if breaks:
+                lines[0] += (
+                    f" of its graphs; Dynamo broke the program at {breaks} place(s), the ops "
+                    "after a break ran in eager PyTorch (dynajax.explain counts them)"
+                )
         else:
             inside = self._per_call(lambda g: g.aten_ops)
             lines = [

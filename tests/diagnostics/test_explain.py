@@ -59,15 +59,16 @@ def test_an_rnn_dynamo_leaves_to_python_never_reads_as_all_in_jax() -> None:
 
 
 @torch.no_grad()
-def test_with_allow_rnn_the_same_net_is_one_graph_in_jax(monkeypatch) -> None:
-    monkeypatch.setattr(torch._dynamo.config, "allow_rnn", True)
+def test_with_allow_rnn_the_same_net_is_one_graph_in_jax() -> None:
     model, x = _rnn()
-    report = dynajax.explain(model, x)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        report = dynajax.explain(model, x)
     assert report.breaks == [] and report.outside_ops == 0
     assert report.graph_calls == {0: 1}
     assert report.fraction_in_jax > 0.9 and report.aten_ops > 100
     assert "no graph breaks" in str(report)
-    compare_with_eager(model, x)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        compare_with_eager(model, x)
 
 
 class Branchy(nn.Module):
@@ -203,3 +204,38 @@ def test_without_profile_the_per_call_path_has_no_wrappers() -> None:
     [graph] = profiled.graphs
     kids = list(graph.graph_module.children())
     assert len(kids) == 2 and all(type(m) is ProfiledPartition for m in kids), kids
+
+
+@torch.no_grad()
+def test_a_backends_own_report_says_where_its_graphs_ended_at_a_graph_break() -> None:
+    """Without explain (no count of the ops outside), the report of a backend's graphs
+    still never reads as the whole program: it says where Dynamo broke it."""
+    model, x = _rnn()
+    backend = dynajax.Backend()
+    torch.compile(model, backend=backend)(x)
+    report = dynajax.Report(backend.graphs)
+    assert report.graph_breaks == 1
+    text = str(report)
+    assert "Dynamo broke the program at 1 place(s)" in text.splitlines()[0]
+    assert f"ends at a graph break at {_short_here()}:{_line_of('# the GRU')}" in text
+
+    torch._dynamo.reset()
+    backend = dynajax.Backend()
+    torch.compile(Branchy(), backend=backend)(torch.randn(2, 8))
+    report = dynajax.Report(backend.graphs)
+    # the graph before the .item() ends at its break; the print's break ends a piece
+    # with no ops, which Dynamo hands no backend (explain lists both)
+    assert report.graph_breaks == 1
+    assert "Unsupported Tensor.item() call" in str(report)
+
+    torch._dynamo.reset()
+    whole = dynajax.Backend()
+    torch.compile(mixed, backend=whole)(torch.randn(4, 8), torch.randn(8, 8))
+    assert dynajax.Report(whole.graphs).graph_breaks == 0
+    assert "broke" not in str(dynajax.Report(whole.graphs))
+
+
+def _short_here() -> str:
+    import os
+
+    return os.path.relpath(__file__)
