@@ -8,6 +8,8 @@ replaces at build time (and which stays invisible where the Markdown is read raw
     <!-- generated: core-aten --> tests/lowering/core_aten_coverage.txt, summarized
     <!-- generated: opinfo -->    docs/opinfo_summary.json, the OpInfo table
     <!-- generated: sweep -->     docs/sweep.png (python -m benchmarks.sweep) if it exists
+    <!-- generated: explain-rnn -->   examples/explain_rnn.py's report, as it prints it
+                                      now, by default and with allow_rnn
 
 ``python docs/hooks.py options`` (or ops, core-aten, opinfo, sweep) prints one of them.
 """
@@ -184,12 +186,36 @@ def sweep_section() -> str:
     return text
 
 
+def explain_rnn() -> str:
+    """The reports ``examples/explain_rnn.py`` prints, run now (a real report of a
+    model with a graph break, and of the same model captured whole, with times)."""
+    import os
+    import subprocess
+    import tempfile
+
+    out = []
+    for title, flags in (("By default:", []), ("With `--allow-rnn`:", ["--allow-rnn"])):
+        with tempfile.TemporaryDirectory() as cache:
+            run = subprocess.run(
+                [sys.executable, "examples/explain_rnn.py", *flags],
+                cwd=ROOT,
+                env={**os.environ, "DYNAJAX_CACHE_DIR": cache},
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=True,
+            )
+        out += [title, "", "```text", run.stdout.rstrip(), "```", ""]
+    return "\n".join(out)
+
+
 GENERATORS = {
     "options": options_table,
     "ops": ops_tables,
     "core-aten": core_aten_summary,
     "opinfo": opinfo_table,
     "sweep": sweep_section,
+    "explain-rnn": explain_rnn,
 }
 
 

@@ -113,9 +113,10 @@ class Options:
             ``record_function``) and inside ``jax.profiler.trace`` (a
             ``TraceAnnotation``), each graph's call a range ``dynajax/graph<i>``; the
             report then gives each partition's time split into its crossings and XLA's
-            run, and the time in PyTorch between partitions. Each call then waits for
-            XLA's result and pays a few microseconds for the ranges; off (the default),
-            the per-call path has none of this. Env: ``DYNAJAX_PROFILE``.
+            run, and the time in PyTorch between partitions. Each call then takes the
+            regular path (not the cached-input entry point) and waits for XLA's result:
+            a 16-32-4 MLP's call went from 40 to 63 µs on a 2-core CPU. Off (the
+            default), the per-call path has none of this. Env: ``DYNAJAX_PROFILE``.
     """
 
     min_block_size: int = 1

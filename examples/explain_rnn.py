@@ -7,14 +7,13 @@ any graph; the report counts them, says why, and how to capture them.
     python examples/explain_rnn.py --allow-rnn  # torch._dynamo.config.allow_rnn = True
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (dynajax first: see below)
 
+# dynajax before torch, so that its per-process settings apply (docs/architecture.md)
+import dynajax
 import sys
-
 import torch
 from torch import nn
-
-import dynajax
 
 
 class RNNNet(nn.Module):

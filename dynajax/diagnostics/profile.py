@@ -19,6 +19,7 @@ exists: the per-call path is the one the benchmarks measure.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -143,7 +144,7 @@ class ProfiledPartition(torch.nn.Module):
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         start = time.perf_counter()
-        with torch.profiler.record_function(self.label), jax.profiler.TraceAnnotation(self.label):
+        with _torch_range(self.label), jax.profiler.TraceAnnotation(self.label):
             outs, phases = self.part.run_in_phases(tensors)
         seconds = time.perf_counter() - start
         with self._times._lock:
@@ -164,10 +165,7 @@ def profiled_graph(run: Callable[..., Any], times: GraphTimes) -> Callable[..., 
     def timed(call: Callable[..., Any]) -> Callable[..., Any]:
         def profiled(*args: Any) -> Any:
             start = time.perf_counter()
-            with (
-                torch.profiler.record_function(times.label),
-                jax.profiler.TraceAnnotation(times.label),
-            ):
+            with _torch_range(times.label), jax.profiler.TraceAnnotation(times.label):
                 out = call(*args)
             with times._lock:
                 times.graph.add(time.perf_counter() - start)
@@ -181,6 +179,15 @@ def profiled_graph(run: Callable[..., Any], times: GraphTimes) -> Callable[..., 
     unboxed = run.unboxed  # type: ignore[attr-defined]
     boxed.unboxed = lambda *a, **k: timed(unboxed(*a, **k))  # type: ignore[attr-defined]
     return boxed
+
+
+def _torch_range(label: str) -> contextlib.AbstractContextManager[Any]:
+    """``torch.profiler.record_function(label)`` while torch's profiler records (a
+    range costs a dispatcher call each way; none when nothing records it). JAX's
+    ``TraceAnnotation`` is cheap when JAX's profiler is off, and always opened."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(label)
+    return contextlib.nullcontext()
 
 
 def count_ops(events: Sequence[Any]) -> tuple[int, dict[str, int]]:
