@@ -285,7 +285,7 @@ def trace_step(
         assert loss is not None
         with torch.no_grad():
             for p, g in zip(ps, grads, strict=True):
-                p.grad = g
+                p.grad = _as_accumulated(g, p)
             if clip_grad_norm is not None:
                 nn.utils.clip_grad_norm_(ps, clip_grad_norm, foreach=False)
             with optimizer_on(optimizer, ps, st, group_lrs) as new_state, _TensorScalars():
@@ -359,6 +359,34 @@ class _NoFloat16Autocast(TorchFunctionMode):
                     f"needs no scaler: torch.autocast('{device}', dtype=torch.bfloat16)."
                 )
         return func(*args, **(kwargs or {}))
+
+
+def _as_accumulated(g: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
+    """``g`` as autograd's AccumulateGrad stores it in ``p.grad``: itself where its
+    layout obeys ``p``'s (non-overlapping and dense, ``p``'s strides), else a copy in
+    ``p``'s strides. A sum's gradient is an expanded view of one number: kept as is,
+    an in-place clip (``grad.mul_``) would write through it (the training fuzzer, seed
+    3 run 142: RMSprop with clip_grad_norm moved the parameter the wrong way)."""
+    if g is None:
+        return None
+    if _dense(g) and g.stride() == p.stride():
+        return g
+    if _dense(p):
+        return torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
+    return g.clone(memory_format=torch.contiguous_format)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its memory once, without gaps (``is_non_overlapping_and_dense``):
+    its strides, smallest first, are the products of the sizes below them."""
+    expected = 1
+    for stride, size in sorted(
+        (st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _check_loss(loss: Any) -> None:
