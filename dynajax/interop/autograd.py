@@ -33,7 +33,6 @@ because its backward would draw other numbers than its forward.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,7 +48,6 @@ from dynajax.errors import JaxFunctionError
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.program import Policy, Program, lower
 from dynajax.program.callbacks import in_forward_mode
-from dynajax.program.interpreter import TRUNCATION_WARNING
 
 FORWARD_MODE_ERROR = (
     "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) of a jax_function is not "
@@ -153,9 +151,7 @@ class TorchBackward:
         if found is None:
             found = self._graphs[key] = self._trace(state, leaves, cotangents, perturbed)
         program, positions = found
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
-            grads, _, _ = program.run(arrays)
+        grads, _, _ = program.run(arrays)
         out: list[Any] = [None] * (len(state) + len(leaves))
         for position, grad in zip(positions, grads, strict=True):
             out[position] = grad

@@ -59,7 +59,7 @@ from dynajax.interop.trees import jax_tree
 from dynajax.lowering.dtypes import JAX_TO_TORCH, TORCH_TO_JAX
 from dynajax.lowering.registry import get_rule
 from dynajax.passes.user import RewriteRecord
-from dynajax.program import Policy, lower, run_graph
+from dynajax.program import Policy, Program, lower
 from dynajax.program.callbacks import (
     CallbackOp,
     flat_outputs,
@@ -67,7 +67,7 @@ from dynajax.program.callbacks import (
     from_numpy,
     raised_on_host,
 )
-from dynajax.program.interpreter import TRUNCATION_WARNING, SizeBindings, graph_constants
+from dynajax.program.interpreter import TRUNCATION_WARNING, SizeBindings
 from dynajax.runtime.conversion import to_jax
 from dynajax.sharding.placement import gather_to_torch
 
@@ -213,7 +213,7 @@ class JaxFunction:
     def __init__(
         self,
         ep: ExportedProgram,
-        gm: torch.fx.GraphModule,
+        program: Program,
         callbacks: tuple[CallbackOp, ...],
         random_ops: tuple[str, ...],
         aliases: Mapping[str, str],
@@ -231,9 +231,10 @@ class JaxFunction:
         self._rebuild = rebuild
         self._variants: dict[Any, JaxFunction] = {}
         self.checks = checks
-        self.graph_module = gm
-        # the arrays of the tensors its get_attr nodes read (a user's pass may add one)
-        self._graph_constants = graph_constants(gm)
+        # the whole-graph driver's program (its graph, and the arrays of the tensors its
+        # get_attr nodes read: a user's pass may add one)
+        self.program = program
+        self.graph_module = gm = program.gm
         self.callbacks = callbacks
         self.random_ops = random_ops
         sig = ep.graph_signature
@@ -614,14 +615,7 @@ class JaxFunction:
                 # JAX may hand a custom VJP's function NumPy-backed constants (empty
                 # arrays): the rules take jax.Arrays.
                 vals[i] = a if isinstance(a, jax.Array) else jnp.asarray(a)
-            results, vector, found = run_graph(
-                self.graph_module,
-                vals,
-                key=key,
-                sizes=sizes,
-                check=check,
-                constants=self._graph_constants,
-            )
+            results, vector, found = self.program.run(vals, key=key, sizes=sizes, check=check)
             if not check:
                 return tuple(results), None
             recorded[:] = found
@@ -963,7 +957,7 @@ def _build(
     )
     return JaxFunction(
         ep,
-        program.gm,
+        program,
         callbacks,
         _random_ops(program.gm),
         _tied_names(module_or_fn),

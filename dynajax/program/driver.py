@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,12 @@ from dynajax.lowering import checks as value_checks
 from dynajax.lowering.checks import Check
 from dynajax.lowering.interpreter import needs_key
 from dynajax.passes import run_passes
-from dynajax.program.interpreter import ExportInterpreter, SizeBindings, graph_constants
+from dynajax.program.interpreter import (
+    TRUNCATION_WARNING,
+    ExportInterpreter,
+    SizeBindings,
+    graph_constants,
+)
 
 # What no JAX program can hold: sizes known only from data, dtypes JAX lacks.
 NEVER = frozenset({Reason.DATA_DEPENDENT_SHAPE, Reason.DTYPE})
@@ -122,10 +128,14 @@ def run_graph(
     the value checks' vector (``[code, *payload]``; code 0: all passed) and the checks
     recorded, in graph order (none without ``check``, the vector then ``[0]``)."""
     interpreter = ExportInterpreter(gm, key, sizes or SizeBindings(), constants)
-    if not check:
-        return list(interpreter.run(*arrays)), jnp.zeros((1,), np.int64), []
-    with value_checks.collecting() as found:
-        outputs = interpreter.run(*arrays)
+    with warnings.catch_warnings():
+        # Rules ask for int64/float64 by name; with JAX's 64-bit mode off, JAX warns that
+        # it gives 32 bits, which is that mode's documented behaviour.
+        warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
+        if not check:
+            return list(interpreter.run(*arrays)), jnp.zeros((1,), np.int64), []
+        with value_checks.collecting() as found:
+            outputs = interpreter.run(*arrays)
     return list(outputs), found.result(), list(found.checks)
 
 
