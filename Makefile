@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-full opinfo-full bench bench-quick lint fuzz docs
+.PHONY: install demo test test-full opinfo-full bench bench-quick lint fuzz docs dist wheel-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e ".[test,viz,bench,lint,docs]"
+	$(PIP) install -q -e ".[test,viz,bench,lint,docs,hf,release]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -57,3 +57,22 @@ lint: install
 # The user guide (docs/, mkdocs.yml) into site/; --strict: a warning or a broken link fails.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The wheel and sdist, built as a release would be (python -m build) and checked
+# (twine check --strict: metadata, README rendering).
+dist: install
+	rm -rf dist
+	$(PY) -m build --sdist --wheel --outdir dist .
+	$(PY) -m twine check --strict dist/*
+
+# The wheel as a user's `pip install` gets it: a fresh venv (torch first, as above),
+# not editable, then the demo and a smoke test run from outside the checkout.
+WHEEL_VENV ?= /tmp/dynajax-wheel-venv
+wheel-check: dist
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls dist/dynajax-*.whl)[hf,checkpoint]"
+	cd /tmp && $(WHEEL_VENV)/bin/python $(CURDIR)/tests/smoke_installed.py
+	cd /tmp && $(WHEEL_VENV)/bin/python $(CURDIR)/examples/demo.py
