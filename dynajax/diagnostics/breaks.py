@@ -60,7 +60,7 @@ class GraphBreak:
 
     def lines(self, indent: str = "  ") -> list[str]:
         times = f" (x{self.count})" if self.count > 1 else ""
-        out = [f"{indent}{self.kind} at {_short(self.where)}{times}: {self.reason}"]
+        out = [f"{indent}{self.kind} at {short_location(self.where)}{times}: {self.reason}"]
         if self.code:
             out.append(f"{indent}  {self.code}")
         if self.explanation:
@@ -162,10 +162,12 @@ def watch_breaks() -> Iterator[list[GraphBreak]]:
                 found.append(dataclasses.replace(b, count=counts[key]))
 
 
-def _short(where: str) -> str:
-    path, sep, line = where.rpartition(":")
+def short_location(location: str) -> str:
+    """``file:line`` (or ``file:line (code)``) with the file relative to the working
+    directory when inside it."""
+    path, sep, rest = location.partition(":")
     try:
         rel = os.path.relpath(path)
     except ValueError:
-        return where
-    return f"{rel}{sep}{line}" if not rel.startswith("..") else where
+        return location
+    return f"{rel}{sep}{rest}" if not rel.startswith("..") else location

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch.fx
 
 from dynajax.capability import Reason, Unsupported, verdict_of
-from dynajax.diagnostics.breaks import GraphBreak
+from dynajax.diagnostics.breaks import GraphBreak, short_location
 from dynajax.diagnostics.profile import GraphTimes
 from dynajax.diagnostics.recompiles import DynamoCompile
 from dynajax.diagnostics.recompiles import lines as recompile_lines
@@ -116,8 +116,8 @@ class GraphReport:
         if self.dynamo is not None and self.dynamo.graph_break and self.kind != "backward":
             reason, _, where = self.dynamo.graph_break.rpartition(" at ")
             out.append(
-                f"  ends at a graph break at {_short(where)}: {reason}; what follows ran in "
-                "Python until the next graph"
+                f"  ends at a graph break at {short_location(where)}: {reason}; what follows "
+                "ran in Python until the next graph"
             )
         if self.rewrites:
             out.append("  rewrites (option rewrites, on Dynamo's graph before aot_autograd):")
@@ -138,7 +138,7 @@ class GraphReport:
                 detail = f": {f.detail}" if f.detail else ""
                 out.append(f"    {f.target:<{width}}  {f.node:<{nwidth}}  {f.reason.name}{detail}")
                 if f.source_line:
-                    out.append(f"    {'':<{width}}  at {_short(f.source_line)}")
+                    out.append(f"    {'':<{width}}  at {short_location(f.source_line)}")
         if self.what_if:
             out.append("  what-if (a rule for this op would give):")
             width = max(len(w.op) for w in self.what_if)
@@ -170,16 +170,6 @@ def _stats_lines(stats: CompileStats, indent: str) -> list[str]:
     for e in stats.exact:
         out.append(f"{indent}  not padded: {e}")
     return out
-
-
-def _short(source_line: str) -> str:
-    """``file:line (code)`` with the file relative to the working directory when inside."""
-    path, sep, rest = source_line.partition(":")
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return source_line
-    return f"{rel}{sep}{rest}" if not rel.startswith("..") else source_line
 
 
 def graph_report(
