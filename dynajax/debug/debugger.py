@@ -44,7 +44,7 @@ from dynajax.capability.verdict import source_line
 from dynajax.debug.accuracy import Error, as_accurate, distance, error, float64
 from dynajax.debug.recording import PartitionCall, Recorder
 from dynajax.diagnostics import Report
-from dynajax.diagnostics.report import _short
+from dynajax.diagnostics.breaks import short_location
 from dynajax.lowering.interpreter import jax_literal
 from dynajax.lowering.registry import LAYOUT_KEY, get_rule
 from dynajax.runtime.conversion import cpu_to_torch, quiet_readonly_warning, to_jax
@@ -111,7 +111,7 @@ class NodeMismatch:
         else:
             out.append(f"  {self.finding.value}")
         if self.source_line:
-            out.append(f"  at {_short(self.source_line)}")
+            out.append(f"  at {short_location(self.source_line)}")
         return out
 
 
