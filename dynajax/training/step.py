@@ -43,6 +43,7 @@ from dynajax.capability import Reason
 from dynajax.errors import TrainStepError
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import JAX_TO_TORCH
+from dynajax.lowering.interpreter import output_vals
 from dynajax.program import NEVER, Policy, failed, lower, select_unless_failed
 from dynajax.runtime.compiled import draw_seed
 from dynajax.runtime.jax_internals import X64
@@ -625,8 +626,7 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
 
 def _output_shapes(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
     """The shapes of the graph's outputs, from their fake values."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return [tuple(n.meta["val"].shape) for n in out.args[0]]
+    return [tuple(v.shape) for v in output_vals(gm)]
 
 
 def train_step(
