@@ -102,6 +102,17 @@ def test_integer_linspace_runs_in_pytorch_and_float_linspace_in_jax() -> None:
 
 
 @pytest.mark.parametrize(
+    ("start", "end", "steps"), [(-1.0, 2.0, 16), (-3.7, 0.3, 41), (1e-3, 7.5, 100), (5.0, -2.0, 9)]
+)
+def test_float_linspace_rounds_once_per_element_as_the_kernels_fma(start, end, steps) -> None:
+    # linspace(-1, 2, 16)[5] is 1.49e-8 in eager (an FMA), 0.0 as a multiply then an add;
+    # Rprop took that product's sign (the training fuzzer, seed 4 run 248).
+    fn, backend = compile_with(lambda: torch.linspace(start, end, steps))
+    assert torch.equal(fn(), torch.linspace(start, end, steps))
+    assert_ops_in_jax(backend, "aten.linspace.default")
+
+
+@pytest.mark.parametrize(
     ("dtype", "steps"),
     [
         (torch.bfloat16, 2),  # 10 ** bf16(4.3) = 20480; 10 ** 4.3 rounds to 19968
