@@ -124,9 +124,9 @@ def _linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_me
     # the training fuzzer, seed 4 run 248, where Rprop took that gradient's sign). In
     # float32, the float64 product and sum are exact and round once, as the FMA does
     # (the formula: bit for bit with eager on 3,000 random float32 calls; the rule on 40
-    # random compiled calls). Half precision and
-    # float64 are not yet bit for bit (an ulp off in some elements, as before): the
-    # kernel's path for them is another, and float64's FMA would need wider floats.
+    # random compiled calls). Half precision and float64 are not yet bit for bit (an
+    # ulp off in some elements, as before): the kernel's path for them is another, and
+    # float64's FMA would need wider floats.
     wide = np.dtype(np.float64) if np.dtype(acc) == np.dtype(np.float32) else acc
     first_w, last_w, step_w = first.astype(wide), last.astype(wide), step.astype(wide)
     forward = (first_w + step_w * idx.astype(wide)).astype(acc)
