@@ -137,6 +137,7 @@ class ProfiledPartition(torch.nn.Module):
         super().__init__()
         self.__dict__["part"] = part  # not a submodule: the graph calls this one
         self.graph_module = part.graph_module
+        self.device_type = part.device_type  # where it runs, as the report reads it
         self.name = name
         self.label = f"{times.label}/{name}"
         self._times = times
