@@ -413,8 +413,6 @@ class Crossing:
 
     partition: PartitionPlacement | None
     device_type: str | None
-    on_accelerator: bool
-    zero_copy: bool
     convert: Converter | list[Converter]
     make_cached: Converter | list[Converter]
     sharding: Sharding | None
@@ -422,6 +420,14 @@ class Crossing:
     to_torch: Callable[[jax.Array], torch.Tensor] | None
     results_device: torch.device | None
     cpu_outputs: list[int]
+
+    @property
+    def on_accelerator(self) -> bool:
+        return self.partition is None and self.device_type != "cpu"
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.partition is None and self.device_type == "cpu"
 
     @property
     def device(self) -> jax.Device | None:
@@ -481,8 +487,6 @@ def crossing(
         return Crossing(
             partition=partition,
             device_type=device_type,
-            on_accelerator=False,
-            zero_copy=False,
             convert=convert,
             make_cached=make_cached,
             sharding=partition.default_sharding,
@@ -503,8 +507,6 @@ def crossing(
         return Crossing(
             partition=None,
             device_type=device_type,
-            on_accelerator=False,
-            zero_copy=True,
             # NumPy views would land on JAX's default device where it is an accelerator.
             convert=fast_to_jax if jax.default_backend() == "cpu" else committed_cpu,
             make_cached=zero_copy_array,
@@ -517,8 +519,6 @@ def crossing(
     return Crossing(
         partition=None,
         device_type=device_type,
-        on_accelerator=True,
-        zero_copy=False,
         convert=fast_to_jax,
         # A CPU scalar among the accelerator's tensors is copied per call.
         make_cached=accelerator_array if "cpu" in devices else zero_copy_array,
