@@ -42,12 +42,14 @@ import torch
 import torch.utils._pytree as pytree
 from jax.custom_derivatives import SymbolicZero
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from dynajax.aot import functional_graph
 from dynajax.errors import JaxFunctionError
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.program import Policy, Program, lower
 from dynajax.program.callbacks import in_forward_mode
+from dynajax.program.replay import ReplayedRandom
 
 FORWARD_MODE_ERROR = (
     "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) of a jax_function is not "
@@ -181,15 +183,22 @@ class TorchBackward:
             for i, t in zip(traced, flat, strict=False):
                 tensors[i] = t
             cts = flat[len(traced) :]
-            with torch.enable_grad():
-                for i in wrt:
-                    tensors[i] = tensors[i].detach().requires_grad_(True)
-                values = dict(zip(self.state_names, tensors[:n_state], strict=True))
-                args, kwargs = pytree.tree_unflatten(tensors[n_state:], self.in_spec)
+            for i in wrt:
+                tensors[i] = tensors[i].detach().requires_grad_(True)
+            values = dict(zip(self.state_names, tensors[:n_state], strict=True))
+            args, kwargs = pytree.tree_unflatten(tensors[n_state:], self.in_spec)
+            replayed = ReplayedRandom()
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(torch.enable_grad())
+                scope.callback(replayed.restore)
                 if isinstance(self.source, nn.Module):
-                    out = torch.func.functional_call(self.source, values, tuple(args), kwargs)
-                else:
-                    out = self.source(*args, **kwargs)
+                    # The traced state stays the module's through the backward too,
+                    # where torch.utils.checkpoint runs the forward again.
+                    scope.enter_context(
+                        _reparametrize_module(self.source, values, tie_weights=True)
+                    )
+                scope.enter_context(replayed)
+                out = self.source(*args, **kwargs)
                 outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
                 if len(outputs) != len(cts):
                     raise JaxFunctionError(
@@ -242,6 +251,7 @@ class TorchBackward:
                 "torch's backward of this function has ops a JAX function cannot hold:",
                 fallback_ops=self.fallback_ops,
                 strict=self.strict,
+                keep_recomputation=True,
             ),
         )
         return program, list(positions)

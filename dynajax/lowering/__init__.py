@@ -14,6 +14,7 @@ import importlib.util
 
 from dynajax.lowering import (  # noqa: F401  (each registers its rules on import)
     attention,
+    barriers,
     conv_pool,
     creation,
     elementwise,

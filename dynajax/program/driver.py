@@ -50,6 +50,7 @@ from dynajax.lowering import checks as value_checks
 from dynajax.lowering.checks import Check
 from dynajax.lowering.interpreter import needs_key
 from dynajax.passes import run_passes
+from dynajax.passes.recompute import KeepRecomputation
 from dynajax.program.interpreter import (
     TRUNCATION_WARNING,
     ExportInterpreter,
@@ -73,6 +74,9 @@ class Policy:
         strict: raise ``CallbackOpsError`` for callbacks that are not a choice.
         before: the user's passes before dynajax's own (``post_aot``).
         after: the user's passes after them (``post_passes``).
+        keep_recomputation: the graph runs a backward, where ``torch.utils.checkpoint``
+            recomputes its regions: each recomputation starts behind a barrier XLA does
+            not merge across (``dynajax.passes.recompute``).
     """
 
     error: type[DynajaxError]
@@ -82,6 +86,7 @@ class Policy:
     strict: bool = False
     before: Sequence[PassBase] = ()
     after: Sequence[PassBase] = ()
+    keep_recomputation: bool = False
 
 
 @dataclasses.dataclass
@@ -142,7 +147,8 @@ def run_graph(
 def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
     """``gm`` as one program under ``policy``: passes, verdicts, what cannot be in it,
     strict, host callbacks (see the module doc)."""
-    gm = run_passes(gm, before=list(policy.before), after=list(policy.after))
+    own: list[PassBase] = [KeepRecomputation()] if policy.keep_recomputation else []
+    gm = run_passes(gm, before=list(policy.before), after=[*own, *policy.after])
     refused = CapabilityChecker(policy.fallback_ops).annotate(gm)
     impossible = [v for v in refused if v.reason in policy.impossible]
     if impossible:

@@ -3,11 +3,12 @@ clipping and the user's own ``torch.optim`` update.
 
 How it is captured, in two traces:
 
-1. ``make_fx`` runs the step on fake tensors: the loss through
-   ``torch.func.functional_call`` (the module computes with the traced parameters and
-   buffers), ``torch.autograd.grad`` (so the backward is torch's own derivative
-   formulas and the user's ``autograd.Function`` backwards, as aot_autograd records
-   them), ``clip_grad_norm_``, then the optimizer's own ``step()`` with its param groups
+1. ``make_fx`` runs the step on fake tensors: the loss and ``torch.autograd.grad``
+   with the module's parameters and buffers replaced by the traced ones (as
+   ``torch.func.functional_call`` replaces them, but around the backward too, where
+   ``torch.utils.checkpoint`` runs the forward again), so the backward is torch's own
+   derivative formulas and the user's ``autograd.Function`` backwards, as aot_autograd
+   records them; then ``clip_grad_norm_``, then the optimizer's own ``step()`` with its param groups
    pointed at the traced parameters and its state at traced state tensors. The
    optimizer runs as it does under ``torch.compile``: ``torch.compiler.is_compiling()``
    is true while it is traced, so its step counts stay tensors, and where it has the
@@ -42,10 +43,12 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
 from dynajax.aot import compiling, functional_graph
 from dynajax.errors import TrainStepError
+from dynajax.program.replay import ReplayedRandom
 
 # Optimizers whose non-capturable step branches in Python on a state value (RAdam's
 # rectification, ASGD's averaging): traced in their capturable form, which is the same
@@ -115,7 +118,8 @@ def _static_key(value: Any) -> Any:
 
 
 class _LossModule(nn.Module):
-    """``loss_fn(model, *batch)`` as a module, for ``functional_call``."""
+    """``loss_fn(model, *batch)`` as a module, whose parameters and buffers the trace
+    replaces."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
         super().__init__()
@@ -264,24 +268,33 @@ def trace_step(
         loss: torch.Tensor | None = None
         grads: list[torch.Tensor | None] = [None] * n_params
         differentiated = [p for p, w in zip(ps, wanted, strict=True) if w]
-        for part in micro:
-            with torch.enable_grad(), _NoFloat16Autocast():
-                args = layout.rebuild(part) if layout is not None else part
-                part_loss = torch.func.functional_call(wrapper, values, args)
-                _check_loss(part_loss)
-                if accumulate > 1:
-                    part_loss = part_loss / accumulate
-                found = iter(
-                    torch.autograd.grad(part_loss, differentiated, allow_unused=True)
-                    if differentiated
-                    else ()
-                )
-                part_grads = [next(found) if w else None for w in wanted]
-            loss = part_loss if loss is None else loss + part_loss.detach()
-            grads = [
-                g if acc is None else (acc if g is None else acc + g)
-                for acc, g in zip(grads, part_grads, strict=True)
-            ]
+        replayed = ReplayedRandom()  # one for every micro-batch: each draws its own
+        try:
+            for part in micro:
+                with (
+                    torch.enable_grad(),
+                    _NoFloat16Autocast(),
+                    _reparametrize_module(wrapper, values, tie_weights=True),
+                    replayed,
+                ):
+                    args = layout.rebuild(part) if layout is not None else part
+                    part_loss = wrapper(*args)
+                    _check_loss(part_loss)
+                    if accumulate > 1:
+                        part_loss = part_loss / accumulate
+                    found = iter(
+                        torch.autograd.grad(part_loss, differentiated, allow_unused=True)
+                        if differentiated
+                        else ()
+                    )
+                    part_grads = [next(found) if w else None for w in wanted]
+                loss = part_loss if loss is None else loss + part_loss.detach()
+                grads = [
+                    g if acc is None else (acc if g is None else acc + g)
+                    for acc, g in zip(grads, part_grads, strict=True)
+                ]
+        finally:
+            replayed.restore()
         assert loss is not None
         with torch.no_grad():
             for p, g in zip(ps, grads, strict=True):
@@ -323,6 +336,13 @@ def trace_step(
             raise
         except Exception as e:
             hint = ""
+            if "use_reentrant=True" in str(e):
+                hint = (
+                    "\ntrain_step differentiates with torch.autograd.grad: checkpoint with "
+                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (transformers: "
+                    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                    "{'use_reentrant': False}), which is its default)."
+                )
             if "data-dependent" in str(e):
                 hint = (
                     "\nThe model or loss_fn branches on a tensor's value (.item(), `if "

@@ -545,6 +545,7 @@ class TrainStep:
                 impossible=NEVER | {Reason.EAGER_REFUSES},
                 fallback_ops=self.fallback_ops,
                 strict=self.strict,
+                keep_recomputation=True,
             ),
         )
         state_layout = self.layout
