@@ -159,6 +159,7 @@ class Backend:
             # Ops measured faster in PyTorch stay there where the partitions run where the
             # tensors are; a device or mesh asks for the work on JAX's devices.
             perf=self.options.perf_fallbacks and self.placement is None,
+            measure=self.options.measure_costs,
         )
         refused = checker.annotate(gm)
         if self.options.strict:

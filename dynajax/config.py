@@ -73,6 +73,14 @@ class Options:
             where the JAX partitions run where the tensors are (not with ``device`` or
             ``mesh``, which ask for JAX-resident work). False: every op with a rule runs
             in JAX. Env: ``DYNAJAX_PERF_FALLBACKS``.
+        measure_costs: with ``perf_fallbacks``, where the choice between XLA and a
+            PyTorch kernel depends on the machine (the large attention, the fused
+            encoder layer), time both on this machine at the node's first compile (a
+            few calls each on random inputs of its shapes) and keep the faster; the
+            times are kept in the persistent cache (keyed by the machine, the op, its
+            shapes and dtypes) and listed in the report with the choice. False: the
+            defaults measured on the project's machine (``capability/cost.py``). Env:
+            ``DYNAJAX_MEASURE_COSTS``.
         device: the JAX device the JAX partitions run on: a ``jax.Device`` or
             ``"platform[:index]"`` (``"cpu:1"``, ``"gpu:0"``, ``"tpu"``). Parameters and
             buffers are copied there once and stay resident between calls, refreshed
@@ -128,6 +136,7 @@ class Options:
     pad_to_buckets: bool = False
     checks: bool = True
     perf_fallbacks: bool = True
+    measure_costs: bool = True
     device: Any = None
     mesh: Any = None
     sharding: Any = None
@@ -152,6 +161,8 @@ class Options:
             raise OptionsError(f"profile must be True or False, got {self.profile!r}.")
         if not isinstance(self.checks, bool):
             raise OptionsError(f"checks must be True or False, got {self.checks!r}.")
+        if not isinstance(self.measure_costs, bool):
+            raise OptionsError(f"measure_costs must be True or False, got {self.measure_costs!r}.")
         if not isinstance(self.perf_fallbacks, bool):
             raise OptionsError(
                 f"perf_fallbacks must be True or False, got {self.perf_fallbacks!r}."
@@ -316,6 +327,7 @@ _ENV = {
     "DYNAJAX_PAD_TO_BUCKETS": ("pad_to_buckets", _parse_bool),
     "DYNAJAX_CHECKS": ("checks", _parse_bool),
     "DYNAJAX_PERF_FALLBACKS": ("perf_fallbacks", _parse_bool),
+    "DYNAJAX_MEASURE_COSTS": ("measure_costs", _parse_bool),
     "DYNAJAX_DEVICE": ("device", lambda n, r: r),
     "DYNAJAX_PROFILE": ("profile", _parse_bool),
 }

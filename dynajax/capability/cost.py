@@ -6,6 +6,17 @@ where the backend's partitions run where the tensors are (``Options.perf_fallbac
 not with ``device`` or ``mesh``). Each entry is a measurement, not a guess, and names
 it; the report prints the detail beside the node.
 
+Which of XLA and a PyTorch kernel is faster depends on the machine (XLA and
+MKL/oneDNN rank differently on Intel and AMD, AVX2 and AVX-512, and by core count), so
+for the large attention and the fused encoder layer the choice is measured where it
+runs (``Options.measure_costs``, on by default): at the node's first compile each path
+runs a few times on random inputs of the node's shapes and dtypes (``measure``), and
+the faster is kept. The times are remembered with the abstract evaluations (in the
+process, and in the persistent cache keyed by the machine, the op, its shapes and
+dtypes: ``capability/memo.py``), and the report lists them with the choice
+(``CostChoice``). The measurements below are the defaults, used with
+``measure_costs=False`` and where a node cannot be measured (symbolic sizes).
+
 * ``_scaled_dot_product_flash_attention_for_cpu``, when kept whole by aot_autograd
   (``lowering.attention.whole``: at least 2^27 flops in its products). PyTorch's CPU
   kernel is a blocked (flash) attention over both cores; XLA's program (the rule: one
@@ -37,14 +48,65 @@ it; the report prints the detail beside the node.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
+import platform
+import statistics
+import time
 from collections.abc import Callable
+from typing import Any
 
+import jax
+import numpy as np
 import torch
 import torch.fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dynajax.lowering import attention
+from dynajax.lowering.registry import Rule
 
 aten = torch.ops.aten
+
+# node.meta key of a measured choice (the report reads it).
+COST_KEY = "dynajax_cost"
+# Timed rounds of both paths (after one untimed call each, which compiles XLA's).
+REPEATS = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class CostChoice:
+    """Both paths of one node, timed on this machine, and the one kept.
+
+    Attributes:
+        pytorch_s: the median time of PyTorch's kernel on the node's arguments.
+        xla_s: the median time of XLA's program of the rule (compiled alone).
+        measure_s: what measuring took (XLA's compile included), the first compile's
+            added cost; 0 where the times came from the cache.
+    """
+
+    op: str
+    node: str
+    pytorch_s: float
+    xla_s: float
+    measure_s: float
+
+    @property
+    def in_pytorch(self) -> bool:
+        return self.pytorch_s < self.xla_s
+
+    def describe(self) -> str:
+        where = "PyTorch" if self.in_pytorch else "JAX"
+        took = f" (measuring took {self.measure_s:.2f} s)" if self.measure_s else " (cached)"
+        return (
+            f"PyTorch's kernel {_ms(self.pytorch_s)}, XLA's program {_ms(self.xla_s)} on "
+            f"this machine: runs in {where}{took}"
+        )
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f} ms"
 
 
 def _val(arg: object) -> object:
@@ -110,9 +172,158 @@ _FASTER_IN_PYTORCH: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], str | 
 }
 
 
-def faster_in_pytorch(node: torch.fx.Node) -> str | None:
-    """Why ``node``, which JAX can run, runs faster in PyTorch; None where it does not."""
+# Ops whose choice is measured where they run (with measure_costs): which nodes are
+# candidates (PyTorch's kernel could win), whatever the defaults say.
+_MEASURED: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], bool]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: lambda n: (
+        _large_cpu_attention(n) is not None
+    ),
+    aten._transformer_encoder_layer_fwd.default: lambda n: _static_cpu(n),
+}
+
+# Measures a candidate node, remembered: (node) -> (pytorch_s, xla_s, measure_s), or
+# None where it cannot be measured. The capability stage passes one bound to its cache.
+Measure = Callable[[torch.fx.Node], "tuple[float, float, float] | None"]
+
+
+def faster_in_pytorch(node: torch.fx.Node, measure: Measure | None = None) -> str | None:
+    """Why ``node``, which JAX can run, runs faster in PyTorch; None where it does not.
+    With ``measure``, the ops of ``_MEASURED`` are timed (``CostChoice``, stored in
+    ``node.meta``) instead of judged by the defaults."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return None
-    measured = _FASTER_IN_PYTORCH.get(node.target)
-    return measured(node) if measured is not None else None
+    candidate = _MEASURED.get(node.target)
+    if measure is not None and candidate is not None and candidate(node):
+        times = measure(node)
+        if times is not None:
+            choice = CostChoice(str(node.target), node.name, *times)
+            node.meta[COST_KEY] = choice
+            if not choice.in_pytorch:
+                return None
+            return (
+                f"{choice.describe()} (measured at the first compile; "
+                "measure_costs=False takes the defaults of dynajax/capability/cost.py); "
+                "perf_fallbacks=False runs it in JAX"
+            )
+    default = _FASTER_IN_PYTORCH.get(node.target)
+    return default(node) if default is not None else None
+
+
+def _static_cpu(node: torch.fx.Node) -> bool:
+    """Every tensor argument on the CPU, with sizes known now (measurable)."""
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor) and (
+            v.device.type != "cpu" or not all(isinstance(d, int) for d in v.shape)
+        ):
+            return False
+    return True
+
+
+@functools.cache
+def machine() -> str:
+    """What the measured times depend on besides the op: the CPU, its cores, the thread
+    counts and the instruction sets the libraries may use."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    names = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "XLA_FLAGS")
+    settings = {k: os.environ[k] for k in names if k in os.environ}
+    return (
+        f"{model}; {os.cpu_count()} cpus; torch threads {torch.get_num_threads()}; "
+        f"{torch.backends.cpu.get_cpu_capability()}; {sorted(settings.items())}"
+    )
+
+
+def measure(node: torch.fx.Node, rule: Rule) -> tuple[float, float, float] | None:
+    """(PyTorch's median time, XLA's median time, what measuring took) of ``node`` on
+    random inputs of its shapes and dtypes; None where an argument has no concrete
+    size."""
+    # Real tensors and real calls: outside the compile's fake-tensor mode.
+    with _disable_current_modes():
+        return _measure(node, rule)
+
+
+def _measure(node: torch.fx.Node, rule: Rule) -> tuple[float, float, float] | None:
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+
+    def concrete(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            a = a.meta.get("val")
+        if isinstance(a, torch.Tensor):
+            if not all(isinstance(d, int) for d in a.shape):
+                raise _Symbolic
+            if a.is_floating_point():
+                return torch.randn(a.shape, dtype=a.dtype, generator=gen)
+            return torch.zeros(a.shape, dtype=a.dtype)
+        if isinstance(a, (list, tuple)):
+            return type(a)(concrete(x) for x in a)
+        return a
+
+    try:
+        args, kwargs = concrete(tuple(node.args)), {k: concrete(v) for k, v in node.kwargs.items()}
+    except _Symbolic:
+        return None
+    target = node.target
+    assert callable(target)
+    leaves, spec = jax.tree_util.tree_flatten(
+        (args, kwargs), is_leaf=lambda x: isinstance(x, torch.Tensor)
+    )
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def run(*arrays: Any) -> Any:
+        filled = list(leaves)
+        for i, a in zip(positions, arrays, strict=True):
+            filled[i] = a
+        a, k = jax.tree_util.tree_unflatten(spec, filled)
+        if rule.needs_key:
+            k = dict(k, key=jax.random.key(0))
+        return rule.fn(*a, **k)
+
+    program = jax.jit(run)
+    arrays = [jax.numpy.asarray(np.asarray(leaves[i])) for i in positions]
+
+    def pytorch() -> None:
+        with torch.no_grad():
+            target(*args, **kwargs)
+
+    def xla() -> None:
+        jax.block_until_ready(program(*arrays))
+
+    pytorch_s, xla_s = _median_times(pytorch, xla)
+    return pytorch_s, xla_s, time.perf_counter() - start
+
+
+class _Symbolic(Exception):
+    pass
+
+
+def _median_times(*calls: Callable[[], Any]) -> list[float]:
+    """Each call's median time over ``REPEATS`` rounds, the calls alternating within a
+    round (so that a loaded machine slows them alike), after one untimed call each
+    (XLA's compile, warm caches)."""
+    for call in calls:
+        call()
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(REPEATS):
+        for call, kept in zip(calls, times, strict=True):
+            t = time.perf_counter()
+            call()
+            kept.append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def result_of(times: tuple[float, float, float] | None) -> Any:
+    """Times as the memo keeps them (text), and back: ``times_of``."""
+    return None if times is None else json.dumps(times)
+
+
+def times_of(text: str | None) -> tuple[float, float, float] | None:
+    return None if text is None else tuple(json.loads(text))  # type: ignore[return-value]

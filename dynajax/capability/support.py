@@ -24,7 +24,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dynajax.capability.cost import faster_in_pytorch
+from dynajax.capability import cost
+from dynajax.capability.cost import Measure, faster_in_pytorch
 from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.capability.layout import keep_eager_storage, node_layout
 from dynajax.capability.memo import Evaluations
@@ -158,10 +159,13 @@ class CapabilityChecker:
         evaluations: Evaluations | None = None,
         *,
         perf: bool = False,
+        measure: bool = False,
     ) -> None:
         self.fallback_ops = frozenset(fallback_ops)
         # Whether ops measured faster in PyTorch (cost.py) stay there, reason PERF.
         self.perf = perf
+        # With perf: whether the choices cost.py lists are measured on this machine.
+        self.measure = measure
         # Abstract evaluations by (op, argument signature), shared by every graph of
         # the process and, given a persistent cache, by later processes (memo.py).
         self._evaluations = evaluations if evaluations is not None else Evaluations()
@@ -270,10 +274,32 @@ class CapabilityChecker:
         found = self._evaluations.get(key, rule, evaluate)
         if found is not None:
             return self._refuse(node, *found)
-        faster = faster_in_pytorch(node) if self.perf else None
+        faster = None
+        if self.perf:
+            faster = faster_in_pytorch(node, self._measure(key, rule) if self.measure else None)
         if faster is not None:
             return self._refuse(node, Reason.PERF, faster)
         return Supported(name)
+
+    def _measure(self, key: Any, rule: Rule) -> Measure:
+        """cost.measure of a node with this evaluation key, remembered beside the
+        evaluations (per machine); a remembered one took no time to measure now."""
+
+        def measured(node: torch.fx.Node) -> tuple[float, float, float] | None:
+            fresh = []
+
+            def evaluate() -> tuple[Reason, str] | None:
+                fresh.append(True)
+                times = cost.measure(node, rule)
+                return None if times is None else (Reason.PERF, cost.result_of(times))
+
+            found = self._evaluations.get(("measured", cost.machine(), key), rule, evaluate)
+            times = cost.times_of(found[1] if found is not None else None)
+            if times is not None and not fresh:
+                times = (times[0], times[1], 0.0)
+            return times
+
+        return measured
 
     def _decide_getitem(self, node: torch.fx.Node, name: str) -> Verdict:
         # getitem picks an output of a multi-output node: it goes where its producer goes.

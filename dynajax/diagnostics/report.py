@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch.fx
 
 from dynajax.capability import Reason, Unsupported, verdict_of
+from dynajax.capability.cost import COST_KEY, CostChoice
 from dynajax.diagnostics.breaks import GraphBreak, short_location
 from dynajax.diagnostics.profile import GraphTimes
 from dynajax.diagnostics.recompiles import DynamoCompile
@@ -68,6 +69,8 @@ class GraphReport:
         dynamo: Dynamo's compile that produced the graph: its compile id and, for a
             recompile, the guard failures that caused it (``diagnostics/recompiles.py``);
             None when not compiled under Dynamo.
+        cost_choices: the nodes whose place (XLA or a PyTorch kernel) was measured on
+            this machine (option ``measure_costs``): both times and the choice.
     """
 
     kind: str
@@ -85,6 +88,7 @@ class GraphReport:
     aot: str = "traced"
     times: GraphTimes | None = None
     dynamo: DynamoCompile | None = None
+    cost_choices: list[CostChoice] = dataclasses.field(default_factory=list)
 
     @property
     def jax_ops(self) -> int:
@@ -139,6 +143,11 @@ class GraphReport:
                 out.append(f"    {f.target:<{width}}  {f.node:<{nwidth}}  {f.reason.name}{detail}")
                 if f.source_line:
                     out.append(f"    {'':<{width}}  at {short_location(f.source_line)}")
+        if self.cost_choices:
+            out.append("  measured on this machine (option measure_costs):")
+            width = max(len(c.op) for c in self.cost_choices)
+            for c in self.cost_choices:
+                out.append(f"    {c.op:<{width}}  {c.node}  {c.describe()}")
         if self.what_if:
             out.append("  what-if (a rule for this op would give):")
             width = max(len(w.op) for w in self.what_if)
@@ -183,10 +192,13 @@ def graph_report(
     """Builds the report of one graph from its annotated nodes and stitched module."""
     fallbacks: list[Unsupported] = []
     host: list[Unsupported] = []
+    costs: list[CostChoice] = []
     aten_ops = 0
     for node in annotated:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
+        if COST_KEY in node.meta:
+            costs.append(node.meta[COST_KEY])
         v = verdict_of(node)
         if isinstance(v, Unsupported) and v.reason is Reason.HOST_SCALAR:
             host.append(v)
@@ -204,7 +216,16 @@ def graph_report(
         )
         partitions.append(PartitionInfo(name, compute_op_count(g), dict(hist)))
     return GraphReport(
-        kind, index, stitched, partitions, fallbacks, aten_ops, host, snapshot, min_block_size
+        kind,
+        index,
+        stitched,
+        partitions,
+        fallbacks,
+        aten_ops,
+        host,
+        snapshot,
+        min_block_size,
+        cost_choices=costs,
     )
 
 
