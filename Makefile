@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-full opinfo-full bench bench-quick lint fuzz docs dist wheel-check
+.PHONY: install demo test test-full opinfo-full bench bench-quick lint fuzz docs dist wheel-check newest-torch figures
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -76,3 +76,28 @@ wheel-check: dist
 	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls dist/dynajax-*.whl)[hf,checkpoint]"
 	cd /tmp && $(WHEEL_VENV)/bin/python $(CURDIR)/tests/smoke_installed.py
 	cd /tmp && $(WHEEL_VENV)/bin/python $(CURDIR)/examples/demo.py
+
+# The newest torch and jax the registry serves (not the pinned build above), in a fresh
+# venv, with a smoke subset of the suite: the README's code, train_step, and
+# jax_function under jax.grad. PIP_CONFIG_FILE=/dev/null: no pip configuration caps
+# the release (on this project's machines one caps torch at what lies on disk). A
+# user on the newest torch must not be the first to find a break; CI runs it.
+NEWEST_VENV ?= /tmp/dynajax-newest-venv
+NEWEST_PIP := PIP_CONFIG_FILE=/dev/null $(NEWEST_VENV)/bin/python -m pip
+NEWEST_TESTS ?= "tests/test_docs.py::test_code_blocks_run[README.md]" \
+	tests/training/test_train_step.py::test_twenty_steps_are_eagers \
+	"tests/training/test_train_step.py::test_transformers_models_train_as_in_eager[gpt2-adam]" \
+	tests/interop/test_jax_function.py::test_model_outputs_and_gradients_match_eager
+newest-torch:
+	rm -rf $(NEWEST_VENV)
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PIP) install -q --upgrade pip
+	$(NEWEST_PIP) install -q --upgrade torch jax
+	$(NEWEST_PIP) install -q -e ".[test]"
+	$(NEWEST_VENV)/bin/python -c "import torch, jax; print('newest: torch', torch.__version__, 'jax', jax.__version__)"
+	$(NEWEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider $(NEWEST_TESTS)
+
+# The guide's measured tables and plots, redrawn from their JSON (benchmarks/figures.py);
+# tests/test_figures.py fails where they differ.
+figures: install
+	$(PY) -m benchmarks.figures

@@ -38,7 +38,10 @@ from benchmarks.workloads import WORKLOADS, Step, Workload, device
 
 # "dynajax-jax": dynajax with perf_fallbacks=False, every op with a rule in JAX (where
 # the default keeps an op measured faster in PyTorch there: capability/cost.py).
-PEERS = ("eager", "inductor", "dynajax", "dynajax-jax", "jax")
+# "dynajax-defaults": dynajax with measure_costs=False, the cost choices the defaults
+# make (a large CPU attention and the fused encoder layer in PyTorch's kernels): beside
+# dynajax-jax, both paths of the choice dynajax measures (the cost-choice rows).
+PEERS = ("eager", "inductor", "dynajax", "dynajax-jax", "dynajax-defaults", "jax")
 
 # Untimed calls at the start of each peer's turn, for at least this long: PyTorch's
 # OpenMP workers spin for about 4 ms after each parallel op (measured: a 2-core process
@@ -75,6 +78,12 @@ def _compile_fn(peer: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 
         return lambda f: torch.compile(
             _own_code(f, "dynajax_jax"), backend=dynajax.Backend(perf_fallbacks=False)
+        )
+    if peer == "dynajax-defaults":
+        import dynajax
+
+        return lambda f: torch.compile(
+            _own_code(f, "dynajax_defaults"), backend=dynajax.Backend(measure_costs=False)
         )
     if peer == "dynajax":
         import dynajax

@@ -44,6 +44,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -376,45 +377,22 @@ def write_plot(
     meta: dict[str, Any],
 ) -> None:
     """Writes ``recorded`` (case -> mode -> layer -> (median, best) µs) as JSON beside
-    ``path`` and as one bar chart per case: a bar per layer and mode, the median."""
+    ``path`` and as one bar chart per case: a bar per layer and mode, the median
+    (``benchmarks.figures``, which also writes the guide's table from that JSON)."""
     import json
 
     base, _ = os.path.splitext(path)
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "us_per_call": recorded}, f, indent=1)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         print(f"\nwrote {base}.json; no plot: matplotlib is missing (pip install -e '.[bench]')")
         return
-    cases = list(recorded)
-    fig, axes = plt.subplots(1, len(cases), figsize=(6.5 * len(cases), 4.2))
-    for ax, case in zip(np.atleast_1d(axes), cases, strict=True):
-        modes = list(recorded[case])
-        names = list(recorded[case][modes[0]])
-        height = 0.8 / len(modes)
-        for i, mode in enumerate(modes):
-            ys = [j + i * height for j in range(len(names))]
-            values = [recorded[case][mode][n][0] for n in names]
-            ax.barh(ys, values, height=height, label=mode)
-            for y, v in zip(ys, values, strict=True):
-                ax.text(v, y, f" {v:.1f}", va="center", fontsize=7)
-        ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))], names, fontsize=8)
-        ax.invert_yaxis()
-        ax.margins(x=0.15)
-        ax.set_title(case)
-        ax.set_xlabel("µs per call (median of rounds)")
-        ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle(
-        f"benchmarks.overhead, {meta['date']}, {meta['cpus']} cpus, load {meta['load_average']}"
-        f", tensors on {meta['device']}",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from benchmarks import figures
+
+    data = {"meta": meta, "us_per_call": recorded}
+    figures.draw_overhead(data, figures.overhead_table(data), Path(path))
     print(f"\nwrote {path} and {base}.json")
 
 

@@ -26,13 +26,9 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _fmt_time(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} µs"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
+    from benchmarks.figures import time_text
+
+    return time_text(s) or "-"
 
 
 def _geomean(xs: list[float]) -> float | None:
@@ -362,37 +358,15 @@ def _table(title: str, lines: list[list[str]]) -> None:
 
 
 def plot(out: dict[str, Any], path: Path) -> bool:
+    """Each row's time against inductor's, as the guide's plot draws it (benchmarks.figures)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
         return False
-    peers = out["meta"]["peers"]
-    names = list(out["workloads"])
-    panels = [("steady", "median_s", "per call (s, log)")]
-    if any(r["first_call"] for r in out["workloads"].values()):
-        panels.append(("first_call", "first_s", "first call, cold (s, log)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    width = 0.8 / len(peers)
-    for ax, (part, key, label) in zip(axes[0], panels, strict=True):
-        for k, p in enumerate(peers):
-            ys = []
-            for n in names:
-                res = out["workloads"][n][part].get(p, {})
-                ys.append(res.get(key) if res.get("status") == "ok" else 0)
-            ax.bar([i + k * width for i in range(len(names))], ys, width, label=p)
-        ax.set_yscale("log")
-        ax.set_xticks([i + width * (len(peers) - 1) / 2 for i in range(len(names))])
-        ax.set_xticklabels(names, rotation=30, ha="right")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"dynajax benchmarks ({out['meta']['time'][:19]})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from benchmarks import figures
+
+    figures.draw_benchmarks(out, figures.benchmarks_table(out), path)
     return True
 
 
@@ -469,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-first-call", action="store_true", help="skip cold first-call runs")
     p.add_argument("--no-memory", action="store_true", help="skip memory checks")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help="also write docs/benchmarks.json and redraw the guide's tables and plots from "
+        "it (python -m benchmarks.figures)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     p.add_argument(
         "--first-call-worker", nargs=2, metavar=("WORKLOAD", "PEER"), help=argparse.SUPPRESS
@@ -523,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
         if plot(out, png):
             shutil.copyfile(png, args.out / "latest.png")
             print(f"wrote {png}")
+    if args.docs:
+        from benchmarks import figures
+
+        shutil.copyfile(js, figures.FIGURES["benchmarks"].source)
+        figures.update()
     return 0
 
 

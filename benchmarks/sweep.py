@@ -655,44 +655,6 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], path: Path, date: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    families = list(dict.fromkeys(r["family"] for r in results))
-    colors = {"ok": "#2a9d4b", "upstream": "#8d99ae", "failing": "#d62828", "unbuilt": "#e9c46a"}
-    fig, ax = plt.subplots(figsize=(8, 4))
-    left = [0] * len(families)
-    for status in STATUSES:
-        counts = [
-            sum(1 for r in results if r["family"] == f and r["status"] == status) for f in families
-        ]
-        bars = ax.barh(families, counts, left=left, color=colors[status], label=status)
-        for bar, c in zip(bars, counts, strict=True):
-            if c:
-                ax.text(
-                    bar.get_x() + bar.get_width() / 2,
-                    bar.get_y() + bar.get_height() / 2,
-                    str(c),
-                    ha="center",
-                    va="center",
-                    fontsize=8,
-                    color="white" if status != "unbuilt" else "black",
-                )
-        left = [a + b for a, b in zip(left, counts, strict=True)]
-    ax.invert_yaxis()
-    ax.set_xlabel("architectures")
-    ax.set_title(
-        f"transformers architectures, tiny random configs, through dynajax ({date})", fontsize=10
-    )
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _load(path: Path) -> dict[str, Any]:
     """A run's JSON, or an interrupted run's ``.partial.jsonl`` (one result a line)."""
     if path.suffix == ".jsonl":
@@ -807,35 +769,38 @@ def main(argv: list[str] | None = None) -> int:
     print(table(done))
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"\n{len(done)} architectures in {elapsed / 60:.1f} min ({now:%Y-%m-%d})")
-    if out_json:
-        import jax
-        import torch
+    import jax
+    import torch
 
-        meta = {
-            "date": now.isoformat(timespec="seconds"),
-            "command": "python -m benchmarks.sweep "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
-            "runtime_s": round(elapsed, 1),
-            **({"updated_from": earlier["meta"]} if earlier else {}),
-            **({"merged_from": [m["meta"] for m in merged]} if args.merge else {}),
-            "workers": args.workers,
-            "timeout_s": args.timeout,
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "jax": jax.__version__,
-            "transformers": transformers.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "counts": dict(Counter(r["status"] for r in done)),
-            "counts_by_family": {
-                f: dict(Counter(r["status"] for r in done if r["family"] == f))
-                for f in dict.fromkeys(r["family"] for r in done)
-            },
-        }
+    meta = {
+        "date": now.isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.sweep "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "runtime_s": round(elapsed, 1),
+        **({"updated_from": earlier["meta"]} if earlier else {}),
+        **({"merged_from": [m["meta"] for m in merged]} if args.merge else {}),
+        "workers": args.workers,
+        "timeout_s": args.timeout,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "jax": jax.__version__,
+        "transformers": transformers.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "counts": dict(Counter(r["status"] for r in done)),
+        "counts_by_family": {
+            f: dict(Counter(r["status"] for r in done if r["family"] == f))
+            for f in dict.fromkeys(r["family"] for r in done)
+        },
+    }
+    if out_json:
         out_json.write_text(json.dumps({"meta": meta, "results": done}, indent=1) + "\n")
         print(f"wrote {out_json}")
     if out_png:
-        plot(done, out_png, f"{now:%Y-%m-%d}")
-        print(f"wrote {out_png}")
+        from benchmarks import figures
+
+        data = {"meta": meta, "results": done}
+        figures.draw_sweep(data, figures.sweep_table(data), out_png)
+        print(f"wrote {out_png} (python -m benchmarks.figures writes the tables from the JSON)")
     return 0
 
 

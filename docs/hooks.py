@@ -7,11 +7,10 @@ replaces at build time (and which stays invisible where the Markdown is read raw
     <!-- generated: ops -->       the lowering registry, one section per rule module
     <!-- generated: core-aten --> tests/lowering/core_aten_coverage.txt, summarized
     <!-- generated: opinfo -->    docs/opinfo_summary.json, the OpInfo table
-    <!-- generated: sweep -->     docs/sweep.png (python -m benchmarks.sweep) if it exists
     <!-- generated: explain-rnn -->   examples/explain_rnn.py's report, as it prints it
                                       now, by default and with allow_rnn
 
-``python docs/hooks.py options`` (or ops, core-aten, opinfo, sweep) prints one of them.
+``python docs/hooks.py options`` (or ops, core-aten, opinfo) prints one of them.
 """
 
 from __future__ import annotations
@@ -173,19 +172,6 @@ def opinfo_table() -> str:
     return "\n".join(rows + reasons)
 
 
-def sweep_section() -> str:
-    png, raw = DOCS / "sweep.png", DOCS / "sweep.json"
-    if not png.exists():
-        return (
-            "*The architecture sweep's plot appears here once `python -m benchmarks.sweep` "
-            "has written `docs/sweep.png` (and `docs/sweep.json`).*"
-        )
-    text = "![The architecture sweep: ok, upstream and failing by family](sweep.png)"
-    if raw.exists():
-        text += "\n\nRaw results: [sweep.json](sweep.json)."
-    return text
-
-
 def explain_rnn() -> str:
     """The reports ``examples/explain_rnn.py`` prints, run now (a real report of a
     model with a graph break, and of the same model captured whole, with times)."""
@@ -214,7 +200,6 @@ GENERATORS = {
     "ops": ops_tables,
     "core-aten": core_aten_summary,
     "opinfo": opinfo_table,
-    "sweep": sweep_section,
     "explain-rnn": explain_rnn,
 }
 

@@ -155,7 +155,7 @@ def test_generated_pages_name_their_markers() -> None:
     for document in DOCUMENTS:
         asked |= set(hooks.MARKER.findall(document.read_text()))
     assert asked <= set(hooks.GENERATORS)
-    assert {"options", "ops", "opinfo", "sweep"} <= asked
+    assert {"options", "ops", "opinfo"} <= asked
 
 
 if __name__ == "__main__":

@@ -273,22 +273,9 @@ def _measure(node: torch.fx.Node, rule: Rule) -> tuple[float, float, float] | No
         return None
     target = node.target
     assert callable(target)
-    leaves, spec = jax.tree_util.tree_flatten(
-        (args, kwargs), is_leaf=lambda x: isinstance(x, torch.Tensor)
-    )
-    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-
-    def run(*arrays: Any) -> Any:
-        filled = list(leaves)
-        for i, a in zip(positions, arrays, strict=True):
-            filled[i] = a
-        a, k = jax.tree_util.tree_unflatten(spec, filled)
-        if rule.needs_key:
-            k = dict(k, key=jax.random.key(0))
-        return rule.fn(*a, **k)
-
+    run, tensors = rule.over(args, kwargs, lambda x: isinstance(x, torch.Tensor))
     program = jax.jit(run)
-    arrays = [jax.numpy.asarray(np.asarray(leaves[i])) for i in positions]
+    arrays = [jax.numpy.asarray(np.asarray(t)) for t in tensors]
 
     def pytorch() -> None:
         with torch.no_grad():

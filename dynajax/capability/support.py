@@ -426,21 +426,10 @@ def _evaluate(
             return Reason.CHECK_REFUSED, refusal
 
     # Only the tensors are abstract; literals stay Python values closed over.
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_aval)
-    positions = [i for i, leaf in enumerate(leaves) if _is_aval(leaf)]
-
-    def run(*avals: Any) -> Any:
-        filled = list(leaves)
-        for i, a in zip(positions, avals, strict=True):
-            filled[i] = a
-        a, k = jax.tree_util.tree_unflatten(treedef, filled)
-        if rule.needs_key:
-            k = dict(k, key=jax.random.key(0))
-        return rule.fn(*a, **k)
-
+    run, avals = rule.over(args, kwargs, _is_aval)
     try:
         with jax.enable_x64(True):
-            got = jax.eval_shape(run, *(leaves[i] for i in positions))
+            got = jax.eval_shape(run, *avals)
     except _ABSTRACT_EVAL_ERRORS as e:
         # JAX reports shape and dtype errors of abstract evaluation with these types;
         # anything else (a rule's AttributeError, KeyError) is a bug and propagates.

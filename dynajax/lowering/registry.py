@@ -62,6 +62,29 @@ class Rule:
     where: str = ""
     user: bool = False
 
+    def over(
+        self, args: Any, kwargs: dict[str, Any], is_array: Callable[[Any], bool]
+    ) -> tuple[Callable[..., Any], list[Any]]:
+        """The rule as a function of the leaves of ``(args, kwargs)`` that ``is_array``
+        picks (the others, literals, closed over), and those leaves, in order; a rule
+        that draws random numbers gets a fixed key. For ``jax.eval_shape`` of abstract
+        arguments and ``jax.jit`` of concrete ones."""
+        import jax  # the table is filled before JAX is needed
+
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_array)
+        positions = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+
+        def run(*arrays: Any) -> Any:
+            filled = list(leaves)
+            for i, a in zip(positions, arrays, strict=True):
+                filled[i] = a
+            a, k = jax.tree_util.tree_unflatten(treedef, filled)
+            if self.needs_key:
+                k = dict(k, key=jax.random.key(0))
+            return self.fn(*a, **k)
+
+        return run, [leaves[i] for i in positions]
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:

@@ -62,14 +62,20 @@ def test_both_paths_are_timed_on_this_machine() -> None:
     assert bool(in_pytorch) == (choice.pytorch_s < choice.xla_s)
 
 
-def test_a_measurement_is_remembered_for_the_same_shapes(monkeypatch) -> None:
-    calls = []
+def _counted_measures(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
+    """Replaces the timing by fixed times (XLA faster); returns the nodes measured."""
+    calls: list[str] = []
 
     def measured(node, rule):  # type: ignore[no-untyped-def]
         calls.append(node.name)
         return (0.002, 0.001, 0.3)
 
     monkeypatch.setattr(cost, "_measure", measured)
+    return calls
+
+
+def test_a_measurement_is_remembered_for_the_same_shapes(monkeypatch) -> None:
+    calls = _counted_measures(monkeypatch)
     layer, x = _layer_and_input()
     _compile(layer, x, measure_costs=True)
     torch._dynamo.reset()
@@ -83,13 +89,7 @@ def test_a_measurement_is_remembered_for_the_same_shapes(monkeypatch) -> None:
 
 
 def test_another_machine_measures_again(monkeypatch) -> None:
-    calls = []
-
-    def measured(node, rule):  # type: ignore[no-untyped-def]
-        calls.append(node.name)
-        return (0.002, 0.001, 0.3)
-
-    monkeypatch.setattr(cost, "_measure", measured)
+    calls = _counted_measures(monkeypatch)
     layer, x = _layer_and_input()
     _compile(layer, x, measure_costs=True)
     monkeypatch.setattr(cost, "machine", lambda: "another CPU; 64 cpus")
