@@ -419,6 +419,8 @@ class ExecutableCache(store.BlobStore):
                 if stale:
                     log.info("cache entry %s is stale (%s changed); compiling", path.name, stale)
                     return None, None, f"stale entry ({stale} changed)"
+            if platform_name == "cpu" and b"lapack_" in payload:
+                _initialize_lapack()
             compiled = serialize_executable.deserialize_and_load(
                 payload,
                 in_tree,
@@ -504,3 +506,17 @@ def _devices_by_id(ids: list[int] | None, platform_name: str) -> list[Any] | Non
     if not all(i in by_id for i in ids):
         return None
     return [by_id[i] for i in ids]
+
+
+def _initialize_lapack() -> None:
+    """Points jaxlib's LAPACK kernels at their functions, as JAX does when it lowers a
+    linear-algebra op. An executable that calls them (``lapack_strsm_ffi``: a triangular
+    solve, ``eigh``, ...) and is loaded in a process that lowered none crashes the
+    process when it runs (SIGSEGV, jaxlib 0.10.2): a transformers MoE model with a
+    gated delta net, warm from the cache, did. Idempotent, about 0.2 s the first time."""
+    try:
+        from jax._src.lax import linalg
+
+        linalg.initialize_lapack()
+    except (ImportError, AttributeError):  # a JAX without this function: nothing to call
+        log.debug("no jax._src.lax.linalg.initialize_lapack in this JAX")

@@ -266,3 +266,23 @@ def test_float32_matmul_precision_is_part_of_the_program(tmp_path) -> None:
         torch.set_float32_matmul_precision("highest")
     assert high.cache_hits == 0 and high.xla_compiles == 1, high
     assert len(_entries(tmp_path)) == 2
+
+
+def test_an_executable_calling_lapack_runs_when_loaded_in_a_new_process(tmp_path) -> None:
+    # A triangular solve is jaxlib's LAPACK kernel (a custom call); a process that loads
+    # its executable without having lowered any linear algebra crashed running it
+    # (SIGSEGV in jaxlib 0.10.2) until the kernels are initialized before the load.
+    code = (
+        "import dynajax, torch\n"
+        "torch.manual_seed(0)\n"
+        "a = torch.randn(6, 6).tril() + 6 * torch.eye(6); b = torch.randn(6, 3)\n"
+        "f = lambda a, b: torch.linalg.solve_triangular(a, b, upper=False) * 2\n"
+        "backend = dynajax.Backend()\n"
+        "out = torch.compile(f, backend=backend)(a, b)\n"
+        "torch.testing.assert_close(out, f(a, b))\n"
+        "print(backend.graphs[0].compile_stats.line())\n"
+    )
+    first = run_python("-c", code, timeout=300, DYNAJAX_CACHE_DIR=str(tmp_path))
+    second = run_python("-c", code, timeout=300, DYNAJAX_CACHE_DIR=str(tmp_path))
+    assert "1 XLA compile(s)" in first, first
+    assert "1 cache hit(s)" in second, second
