@@ -164,13 +164,16 @@ def _seconds(cell: str) -> float | None:
 
 
 def draw_benchmarks(data: dict[str, Any], table: Table, path: Path) -> None:
-    """Each row's time against inductor's, one bar per peer (inductor is the line at 1)."""
+    """Each row's time against inductor's (eager's in a run without inductor), one bar
+    per peer (the line at 1)."""
     plt = _pyplot()
-    peers = [h for h in table.header[1:] if h in PEER_NAMES.values() and h != "inductor"]
+    # Against inductor's time; a run without inductor, against eager's.
+    base = "inductor" if "inductor" in table.header else "eager"
+    peers = [h for h in table.header[1:] if h in PEER_NAMES.values() and h != base]
     names = [r[0].strip("`") for r in table.rows]
-    fig, ax = plt.subplots(figsize=(8, 0.16 * len(names) * len(peers) + 1.6))
-    height = 0.8 / len(peers)
-    ind = table.header.index("inductor")
+    fig, ax = plt.subplots(figsize=(8, 0.16 * len(names) * max(len(peers), 1) + 1.6))
+    height = 0.8 / max(len(peers), 1)
+    ind = table.header.index(base)
     for k, peer in enumerate(peers):
         col = table.header.index(peer)
         ys, xs = [], []
@@ -186,7 +189,7 @@ def draw_benchmarks(data: dict[str, Any], table: Table, path: Path) -> None:
     ax.xaxis.set_minor_formatter(plt.FormatStrFormatter("%g"))
     ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))], names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("time per call / inductor's (log; left of the line is faster)")
+    ax.set_xlabel(f"time per call / {base}'s (log; left of the line is faster)")
     meta = data["meta"]
     ax.set_title(
         f"python -m benchmarks.run, {meta['time'][:16].replace('T', ' ')} UTC, "
@@ -195,6 +198,34 @@ def draw_benchmarks(data: dict[str, Any], table: Table, path: Path) -> None:
     )
     ax.legend(fontsize=8, loc="lower right")
     _save(fig, table, path)
+
+
+# -- peak memory of the training steps: docs/memory.json (python -m benchmarks.memory) ---
+
+
+def memory_table(data: dict[str, Any]) -> Table:
+    """Per row: each peer's peak resident set during a steady step, dynajax's against
+    eager's and inductor's, and dynajax's peak up to its first step (the compile)."""
+    peers = list(next(iter(data["rows"].values())))
+    header = ["workload", *(f"{p}, steady step" for p in peers)]
+    header += ["dynajax / eager", "dynajax / inductor", "dynajax, first step"]
+
+    def mib(r: dict[str, Any], key: str) -> str:
+        return f"{r[key] / 2**20:.0f} MiB" if key in r else ""
+
+    rows = []
+    for name, by_peer in data["rows"].items():
+        dj = by_peer.get("dynajax", {})
+        rows.append(
+            (
+                f"`{name}`",
+                *(mib(by_peer.get(p, {}), "steady") for p in peers),
+                _ratio(dj.get("steady"), by_peer.get("eager", {}).get("steady")),
+                _ratio(dj.get("steady"), by_peer.get("inductor", {}).get("steady")),
+                mib(dj, "first"),
+            )
+        )
+    return Table(tuple(header), tuple(rows))
 
 
 # -- per-call overhead, layer by layer: docs/overhead.json (python -m benchmarks.overhead) -
@@ -364,6 +395,7 @@ FIGURES = {
         Figure("sweep-failing", DOCS / "sweep.json", None, sweep_failures),
         Figure("sweep-stages", DOCS / "sweep.json", None, sweep_stages),
         Figure("benchmarks-h100", DOCS / "benchmarks-h100.json", None, benchmarks_table),
+        Figure("memory", DOCS / "memory.json", None, memory_table),
     )
 }  # fmt: skip
 

@@ -161,3 +161,54 @@ register(
         no_grad=False,
     )
 )
+
+
+# -- activation checkpointing: a deep MLP, plain and checkpointed ------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class DeepMLP(nn.Module):
+    """Residual blocks of two linear layers, each block run through
+    ``torch.utils.checkpoint`` (non-reentrant) when ``checkpointed``."""
+
+    def __init__(self, blocks: int, width: int, checkpointed: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(blocks))
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return x
+
+
+def _deep_mlp(checkpointed: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...]]]:
+    def build() -> tuple[nn.Module, tuple[Any, ...]]:
+        return DeepMLP(16, 256, checkpointed), (torch.randn(8192, 256),)
+
+    return build
+
+
+for _form, _on in (("", False), ("-checkpointed", True)):
+    register(
+        Workload(
+            f"deep-mlp{_form}-train-step",
+            "training",
+            _whole_step(_deep_mlp(_on), _square_mean),
+            jax_setup=lambda: None,
+            description="16 residual MLP blocks, width 256, batch 8192"
+            + (", each block checkpointed" if _on else "")
+            + ": the whole AdamW step",
+            no_grad=False,
+        )
+    )

@@ -69,6 +69,7 @@ from jax.experimental import serialize_executable
 
 from dynajax import store
 from dynajax.lowering import attention
+from dynajax.runtime import jax_internals
 
 log = logging.getLogger("dynajax.cache")
 
@@ -420,7 +421,12 @@ class ExecutableCache(store.BlobStore):
                     log.info("cache entry %s is stale (%s changed); compiling", path.name, stale)
                     return None, None, f"stale entry ({stale} changed)"
             if platform_name == "cpu" and b"lapack_" in payload:
-                _initialize_lapack()
+                # jaxlib's LAPACK kernels run uninitialized (a crash) in a process that
+                # lowered no linear algebra: initialize them, or compile instead.
+                initialize = jax_internals.lapack_initializer()
+                if initialize is None:
+                    return None, None, "an executable calling LAPACK (not loadable here)"
+                initialize()
             compiled = serialize_executable.deserialize_and_load(
                 payload,
                 in_tree,
@@ -506,17 +512,3 @@ def _devices_by_id(ids: list[int] | None, platform_name: str) -> list[Any] | Non
     if not all(i in by_id for i in ids):
         return None
     return [by_id[i] for i in ids]
-
-
-def _initialize_lapack() -> None:
-    """Points jaxlib's LAPACK kernels at their functions, as JAX does when it lowers a
-    linear-algebra op. An executable that calls them (``lapack_strsm_ffi``: a triangular
-    solve, ``eigh``, ...) and is loaded in a process that lowered none crashes the
-    process when it runs (SIGSEGV, jaxlib 0.10.2): a transformers MoE model with a
-    gated delta net, warm from the cache, did. Idempotent, about 0.2 s the first time."""
-    try:
-        from jax._src.lax import linalg
-
-        linalg.initialize_lapack()
-    except (ImportError, AttributeError):  # a JAX without this function: nothing to call
-        log.debug("no jax._src.lax.linalg.initialize_lapack in this JAX")

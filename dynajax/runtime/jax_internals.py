@@ -41,6 +41,14 @@ take a measurable part of it off (``benchmarks/overhead.py`` measures the layers
   CPU client, ``runtime/cpu_client.py``, only takes effect before). Public fallback:
   None (unknown; the caller leaves the setting alone).
 
+* ``lapack_initializer()``: ``jax._src.lax.linalg.initialize_lapack``, which points
+  jaxlib's LAPACK kernels at their functions (JAX calls it when it lowers a linear-
+  algebra op). A cached executable that calls those kernels, loaded into a process that
+  lowered none, crashes the process when it runs (SIGSEGV, jaxlib 0.10.2), so the
+  persistent cache calls it before loading one (``runtime/cache.py``). Public fallback:
+  None (no public way; the cache then recompiles such executables instead of loading
+  them).
+
 ``status()`` says which internals this JAX release has; the test suite asserts that all
 are present, so a JAX release that moves one fails loudly in CI instead of silently
 slowing every call, and it runs the fallbacks too. Nothing else in dynajax imports
@@ -218,6 +226,15 @@ def backends_started() -> bool | None:
     return bool(started()) if callable(started) else None
 
 
+def lapack_initializer() -> Callable[[], None] | None:
+    try:
+        from jax._src.lax import linalg
+    except ImportError:
+        return None
+    found = getattr(linalg, "initialize_lapack", None)
+    return found if callable(found) else None
+
+
 def status() -> dict[str, bool]:
     """Which private internals this JAX release has (all True on a supported one)."""
     probe = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((1,), "float32")).compile()
@@ -230,4 +247,5 @@ def status() -> dict[str, bool]:
         "backends_started": backends_started() is not None,
         "dlpack_exporter": dlpack_exporter() is not None,
         "dlpack_importer": dlpack_importer() is not None,
+        "lapack_initializer": lapack_initializer() is not None,
     }

@@ -25,49 +25,14 @@ import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import dynajax
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, width)
-        self.down = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Deep(nn.Module):
-    def __init__(self, blocks: int, width: int, checkpointed: bool) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
-        self.checkpointed = checkpointed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
-        return x
+from benchmarks.memory import peak_bytes, reset_peak
+from benchmarks.training import DeepMLP as Deep
 
 
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(model(x), y)
-
-
-def reset_peak() -> None:
-    """Sets the process's peak resident set (VmHWM) to its current one (Linux)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main() -> None:
