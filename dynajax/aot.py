@@ -429,21 +429,32 @@ _PROFILER = (
 
 
 def functional_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.fx.GraphModule:
-    """``fn`` on ``examples`` as one functional ATen graph, decomposed as the backend's.
+    """``fn`` on ``examples`` as one functional ATen graph, decomposed as the backend's:
+    ``functionalized(joint_graph(fn, examples), examples)``."""
+    return functionalized(joint_graph(fn, examples), examples)
 
-    Two traces: ``make_fx`` on fake tensors runs ``fn`` below autograd, so a
-    ``torch.autograd.grad`` inside it records torch's own derivative formulas and the
-    backward of each ``autograd.Function`` (as aot_autograd's joint graph does); then
-    ``functionalize`` and ``make_fx`` again with ``decompositions()``: in-place updates of
-    the inputs become values, which ``fn`` must return itself (functionalization's
-    ``copy_`` back into an input, and the profiler's markers, are dropped)."""
+
+def joint_graph(fn: Callable[..., Any], examples: Sequence[Any]) -> torch.fx.GraphModule:
+    """``fn`` on ``examples`` as ``make_fx`` records it on fake tensors, below autograd:
+    a ``torch.autograd.grad`` inside it records torch's own derivative formulas and the
+    backward of each ``autograd.Function`` (as aot_autograd's joint graph does); in-place
+    updates stay in place. Everything the user's Python computed is in this graph (its
+    ops, their arguments, the tensor constants it read), which is why a whole-step
+    program can be keyed by it."""
     table = with_mixed_dtype_kernels(
         {op: torch._decomp.decomposition_table[op] for op in _UNANNOTATED_MUTATIONS}
     )
     with compiling(), _quiet_fake_tensors():
-        joint = make_fx(
+        return make_fx(
             fn, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True
         )(*examples)
+
+
+def functionalized(joint: torch.fx.GraphModule, examples: Sequence[Any]) -> torch.fx.GraphModule:
+    """``joint_graph``'s graph (traced on ``examples``) functionalized and traced again
+    with ``decompositions()``: in-place updates of the inputs become values, which the
+    traced function must return itself (functionalization's ``copy_`` back into an
+    input, and the profiler's markers, are dropped)."""
     plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in examples]
     # Node meta preserved: each node of a decomposition records the op it came from
     # (original_aten), so a value check raises eager's error for the op the user called

@@ -305,6 +305,11 @@ def remove_user_rule(op: torch._ops.OpOverload) -> None:
         _TABLE[op] = replaced
 
 
+def user_rule_ops() -> list[torch._ops.OpOverload]:
+    """The ops that have a user rule now."""
+    return [op for op, rule in _TABLE.items() if rule.user]
+
+
 def named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """Names a function that a factory made, so that errors and reports name it.
 

@@ -29,12 +29,23 @@ program is a function of things known before tracing, so the cache keys it by th
 A graph that runs a rule the user registered (``dynajax.register_rule``: arbitrary
 Python, which no digest of dynajax's sources covers) is not described: the cache then
 keys its executables by their StableHLO as before.
+
+A whole-graph program (``train_step``'s) is keyed the same way by the graph it is
+made from before its passes run (``describe_graph``): the first trace of the step,
+whose nodes are everything the user's Python computed (the forward, torch's backward
+formulas, the optimizer's update), whose tensor constants are hashed by value, and
+whose later stages (functionalization, decompositions, passes, verdicts, lowering) are
+dynajax's and torch's code, which the versions cover. A graph that calls anything but
+torch's own ops (a custom op, a JAX function, a higher-order op), or any graph
+while a user rule is registered (it may lower an op that a decomposition makes), is
+not described.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +54,7 @@ import torch
 import torch.fx
 
 from dynajax.lowering import eager_cpu
-from dynajax.lowering.registry import LAYOUT_KEY, get_rule
+from dynajax.lowering.registry import LAYOUT_KEY, get_rule, user_rule_ops
 
 log = logging.getLogger("dynajax.cache")
 
@@ -75,6 +86,52 @@ def describe_partition(graph: torch.fx.GraphModule, name: str = "") -> str | Non
             f"|{node.meta.get('original_aten')}"
         )
     return "\n".join(parts)
+
+
+# The namespaces of ops that are torch's own code (the profiler's: the markers
+# ``optimizer.step()`` records, which the functional graph drops).
+_TORCH_OPS = frozenset({"aten", "prims", "profiler"})
+
+
+def describe_graph(graph: torch.fx.GraphModule, name: str = "") -> str | None:
+    """A whole-graph program's source graph as text (``describe_partition``'s, with the
+    values of its tensor constants); None (the reason logged) where it cannot be
+    described: a user rule is registered, or a node is not an ATen or prims op."""
+    users = user_rule_ops()
+    if users:
+        log.debug("%s: not described: a user rule is registered (%s)", name, users[0])
+        return None
+    constants = []
+    for node in graph.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        target = node.target
+        if node.op == "get_attr":
+            value = getattr(graph, str(target), None)
+            if not isinstance(value, torch.Tensor) or isinstance(
+                value, torch._subclasses.FakeTensor
+            ):
+                log.debug("%s: not described: %s is not a tensor constant", name, target)
+                return None
+            constants.append(f"{target}={_digest(value)}")
+            continue
+        if node.op != "call_function" or not (
+            target is operator.getitem
+            or (isinstance(target, torch._ops.OpOverload) and target.namespace in _TORCH_OPS)
+        ):
+            log.debug("%s: not described: it calls %s", name, target)
+            return None
+    text = describe_partition(graph, name)
+    return None if text is None else "\n".join([text, *constants])
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A tensor constant's value and layout, as a digest."""
+    t = t.detach()
+    data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    h = hashlib.sha256(data)
+    h.update(f"{t.dtype}{tuple(t.shape)}{t.stride()}{t.device.type}".encode())
+    return h.hexdigest()
 
 
 def describe_call(

@@ -19,7 +19,9 @@ How it is captured, in two traces:
    stand for (``_TensorScalars``), as Dynamo does for the same calls.
 2. ``functionalize`` and ``make_fx`` again, with dynajax's decomposition table: the
    in-place updates (parameters, buffers such as BatchNorm's running statistics,
-   optimizer moments) become the new values the graph returns.
+   optimizer moments) become the new values the graph returns
+   (``StepGraph.functional()``, run only where the step's program is not found in the
+   persistent cache: the first trace's graph is what keys it, ``training/step.py``).
 
 The graph's inputs are ``params + buffers + state + frozen + lrs + batch`` and its
 outputs ``loss, params, buffers, written frozen, state`` (the state's entries after the
@@ -46,7 +48,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
-from dynajax.aot import compiling, functional_graph
+from dynajax.aot import compiling, functionalized, joint_graph
 from dynajax.errors import TrainStepError
 from dynajax.program.replay import ReplayedRandom
 
@@ -61,9 +63,11 @@ StateKey = tuple[int, str]
 
 @dataclasses.dataclass
 class StepGraph:
-    """One training step's functional ATen graph, and what its inputs and outputs are."""
+    """One training step as traced (the first trace: ``joint``, its in-place updates in
+    place), and what its inputs and outputs are; ``functional()`` is its functional
+    graph (the second trace)."""
 
-    gm: torch.fx.GraphModule
+    joint: torch.fx.GraphModule
     n_params: int
     n_buffers: int
     state_in: list[StateKey]  # the state tensors the step reads
@@ -71,6 +75,16 @@ class StepGraph:
     # The frozen parameters the step writes in place (an embedding's max_norm renorm),
     # by position: returned after the buffers, before the state.
     frozen_out: list[int] = dataclasses.field(default_factory=list)
+    # The example tensors of the trace (what the second trace runs on).
+    examples: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)
+
+    what: tuple[str, str] = ("", "")  # (the optimizer's class, the loss's name), for errors
+
+    def functional(self) -> torch.fx.GraphModule:
+        """The step as one functional ATen graph, decomposed: the in-place updates of
+        the parameters, buffers and optimizer state are the values it returns."""
+        with _untraceable(*self.what):
+            return functionalized(self.joint, self.examples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,37 +343,44 @@ def trace_step(
         *[torch.tensor(lr, dtype=torch.float64) for lr in lrs],
         *[x.detach() for x in batch],
     ]
-    with compiling():
-        try:
-            gm = functional_graph(step, examples)
-        except TrainStepError:
-            raise
-        except Exception as e:
-            hint = ""
-            if "use_reentrant=True" in str(e):
-                hint = (
-                    "\ntrain_step differentiates with torch.autograd.grad: checkpoint with "
-                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (transformers: "
-                    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                    "{'use_reentrant': False}), which is its default)."
-                )
-            if "data-dependent" in str(e):
-                hint = (
-                    "\nThe model or loss_fn branches on a tensor's value (.item(), `if "
-                    "tensor:`, a Python number from a tensor); one program serves every "
-                    "batch, so compute both sides with torch.where, or move the branch "
-                    "out of the step."
-                )
-            error = TrainStepError(
-                f"the training step could not be traced ({type(optimizer).__name__}, "
-                f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r}): {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}{hint}"
+    what = (type(optimizer).__name__, repr(getattr(loss_fn, "__name__", loss_fn)))
+    with compiling(), _untraceable(*what):
+        joint = joint_graph(step, examples)
+    return StepGraph(joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what)
+
+
+@contextlib.contextmanager
+def _untraceable(optimizer: str, loss_fn: str) -> Iterator[None]:
+    """Raises an error of the trace as a ``TrainStepError`` that says what to do
+    (``optimizer``: its class's name, ``loss_fn``: the loss function's)."""
+    try:
+        yield
+    except TrainStepError:
+        raise
+    except Exception as e:
+        hint = ""
+        if "use_reentrant=True" in str(e):
+            hint = (
+                "\ntrain_step differentiates with torch.autograd.grad: checkpoint with "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (transformers: "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}), which is its default)."
             )
-            # The user sees this error alone (torch's trace of the failure is long and
-            # names torch's frames); the original stays on ``error.traced``.
-            error.traced = e  # type: ignore[attr-defined]
-            raise error from None
-    return StepGraph(gm, n_params, n_buffers, state_in, state_out, frozen_out)
+        if "data-dependent" in str(e):
+            hint = (
+                "\nThe model or loss_fn branches on a tensor's value (.item(), `if "
+                "tensor:`, a Python number from a tensor); one program serves every "
+                "batch, so compute both sides with torch.where, or move the branch "
+                "out of the step."
+            )
+        error = TrainStepError(
+            f"the training step could not be traced ({optimizer}, loss_fn {loss_fn}): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{hint}"
+        )
+        # The user sees this error alone (torch's trace of the failure is long and
+        # names torch's frames); the original stays on ``error.traced``.
+        error.traced = e  # type: ignore[attr-defined]
+        raise error from None
 
 
 class _NoFloat16Autocast(TorchFunctionMode):

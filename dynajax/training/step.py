@@ -40,13 +40,16 @@ import torch
 from torch import nn
 
 from dynajax.capability import Reason
+from dynajax.config import Options
 from dynajax.errors import TrainStepError
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.lowering.interpreter import output_vals
 from dynajax.program import NEVER, Policy, failed, lower, select_unless_failed
+from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import draw_seed
 from dynajax.runtime.jax_internals import X64
+from dynajax.runtime.programs import describe_call, describe_graph
 from dynajax.sharding.placement import gather_to_torch, placement_of
 from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
@@ -126,6 +129,11 @@ class TrainStep:
         self.release_module = release_module
         self.checks = checks
         self._programs: dict[Any, _Program] = {}
+        # Programs persist as the backend's executables do (DYNAJAX_CACHE_DIR,
+        # DYNAJAX_CACHE_MAX_BYTES): keyed by the step's first trace, a hit skips the rest.
+        options = Options.resolve({})
+        self._cache = ExecutableCache.from_option(options.cache_dir, options.cache_max_bytes)
+        self.compile_stats = CompileStats()
         self.steps = 0
         self.traces = 0
         self.retraces: list[str] = []  # why each program after the first was traced
@@ -442,7 +450,8 @@ class TrainStep:
         self, layout: BatchLayout, batch: Sequence[torch.Tensor], settings: tuple[Any, ...]
     ) -> jax.Array:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        program = self._program(layout, batch, lrs, settings)
+        xs = [self.layout.put_batch(x) for x in batch]
+        program = self._program(layout, batch, xs, lrs, settings)
         graph = program.graph
         state_in = [self.state[k] for k in graph.state_in]
         rng = torch.get_rng_state() if program.random else None
@@ -453,7 +462,7 @@ class TrainStep:
                 self.frozen,
                 [np.float64(lr) for lr in lrs],
                 seed,
-                [self.layout.put_batch(x) for x in batch],
+                xs,
             )
         except BaseException:
             # A host callback raised (eager's error): the state was not donated and
@@ -481,6 +490,7 @@ class TrainStep:
         self,
         layout: BatchLayout,
         batch: Sequence[torch.Tensor],
+        xs: Sequence[jax.Array],
         lrs: list[float],
         settings: tuple[Any, ...],
     ) -> _Program:
@@ -497,7 +507,7 @@ class TrainStep:
             if self._programs and self._why is not None:
                 self.retraces.append(self._why)
             self._why = None
-            program = self._programs[key] = self._compile(layout, batch, lrs)
+            program = self._programs[key] = self._compile(layout, batch, xs, lrs)
         return program
 
     def _examples(self, arrays: Sequence[jax.Array]) -> list[torch.Tensor]:
@@ -511,8 +521,15 @@ class TrainStep:
         ]
 
     def _compile(
-        self, layout: BatchLayout, batch: Sequence[torch.Tensor], lrs: list[float]
+        self,
+        layout: BatchLayout,
+        batch: Sequence[torch.Tensor],
+        xs: Sequence[jax.Array],
+        lrs: list[float],
     ) -> _Program:
+        """The step's program for this batch: traced once (the step's first trace, which
+        keys it), then loaded from the persistent cache, or functionalized, lowered,
+        compiled and stored."""
         assert self._view is not None
         params = self._examples(self.params)
         for p, original in zip(params, self._params, strict=True):
@@ -536,60 +553,24 @@ class TrainStep:
                 accumulate=self.accumulate,
             )
         self.traces += 1
-        program = lower(
-            graph.gm,
-            Policy(
-                TrainStepError,
-                "these ops of the training step cannot be part of one XLA program "
-                "(or eager PyTorch raises on them):",
-                impossible=NEVER | {Reason.EAGER_REFUSES},
-                fallback_ops=self.fallback_ops,
-                strict=self.strict,
-                keep_recomputation=True,
-            ),
+        policy = Policy(
+            TrainStepError,
+            "these ops of the training step cannot be part of one XLA program "
+            "(or eager PyTorch raises on them):",
+            impossible=NEVER | {Reason.EAGER_REFUSES},
+            fallback_ops=self.fallback_ops,
+            strict=self.strict,
+            keep_recomputation=True,
         )
         state_layout = self.layout
         written = graph.frozen_out
         after = 1 + graph.n_params + graph.n_buffers + len(written)
-        state_shapes = _output_shapes(program.gm)[after:]
+        # (the first trace's outputs: the same values as the functional graph's)
+        state_shapes = _output_shapes(graph.joint)[after:]
         state_shardings = [
             state_layout.state(k, shape)
             for k, shape in zip(graph.state_out, state_shapes, strict=True)
         ]
-        checks: list[Check] = []
-        check, random = self.checks, program.random
-        n, b = graph.n_params, graph.n_buffers
-        kept = [graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out]
-
-        def step(state, frozen, lrs, seed, xs):  # type: ignore[no-untyped-def]
-            params, buffers, opt_state = state
-            key = jax.random.key(seed) if random else None
-            arrays = [*params, *buffers, *opt_state, *frozen, *lrs, *xs]
-            out, err, found = program.run(arrays, key=key, check=check)
-            checks[:] = found
-            loss = out[0]
-            new_params, new_buffers = out[1 : 1 + n], out[1 + n : 1 + n + b]
-            new_frozen = out[1 + n + b : after]
-            new_state = out[after:]
-            if checks:
-                # Where eager raises, the step changes nothing: the outputs are the
-                # state it took (XLA fuses the selects into the update).
-                new_params = select_unless_failed(err, new_params, params)
-                new_buffers = select_unless_failed(err, new_buffers, buffers)
-                new_frozen = select_unless_failed(err, new_frozen, [frozen[i] for i in written])
-                carried = [i for i in range(len(kept)) if kept[i] >= 0]
-                selected = select_unless_failed(
-                    err, [new_state[i] for i in carried], [opt_state[kept[i]] for i in carried]
-                )
-                new_state = list(new_state)
-                for i, a in zip(carried, selected, strict=True):
-                    new_state[i] = a
-            return loss, list(new_params), list(new_buffers), list(new_state), err, list(new_frozen)
-
-        # Donated, the state's buffers are gone once the program starts; a host callback
-        # (eager PyTorch) can still raise then, so a step with callbacks keeps them. The
-        # outputs keep the state's layout (on a mesh, FSDP's shards stay shards).
-        donate = () if program.callbacks else (0,)
         replicated = state_layout.replicated
         out_shardings = (
             replicated,
@@ -599,8 +580,110 @@ class TrainStep:
             replicated,
             [state_layout.frozen[i] for i in written],
         )
-        run = jax.jit(step, donate_argnums=donate, out_shardings=out_shardings)
-        return _Program(graph, run, random, checks)
+        args = (
+            (self.params, self.buffers, [self.state[k] for k in graph.state_in]),
+            self.frozen,
+            [np.float64(lr) for lr in lrs],
+            np.int64(0),
+            list(xs),
+        )
+        checks: list[Check] = []
+        lowered: dict[str, Any] = {}
+
+        def lower_step() -> jax.stages.Lowered:
+            program = lower(graph.functional(), policy)
+            lowered["random"] = program.random
+            fn = _step_function(program, graph, checks, self.checks)
+            # Donated, the state's buffers are gone once the program starts; a host
+            # callback (eager PyTorch) can still raise then, so a step with callbacks
+            # keeps them. The outputs keep the state's layout (on a mesh, FSDP's shards
+            # stay shards).
+            donate = () if program.callbacks else (0,)
+            return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
+
+        description = None
+        if jax.process_count() == 1:  # (one process's executables: loaded by it alone)
+            description = _describe_step(graph, policy, self.checks, args, out_shardings)
+        shapes = ", ".join(str(list(np.shape(x))) for x in xs)
+        run, stored = self._cache.compile_traced(
+            description,
+            lower_step,
+            self.compile_stats,
+            name=f"train_step({shapes})",
+            extra=lambda: (list(checks), lowered["random"]),
+            event=("train_step", shapes, "first step" if not self._programs else "new program"),
+        )
+        if stored is not None:  # loaded without lowering: what its lowering recorded
+            checks[:], lowered["random"] = stored
+        return _Program(graph, run, lowered["random"], checks)
+
+
+def _step_function(
+    program: Any, graph: StepGraph, checks: list[Check], check: bool
+) -> Callable[..., Any]:
+    """The JAX function of one step: ``(state, frozen, lrs, seed, xs) -> (loss, params,
+    buffers, optimizer state, err, written frozen)``, where eager's value checks
+    (``check``) fail, the state it took; ``checks`` is filled by its trace."""
+    random = program.random
+    n, b = graph.n_params, graph.n_buffers
+    written = graph.frozen_out
+    after = 1 + n + b + len(written)
+    kept = [graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out]
+
+    def step(state, frozen, lrs, seed, xs):  # type: ignore[no-untyped-def]
+        params, buffers, opt_state = state
+        key = jax.random.key(seed) if random else None
+        arrays = [*params, *buffers, *opt_state, *frozen, *lrs, *xs]
+        out, err, found = program.run(arrays, key=key, check=check)
+        checks[:] = found
+        loss = out[0]
+        new_params, new_buffers = out[1 : 1 + n], out[1 + n : 1 + n + b]
+        new_frozen = out[1 + n + b : after]
+        new_state = out[after:]
+        if checks:
+            # Where eager raises, the step changes nothing: the outputs are the state
+            # it took (XLA fuses the selects into the update).
+            new_params = select_unless_failed(err, new_params, params)
+            new_buffers = select_unless_failed(err, new_buffers, buffers)
+            new_frozen = select_unless_failed(err, new_frozen, [frozen[i] for i in written])
+            carried = [i for i in range(len(kept)) if kept[i] >= 0]
+            selected = select_unless_failed(
+                err, [new_state[i] for i in carried], [opt_state[kept[i]] for i in carried]
+            )
+            new_state = list(new_state)
+            for i, a in zip(carried, selected, strict=True):
+                new_state[i] = a
+        return loss, list(new_params), list(new_buffers), list(new_state), err, list(new_frozen)
+
+    return step
+
+
+def _describe_step(
+    graph: StepGraph, policy: Policy, check: bool, args: Any, out_shardings: Any
+) -> str | None:
+    """The step's program as the persistent cache keys it (``programs.describe_graph``
+    of its first trace, the policy and the call), or None where it cannot be keyed
+    before it is lowered."""
+    text = describe_graph(graph.joint, "train_step")
+    if text is None:
+        return None
+    layout = (graph.n_params, graph.n_buffers, graph.state_in, graph.state_out, graph.frozen_out)
+    settings = (
+        f"train_step {layout!r} fallback_ops={sorted(policy.fallback_ops)!r} "
+        f"strict={policy.strict} deterministic={torch.are_deterministic_algorithms_enabled()}"
+    )
+    return describe_call(
+        f"{text}\n{settings}",
+        [
+            jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None))
+            for a in jax.tree.leaves(args)
+        ],
+        {},
+        precision="default",
+        needs_seed=True,
+        checks=check,
+        out_sharding=out_shardings,
+    )
 
 
 def _eager_error(checks: Sequence[Check], err: Any) -> Exception:

@@ -1,0 +1,134 @@
+"""Warm starts of ``train_step``: a step's programs persist in the cache directory,
+keyed by the step's first trace, so a second process loads them (no functionalization,
+lowering or XLA compile) and trains exactly as the first did, and anything that changes
+the step (the model's code, a tensor constant, the options) is another program."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dynajax
+from tests.helpers import run_python
+from tests.training.warm_start_worker import Model
+
+
+def _worker(variant: str, cache: str, *flags: str) -> dict:
+    return json.loads(
+        run_python(
+            "-m", "tests.training.warm_start_worker", variant, *flags, DYNAJAX_CACHE_DIR=cache
+        )
+    )
+
+
+def _eager_losses(variant: str) -> list[float]:
+    """The worker's run, in eager PyTorch."""
+    torch.manual_seed(0)
+    model = Model(variant)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, 16, (4, 5), generator=g)
+        y = torch.randn(4, 1, generator=g)
+        opt.zero_grad()
+        loss = F.mse_loss(model(ids), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_second_process_loads_the_programs_and_trains_as_the_first(tmp_path) -> None:
+    cache = str(tmp_path)
+    cold = _worker("relu", cache, "--bad-batch")
+    warm = _worker("relu", cache, "--bad-batch")
+    # Two programs: the first step (it creates AdamW's state) and the steady one.
+    assert (cold["compiles"], cold["hits"]) == (2, 0), cold
+    assert (warm["compiles"], warm["hits"]) == (0, 2), warm
+    assert warm["losses"] == cold["losses"] and warm["params"] == cold["params"]
+    np.testing.assert_allclose(warm["losses"], _eager_losses("relu"), rtol=1e-5)
+    # eager's value checks came with the loaded program: the bad batch raises eager's
+    # error and changes nothing (the same parameters as the cold run's).
+    assert warm["error"] == cold["error"] == "index out of range in self"
+    assert warm["steps"] == 3
+    # Another forward over the same parameters (gelu for relu) is another program.
+    other = _worker("gelu", cache)
+    assert (other["compiles"], other["hits"]) == (2, 0), other
+    np.testing.assert_allclose(other["losses"], _eager_losses("gelu"), rtol=1e-5)
+
+
+def test_a_random_step_loads_and_draws_the_same_numbers(tmp_path) -> None:
+    cold = _worker("dropout", str(tmp_path))
+    warm = _worker("dropout", str(tmp_path))
+    assert (warm["compiles"], warm["hits"]) == (0, 2), warm
+    assert warm["losses"] == cold["losses"] and warm["params"] == cold["params"]
+
+
+def _run(step: dynajax.TrainStep, x: torch.Tensor) -> float:
+    loss = float(step(x))
+    step.sync()
+    return loss
+
+
+def test_a_tensor_constant_keys_the_program(tmp_path, monkeypatch) -> None:
+    # A tensor the loss closes over is a constant of the trace, the same graph text for
+    # any value: its value is part of the key.
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
+    x = torch.randn(8, 4)
+
+    def losses(target: torch.Tensor) -> tuple[float, float, dynajax.TrainStep]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        eager = nn.Linear(4, 3)
+        eager.load_state_dict(model.state_dict())
+        step = dynajax.train_step(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            lambda m, x: (m(x) - target).square().mean(),
+        )
+        _run(step, x)
+        loss = _run(step, x)
+        opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            expected = (eager(x) - target).square().mean()
+            expected.backward()
+            opt.step()
+        return loss, expected.item(), step
+
+    first = losses(torch.zeros(3))
+    second = losses(torch.full((3,), 5.0))
+    third = losses(torch.zeros(3))
+    for loss, expected, _ in (first, second, third):
+        assert loss == pytest.approx(expected, rel=1e-6)
+    assert first[2].compile_stats.cache_hits == 0
+    assert second[2].compile_stats.cache_hits == 0  # another constant: not the first's
+    assert third[2].compile_stats.cache_hits == 1  # the first's constant: its program
+    assert third[2].compile_stats.xla_compiles == 0
+
+
+def test_a_step_with_host_callbacks_compiles_in_every_process(tmp_path, monkeypatch) -> None:
+    # An op run by eager PyTorch through a host callback is Python the executable calls:
+    # the program cannot be serialized, so it is compiled again (and gives eager's answer).
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+        step = dynajax.train_step(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            lambda m, x: m(x).square().mean(),
+            fallback_ops=["aten.relu"],
+        )
+        loss = _run(step, x)
+        assert step.compile_stats.xla_compiles == 1 and step.compile_stats.cache_hits == 0
+        torch.manual_seed(0)
+        eager = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+        assert loss == pytest.approx(eager(x).square().mean().item(), rel=1e-6)
