@@ -16,6 +16,10 @@ order, each owned here once:
                             while tracing) and a getitem of a callback's output
     eager's value checks    Program.run(..., check=True): the rules' checks as an
                             int vector ``[code, *payload]`` (lowering/checks.py)
+    eager's precision       Program.run traces under eager's float32 matmul and
+                            convolution precision and its CUDA kernels' dtype rules
+                            where the graph's tensors are CUDA tensors
+                            (lowering/precision.py, as the backend's partitions)
 
 Where callers differ, the difference is a field of ``Policy``:
 
@@ -48,7 +52,9 @@ from dynajax.capability import CapabilityChecker, Reason, Unsupported
 from dynajax.errors import CallbackOpsError, DynajaxError
 from dynajax.lowering import checks as value_checks
 from dynajax.lowering.checks import Check
+from dynajax.lowering.dtypes import eager_on_cuda
 from dynajax.lowering.interpreter import needs_key
+from dynajax.lowering.precision import eager_precision
 from dynajax.passes import run_passes
 from dynajax.passes.recompute import KeepRecomputation
 from dynajax.program.interpreter import (
@@ -99,12 +105,15 @@ class Program:
             callbacks, in graph order.
         random: whether some rule draws random numbers (the program takes a key).
         constants: the arrays of the graph's ``get_attr`` tensors.
+        on_cuda: whether the graph's tensors are CUDA tensors (eager computes with
+            CUDA's kernels: cuDNN's TF32 convolutions, CUDA's conversions).
     """
 
     gm: torch.fx.GraphModule
     callbacks: list[Unsupported]
     random: bool
     constants: dict[str, Any]
+    on_cuda: bool = False
 
     def run(
         self,
@@ -114,10 +123,12 @@ class Program:
         sizes: SizeBindings | None = None,
         check: bool = False,
     ) -> tuple[list[Any], Any, list[Check]]:
-        """``run_graph`` of this program's graph."""
-        return run_graph(
-            self.gm, arrays, key=key, sizes=sizes, check=check, constants=self.constants
-        )
+        """``run_graph`` of this program's graph, under eager's precision and the
+        dtype rules of eager's kernels (CUDA's where its tensors are CUDA tensors)."""
+        with eager_precision(self.on_cuda), eager_on_cuda(self.on_cuda):
+            return run_graph(
+                self.gm, arrays, key=key, sizes=sizes, check=check, constants=self.constants
+            )
 
 
 def run_graph(
@@ -177,7 +188,12 @@ def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
     unwanted = [v for v in callbacks if not v.reason.is_choice]
     if policy.strict and unwanted:
         raise CallbackOpsError(unwanted)
-    return Program(gm, callbacks, needs_key(gm), graph_constants(gm))
+    on_cuda = any(
+        isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+    )
+    return Program(gm, callbacks, needs_key(gm), graph_constants(gm), on_cuda)
 
 
 def failed(err: Any) -> bool:

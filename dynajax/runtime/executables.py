@@ -26,14 +26,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import torch
 
-from dynajax.lowering import conv_algorithms, dtypes
+from dynajax.lowering import dtypes, precision
 from dynajax.runtime.buckets import (
     SymbolPlan,
     check_padding,
@@ -46,35 +45,6 @@ from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.programs import describe_call
 
 log = logging.getLogger("dynajax.shapes")
-
-
-# torch.get_float32_matmul_precision() -> JAX's precision for float32 dots and
-# convolutions. PyTorch's default, "highest", multiplies float32 in float32; JAX's own
-# default on a GPU is TF32 (on the CPU both are float32), which eager never uses unless
-# asked to ("high"). The setting is part of the lowered program, so of the cache key.
-_MATMUL_PRECISION = {"highest": "highest", "high": "tensorfloat32", "medium": "bfloat16"}
-
-
-def matmul_precision() -> str:
-    """JAX's name for PyTorch's current float32 matmul precision."""
-    return _MATMUL_PRECISION.get(torch.get_float32_matmul_precision(), "highest")
-
-
-def conv_precision(on_cuda: bool) -> str:
-    """JAX's name for the precision of eager's float32 convolutions.
-
-    On an NVIDIA GPU (``on_cuda``: the tensors eager computes on are CUDA tensors)
-    eager's convolutions are cuDNN's, which use TF32 while
-    ``torch.backends.cudnn.allow_tf32`` is set (PyTorch's default), whatever the matmul
-    precision. On the CPU (oneDNN) a float32 convolution is float32, also when dynajax
-    places the program on a GPU: the matmul precision's name is kept, as before.
-    """
-    if not on_cuda:
-        return matmul_precision()
-    with warnings.catch_warnings():  # (a torch release may deprecate the flag's name)
-        warnings.simplefilter("ignore")
-        tf32 = bool(torch.backends.cudnn.allow_tf32)
-    return "tensorfloat32" if tf32 else "highest"
 
 
 class Executables:
@@ -180,15 +150,9 @@ class Executables:
             for a in arrays
         ]
         fn = with_statics(self.fn, len(self.placeholders), statics, self.needs_seed)
-        precision = matmul_precision()
-        conv = conv_precision(self.on_cuda)
 
         def lower() -> jax.stages.Lowered:
-            with (
-                jax.default_matmul_precision(precision),
-                conv_algorithms.for_convolutions(conv),
-                dtypes.eager_on_cuda(self.on_cuda),
-            ):
+            with precision.eager_precision(self.on_cuda), dtypes.eager_on_cuda(self.on_cuda):
                 if self.out_sharding is None:
                     return jax.jit(fn, keep_unused=self.keep_unused).lower(*avals)
                 return jax.jit(
@@ -200,7 +164,7 @@ class Executables:
             self.program,
             avals,
             statics,
-            precision=precision if conv == precision else f"{precision} conv={conv}",
+            precision=precision.describe(self.on_cuda),
             needs_seed=self.needs_seed,
             checks=table is not None,
             out_sharding=self.out_sharding,

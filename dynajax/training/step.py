@@ -42,6 +42,7 @@ from torch import nn
 from dynajax.capability import Reason
 from dynajax.config import Options
 from dynajax.errors import TrainStepError
+from dynajax.lowering import precision
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.lowering.interpreter import output_vals
@@ -379,6 +380,10 @@ class TrainStep:
             lines.append("  kept whole in the module (not released between syncs):")
             lines += [f"    {names[i]}: {why}" for i, why in view.kept.items()]
         lines.append(f"  programs traced: {self.traces}")
+        stats = self.compile_stats
+        if stats.events:
+            lines.append(f"  of which loaded from the persistent cache: {stats.cache_hits}")
+            lines.append(f"  XLA: {stats.line()}")
         if self.retraces:
             lines.append(
                 "  retraced for a change of the module, optimizer or loss (step.retraces):"
@@ -668,6 +673,11 @@ def _describe_step(
     if text is None:
         return None
     layout = (graph.n_params, graph.n_buffers, graph.state_in, graph.state_out, graph.frozen_out)
+    on_cuda = any(
+        isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
+        for n in graph.joint.graph.nodes
+        if n.op == "placeholder"
+    )
     settings = (
         f"train_step {layout!r} fallback_ops={sorted(policy.fallback_ops)!r} "
         f"strict={policy.strict} deterministic={torch.are_deterministic_algorithms_enabled()}"
@@ -679,7 +689,7 @@ def _describe_step(
             for a in jax.tree.leaves(args)
         ],
         {},
-        precision="default",
+        precision=precision.describe(on_cuda),
         needs_seed=True,
         checks=check,
         out_sharding=out_shardings,

@@ -309,7 +309,7 @@ def test_convolutions_take_their_own_precision(form) -> None:
 
 
 def test_conv_precision_follows_cudnn_on_cuda_only() -> None:
-    from dynajax.runtime.executables import conv_precision
+    from dynajax.lowering.precision import conv_precision
 
     assert torch.backends.cudnn.allow_tf32  # PyTorch's default
     assert conv_precision(on_cuda=True) == "tensorfloat32"
