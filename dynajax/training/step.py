@@ -682,11 +682,15 @@ def _describe_step(
         f"train_step {layout!r} fallback_ops={sorted(policy.fallback_ops)!r} "
         f"strict={policy.strict} deterministic={torch.are_deterministic_algorithms_enabled()}"
     )
+    leaves = jax.tree.leaves(args)
+    # (a sharding's repr names its mesh's shape, not which devices, in which order)
+    devices = [_device_ids(getattr(a, "sharding", None)) for a in leaves]
+    devices += [_device_ids(s) for s in jax.tree.leaves(out_shardings)]
     return describe_call(
-        f"{text}\n{settings}",
+        f"{text}\n{settings}\ndevices={devices!r}",
         [
             jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None))
-            for a in jax.tree.leaves(args)
+            for a in leaves
         ],
         {},
         precision=precision.describe(on_cuda),
@@ -694,6 +698,16 @@ def _describe_step(
         checks=check,
         out_sharding=out_shardings,
     )
+
+
+def _device_ids(sharding: Any) -> tuple[int, ...] | None:
+    """The ids of a sharding's devices, in its mesh's order."""
+    if sharding is None:
+        return None
+    devices = getattr(getattr(sharding, "mesh", None), "devices", None)
+    if devices is not None:
+        return tuple(d.id for d in np.ravel(devices))
+    return tuple(sorted(d.id for d in sharding.device_set))
 
 
 def _eager_error(checks: Sequence[Check], err: Any) -> Exception:
