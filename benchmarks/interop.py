@@ -14,7 +14,9 @@ per call; peers interleaved round by round, as in ``benchmarks/harness.py``):
   is a second callback running ``torch.autograd.grad``).
 * **mlp**, **encoder**, **gpt2**: the rows of ``benchmarks/workloads.py`` (eval, no_grad):
   ``jax.jit(jax_function(model))`` on ``jax.Array``s against eager,
-  ``torch.compile`` (inductor) and ``torch.compile(backend="dynajax")`` on tensors.
+  ``torch.compile`` (inductor) and ``torch.compile(backend="dynajax")`` on tensors; and
+  ``jax.jit(jax.value_and_grad)`` over the parameters, through torch's backward (the
+  function's VJP) and through JAX's autodiff of the same rules.
 """
 
 from __future__ import annotations
@@ -58,18 +60,26 @@ def _jax_step(model: nn.Module, args: tuple[torch.Tensor, ...], **options: Any) 
     return lambda: jax.block_until_ready(jitted(state, *arrays))
 
 
-def _jax_grad_step(model: nn.Module, args: tuple[torch.Tensor, ...], **options: Any) -> Step:
+def _jax_grad_step(
+    model: nn.Module, args: tuple[torch.Tensor, ...], jax_autodiff: bool = False, **options: Any
+) -> Step:
+    """``jax.jit(jax.value_and_grad)`` of the model's output sum over its parameters:
+    torch's backward (``jax_function``'s VJP), or with ``jax_autodiff`` JAX's autodiff of
+    the lowering rules (the function's ``torch_backward`` removed before it is traced)."""
     import jax
     import jax.numpy as jnp
 
     import dynajax
 
     fn, state = dynajax.jax_function(model, *args, **options)
+    if jax_autodiff:
+        fn.torch_backward = None
     params, buffers = fn.split_state(state)
     arrays = [jnp.asarray(a.numpy()) for a in args]
 
     def loss(p: Any) -> Any:
-        return fn({**p, **buffers}, *arrays).sum()
+        out = fn({**p, **buffers}, *arrays)
+        return sum(x.sum() for x in jax.tree.leaves(out) if jnp.issubdtype(x.dtype, jnp.floating))
 
     step = jax.jit(jax.value_and_grad(loss))
     return lambda: jax.block_until_ready(step(params))
@@ -109,6 +119,12 @@ def model_rows(name: str, calls: int, rounds: int) -> dict[str, float]:
 
         steps[peer] = step
     steps["jax.jit(jax_function)"] = _jax_step(model, args)
+    # jax.grad through torch's backward (which traces the forward again inside the
+    # VJP; under jax.jit XLA shares it with the forward) against JAX's own autodiff.
+    steps["value_and_grad, torch's backward"] = _jax_grad_step(model, args)
+    steps["value_and_grad, JAX's autodiff of the rules"] = _jax_grad_step(
+        model, args, jax_autodiff=True
+    )
     for step in steps.values():
         step()  # compile
         step()

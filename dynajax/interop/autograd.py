@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 from jax.custom_derivatives import SymbolicZero
 from torch import nn
@@ -47,9 +48,11 @@ from torch.nn.utils.stateless import _reparametrize_module
 from dynajax.aot import functional_graph
 from dynajax.errors import JaxFunctionError
 from dynajax.lowering.dtypes import JAX_TO_TORCH
+from dynajax.passes.recompute import recomputed_regions
 from dynajax.program import Policy, Program, lower
 from dynajax.program.callbacks import in_forward_mode
 from dynajax.program.replay import ReplayedRandom
+from dynajax.program.residuals import split_joint
 
 FORWARD_MODE_ERROR = (
     "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) of a jax_function is not "
@@ -125,6 +128,16 @@ class TorchBackward:
         self.fallback_ops = tuple(fallback_ops)
         self.modes = list(modes)
         self._graphs: dict[Any, tuple[Program, list[int]]] = {}
+        self._splits: dict[Any, tuple[Program, Program, list[int], int] | None] = {}
+
+    def _key(
+        self, arrays: Sequence[Any], leaves: Sequence[Any], perturbed: Sequence[bool]
+    ) -> tuple[Any, ...]:
+        return (
+            tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays),
+            tuple(repr(v) for v in leaves if not _is_array(v)),
+            tuple(perturbed),
+        )
 
     def vjp(
         self,
@@ -136,36 +149,97 @@ class TorchBackward:
         """The gradients of ``<cotangents, outputs>`` with respect to the state entries
         and the user inputs that are ``perturbed`` (being differentiated: one flag per
         state entry and user input), None elsewhere (and for buffers, integers and
-        unused inputs). ``leaves``: the user inputs, arrays or the Python values the
-        export fixed."""
+        unused inputs), by the whole joint graph (the forward computed again). ``leaves``:
+        the user inputs, arrays or the Python values the export fixed."""
         # JAX may pass NumPy-backed constants (empty arrays): the rules take jax.Arrays.
-        arrays = [
-            a if isinstance(a, jax.Array) else jax.numpy.asarray(a)
-            for a in (*state, *leaves, *cotangents)
-            if _is_array(a)
-        ]
-        key = (
-            tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays),
-            tuple(repr(v) for v in leaves if not _is_array(v)),
-            tuple(perturbed),
-        )
+        arrays = _arrays((*state, *leaves, *cotangents))
+        key = self._key(arrays, leaves, perturbed)
         found = self._graphs.get(key)
         if found is None:
-            found = self._graphs[key] = self._trace(state, leaves, cotangents, perturbed)
+            examples = _examples((*state, *leaves, *cotangents))
+            gm, positions = self._joint(state, leaves, examples, perturbed, outputs=False)
+            found = self._graphs[key] = (lower(gm, self._policy(True)), positions)
         program, positions = found
         grads, _, _ = program.run(arrays)
-        out: list[Any] = [None] * (len(state) + len(leaves))
-        for position, grad in zip(positions, grads, strict=True):
-            out[position] = grad
-        return out[: len(state)], out[len(state) :]
+        return _placed(positions, grads, len(state), len(leaves))
 
-    def _trace(
+    def split(
         self,
         state: Sequence[Any],
         leaves: Sequence[Any],
+        outputs: Sequence[Any],
+        perturbed: Sequence[bool],
+    ) -> tuple[list[Any], list[Any]] | None:
+        """torch's forward and backward for these inputs as two programs, the backward
+        reading what the forward saved (``program/residuals.py``), where the joint
+        graph splits: not where a checkpoint recomputes a region in the backward
+        (saving it would undo the checkpoint) or the split is impossible (None: the
+        VJP then runs the whole joint graph, ``vjp``). ``outputs``: the function's
+        outputs (their shapes and dtypes are the cotangents'). Returns the forward's
+        outputs and its residuals."""
+        primals = _arrays((*state, *leaves))
+        key = self._key(primals, leaves, perturbed)
+        if key not in self._splits:
+            cts = [jax.ShapeDtypeStruct(o.shape, _cotangent_dtype(o.dtype)) for o in outputs]
+            examples = _examples((*state, *leaves, *cts))
+            gm, positions = self._joint(state, leaves, examples, perturbed, outputs=True)
+            parts = None
+            if not recomputed_regions(gm.graph):
+                parts = split_joint(gm, len(primals), len(outputs))
+            self._splits[key] = (
+                None
+                if parts is None
+                else (
+                    lower(parts.forward, self._policy(False)),
+                    lower(parts.backward, self._policy(False)),
+                    positions,
+                    len(outputs),
+                )
+            )
+        found = self._splits[key]
+        if found is None:
+            return None
+        forward, _, _, n_outputs = found
+        results, _, _ = forward.run(primals)
+        return list(results[:n_outputs]), list(results[n_outputs:])
+
+    def from_saved(
+        self,
+        state: Sequence[Any],
+        leaves: Sequence[Any],
+        residuals: Sequence[Any],
         cotangents: Sequence[Any],
         perturbed: Sequence[bool],
-    ) -> tuple[Program, list[int]]:
+    ) -> tuple[list[Any], list[Any]]:
+        """The gradients (as ``vjp``'s) by the split backward, from the ``residuals``
+        its forward saved (``split``, called on the same inputs)."""
+        found = self._splits[self._key(_arrays((*state, *leaves)), leaves, perturbed)]
+        assert found is not None
+        _, backward, positions, _ = found
+        grads, _, _ = backward.run([*residuals, *cotangents])
+        return _placed(positions, grads, len(state), len(leaves))
+
+    def _policy(self, recompute: bool) -> Policy:
+        return Policy(
+            JaxFunctionError,
+            "torch's backward of this function has ops a JAX function cannot hold:",
+            fallback_ops=self.fallback_ops,
+            strict=self.strict,
+            keep_recomputation=recompute,
+        )
+
+    def _joint(
+        self,
+        state: Sequence[Any],
+        leaves: Sequence[Any],
+        examples: Sequence[torch.Tensor],
+        perturbed: Sequence[bool],
+        *,
+        outputs: bool,
+    ) -> tuple[torch.fx.GraphModule, list[int]]:
+        """The joint graph ``(state, inputs, cotangents) -> ([outputs,] gradients)`` (the
+        function's output tensors first where ``outputs``) and the positions, among
+        state and inputs, of its gradients."""
         n_state = len(state)
         traced = [i for i, a in enumerate([*state, *leaves]) if _is_array(a)]
         # Only what JAX differentiates requires grad in the trace, as in the user's own
@@ -199,15 +273,15 @@ class TorchBackward:
                     )
                 scope.enter_context(replayed)
                 out = self.source(*args, **kwargs)
-                outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-                if len(outputs) != len(cts):
+                results = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+                if len(results) != len(cts):
                     raise JaxFunctionError(
-                        f"torch's backward of this function sees {len(outputs)} output "
+                        f"torch's backward of this function sees {len(results)} output "
                         f"tensors where the export has {len(cts)}; please report this bug."
                     )
                 pairs = [
                     (o, c)
-                    for o, c in zip(outputs, cts, strict=True)
+                    for o, c in zip(results, cts, strict=True)
                     if o.requires_grad and (o.is_floating_point() or o.is_complex())
                 ]
                 inputs = [tensors[i] for i in wrt]
@@ -222,18 +296,14 @@ class TorchBackward:
                     else [None] * len(inputs)
                 )
             positions.clear()
-            result = []
+            found = []
             for i, g in zip(wrt, grads, strict=True):
                 if g is not None:
                     positions.append(i)
-                    result.append(g.detach())
-            return tuple(result)
+                    found.append(g.detach())
+            forward = [o.detach() for o in results] if outputs else []
+            return (*forward, *found)
 
-        examples = [
-            torch.empty(a.shape, dtype=JAX_TO_TORCH[np.dtype(a.dtype)])
-            for a in (*state, *leaves, *cotangents)
-            if _is_array(a)
-        ]
         try:
             with in_modes(self.modes):
                 gm = functional_graph(joint, examples)
@@ -244,17 +314,36 @@ class TorchBackward:
                 "torch's backward of this function could not be traced for jax.grad: "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from e
-        program = lower(
-            gm,
-            Policy(
-                JaxFunctionError,
-                "torch's backward of this function has ops a JAX function cannot hold:",
-                fallback_ops=self.fallback_ops,
-                strict=self.strict,
-                keep_recomputation=True,
-            ),
-        )
-        return program, list(positions)
+        return gm, list(positions)
+
+
+def _placed(
+    positions: Sequence[int], grads: Sequence[Any], n_state: int, n_leaves: int
+) -> tuple[list[Any], list[Any]]:
+    """The gradients at their ``positions`` among state entries and inputs, None
+    elsewhere: (state's, inputs')."""
+    out: list[Any] = [None] * (n_state + n_leaves)
+    for position, grad in zip(positions, grads, strict=True):
+        out[position] = grad
+    return out[:n_state], out[n_state:]
+
+
+def _arrays(values: Sequence[Any]) -> list[Any]:
+    """The arrays among ``values``, as ``jax.Array``s (JAX may pass NumPy-backed
+    constants)."""
+    return [a if isinstance(a, jax.Array) else jax.numpy.asarray(a) for a in values if _is_array(a)]
+
+
+def _examples(values: Sequence[Any]) -> list[torch.Tensor]:
+    """Tensors of the arrays' shapes and dtypes, for a trace (never read)."""
+    return [
+        torch.empty(a.shape, dtype=JAX_TO_TORCH[np.dtype(a.dtype)]) for a in values if _is_array(a)
+    ]
+
+
+def _cotangent_dtype(dtype: Any) -> Any:
+    """The dtype of an output's cotangent as the VJP gets it (``_dense``)."""
+    return dtype if _inexact(dtype) else jax.numpy.float32
 
 
 def with_torch_backward(primal: Any, backward: TorchBackward, layout: Mapping[str, Any]) -> Any:
@@ -271,23 +360,43 @@ def with_torch_backward(primal: Any, backward: TorchBackward, layout: Mapping[st
     def run(*arrays: Any) -> Any:
         return primal(*arrays)
 
+    def inputs(arrays: Sequence[Any], flags: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """The state entries, the user inputs and which of both are differentiated."""
+        mask = [f is not None for f in flags]
+        state = [arrays[p] for p in state_pos]
+        leaves = [p[1] if isinstance(p, tuple) else arrays[p] for p in leaf_pos]
+        perturbed = [mask[p] for p in state_pos]
+        perturbed += [False if isinstance(p, tuple) else mask[p] for p in leaf_pos]
+        return state, leaves, perturbed
+
     def fwd(*primals: Any) -> Any:
         arrays = [p.value for p in primals]
         # Which inputs are differentiated, kept in the residuals' tree structure (static:
         # () where perturbed, None where not), so bwd reads it as Python values.
         flags = tuple(() if p.perturbed else None for p in primals)
-        return primal(*arrays), (arrays, flags)
+        results, extra = primal(*arrays)
+        state, leaves, perturbed = inputs(arrays, flags)
+        split = backward.split(state, leaves, [results[p] for p in out_pos], perturbed)
+        if split is None:
+            return (results, extra), (arrays, flags, None)
+        # torch's forward saved what its backward reads: its outputs are the function's
+        # (the program's own, where only they would read them, XLA drops).
+        outputs, saved = split
+        results = list(results)
+        for p, o in zip(out_pos, outputs, strict=True):
+            if o.shape == results[p].shape and o.dtype == results[p].dtype:
+                results[p] = o
+        return (tuple(results), extra), (arrays, flags, saved)
 
     def bwd(residuals: Any, cts: Any) -> Any:
-        arrays, flags = residuals
-        mask = [f is not None for f in flags]
+        arrays, flags, saved = residuals
         results_ct, _ = cts
-        state = [arrays[p] for p in state_pos]
-        leaves = [p[1] if isinstance(p, tuple) else arrays[p] for p in leaf_pos]
-        perturbed = [mask[p] for p in state_pos]
-        perturbed += [False if isinstance(p, tuple) else mask[p] for p in leaf_pos]
+        state, leaves, perturbed = inputs(arrays, flags)
         outs = [_dense(results_ct[p]) for p in out_pos]
-        state_grads, leaf_grads = backward.vjp(state, leaves, outs, perturbed)
+        if saved is None:
+            state_grads, leaf_grads = backward.vjp(state, leaves, outs, perturbed)
+        else:
+            state_grads, leaf_grads = backward.from_saved(state, leaves, saved, outs, perturbed)
         grads: list[Any] = [None] * len(arrays)
         for p, g in zip(state_pos, state_grads, strict=True):
             grads[p] = g

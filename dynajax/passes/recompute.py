@@ -115,16 +115,25 @@ def regions(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     return list(groups.values())
 
 
+def recomputed_regions(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+    """The regions of ``graph`` that a checkpoint recomputes: connected repeats of
+    earlier ops, each repeating a product or a convolution (graph order)."""
+    same = repeats(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return [
+        region
+        for region in regions(sorted(same, key=order.__getitem__))
+        if any(n.target in PRODUCTS for n in region)
+    ]
+
+
 class KeepRecomputation(PassBase):
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         graph = graph_module.graph
-        same = repeats(graph)
         order = {n: i for i, n in enumerate(graph.nodes)}
         nodes = list(graph.nodes)
         modified = False
-        for region in regions(sorted(same, key=order.__getitem__)):
-            if not any(n.target in PRODUCTS for n in region):
-                continue
+        for region in recomputed_regions(graph):
             members = set(region)
             outside = [
                 a

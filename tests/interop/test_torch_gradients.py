@@ -5,6 +5,8 @@ fine-tuned with optax equals ``torch.optim.AdamW``."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -368,3 +370,79 @@ def test_forward_mode_through_a_host_callback_names_the_op() -> None:
             jax.jvp(g, (x.numpy(),), (x.numpy(),))
         reverse_over_reverse = jax.jacrev(jax.jacrev(g))(x.numpy())
     _same(reverse_over_reverse, torch.func.hessian(f)(x))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+def _value_and_grad(model: nn.Module, x: torch.Tensor) -> tuple[dynajax.JaxFunction, Any, Any]:
+    with jax.enable_x64(True):
+        fn, state = dynajax.jax_function(model, x)
+        params, buffers = fn.split_state(state)
+        value, grads = jax.jit(
+            jax.value_and_grad(lambda p, x: jnp.square(fn({**p, **buffers}, x)).sum())
+        )(params, x.numpy())
+    return fn, value, grads
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_value_and_grad_saves_torchs_forward_for_its_backward(checkpointed: bool) -> None:
+    # The backward reads what torch's forward saved, as aot_autograd's partition does,
+    # instead of computing the forward again; where a checkpoint recomputes a region in
+    # the backward, the whole joint graph runs (saving the region would undo it).
+    model = _mlp()
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(self.model, x, use_reentrant=False)
+
+    run = Checkpointed() if checkpointed else model
+    x = torch.randn(5, 4, dtype=torch.float64)
+    fn, value, grads = _value_and_grad(run, x)
+    splits = list(fn.torch_backward._splits.values())
+    assert len(splits) == 1
+    assert (splits[0] is None) == checkpointed
+    loss = run(x).square().sum()
+    names = [n for n, _ in run.named_parameters()]
+    expected = torch.autograd.grad(loss, list(run.parameters()))
+    assert float(value) == pytest.approx(loss.item(), rel=1e-12)
+    for name, e in zip(names, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(grads[name]), e.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_a_split_joint_graph_runs_as_the_whole() -> None:
+    # split_joint's forward then backward compute what the joint graph computes, and
+    # the backward holds no forward product (the forward's values are saved).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dynajax.program.residuals import split_joint
+
+    w1, w2 = torch.randn(4, 8), torch.randn(8, 3)
+
+    def joint(x, a, b, ct):
+        a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
+        with torch.enable_grad():
+            y = torch.tanh(x @ a) @ b
+            ga, gb = torch.autograd.grad(y, (a, b), ct)
+        return y.detach(), ga, gb
+
+    x, ct = torch.randn(5, 4), torch.randn(5, 3)
+    gm = make_fx(joint)(x, w1, w2, ct)
+    parts = split_joint(gm, n_primals=3, n_outputs=1)
+    assert parts is not None
+    mms = lambda g: sum(n.target is torch.ops.aten.mm.default for n in g.graph.nodes)  # noqa: E731
+    assert mms(parts.forward) == 2  # x @ a, tanh(.) @ b
+    assert mms(parts.backward) == 3  # the two weight gradients and one input gradient
+    forward = parts.forward(x, w1, w2)
+    y, saved = forward[0], forward[1:]
+    assert len(saved) == parts.n_saved
+    whole = gm(x, w1, w2, ct)
+    torch.testing.assert_close(y, whole[0])
+    for got, want in zip(parts.backward(*saved, ct), whole[1:], strict=True):
+        torch.testing.assert_close(got, want)
