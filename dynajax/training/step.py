@@ -606,11 +606,15 @@ class TrainStep:
             donate = () if program.callbacks else (0,)
             return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
 
-        description = None
-        if jax.process_count() == 1:  # (one process's executables: loaded by it alone)
-            description = _describe_step(graph, policy, self.checks, args, out_shardings)
+        # One process's executables only: those of a multi-process step (each process
+        # holding some of the mesh's devices) are neither stored nor loaded.
+        single = jax.process_count() == 1
+        cache = self._cache if single else ExecutableCache(None)
+        description = (
+            _describe_step(graph, policy, self.checks, args, out_shardings) if single else None
+        )
         shapes = ", ".join(str(list(np.shape(x))) for x in xs)
-        run, stored = self._cache.compile_traced(
+        run, stored = cache.compile_traced(
             description,
             lower_step,
             self.compile_stats,

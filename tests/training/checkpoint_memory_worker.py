@@ -45,7 +45,12 @@ def main() -> None:
     p.add_argument("--no-barrier", action="store_true")
     args = p.parse_args()
     if args.no_barrier:
+        import os
+
         from torch.fx.passes.infra.pass_base import PassResult
+
+        # (a program patched at run time: not the one the persistent cache keeps)
+        os.environ["DYNAJAX_CACHE_DIR"] = ""
 
         from dynajax.passes import recompute
 

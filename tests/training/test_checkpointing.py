@@ -202,8 +202,11 @@ def test_checkpointing_lowers_the_steps_peak_memory() -> None:
     assert checkpointed < 1.25 * eager, (checkpointed, eager)
 
 
-def test_a_step_without_checkpointing_has_no_barrier(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_without_checkpointing_has_no_barrier(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dynajax.program import driver
+
+    # (its own cache: a program loaded from the session's would not be lowered)
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
 
     seen = []
     lower = driver.lower
