@@ -200,8 +200,9 @@ class TorchBackward:
         if found is None:
             return None
         forward, _, _, n_outputs = found
-        results, _, _ = forward.run(primals)
-        return list(results[:n_outputs]), list(results[n_outputs:])
+        # (a value the forward makes from constants alone, a ``full``, is a NumPy array)
+        results = _arrays(forward.run(primals)[0])
+        return results[:n_outputs], results[n_outputs:]
 
     def from_saved(
         self,
@@ -216,7 +217,7 @@ class TorchBackward:
         found = self._splits[self._key(_arrays((*state, *leaves)), leaves, perturbed)]
         assert found is not None
         _, backward, positions, _ = found
-        grads, _, _ = backward.run([*residuals, *cotangents])
+        grads, _, _ = backward.run(_arrays([*residuals, *cotangents]))
         return _placed(positions, grads, len(state), len(leaves))
 
     def _policy(self, recompute: bool) -> Policy:
