@@ -8,8 +8,18 @@ from dynajax.program.driver import (
     Program,
     failed,
     lower,
+    on_cuda,
     run_graph,
     select_unless_failed,
 )
 
-__all__ = ["NEVER", "Policy", "Program", "failed", "lower", "run_graph", "select_unless_failed"]
+__all__ = [
+    "NEVER",
+    "Policy",
+    "Program",
+    "failed",
+    "lower",
+    "on_cuda",
+    "run_graph",
+    "select_unless_failed",
+]

@@ -188,12 +188,16 @@ def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
     unwanted = [v for v in callbacks if not v.reason.is_choice]
     if policy.strict and unwanted:
         raise CallbackOpsError(unwanted)
-    on_cuda = any(
+    return Program(gm, callbacks, needs_key(gm), graph_constants(gm), on_cuda(gm))
+
+
+def on_cuda(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph's inputs are CUDA tensors (eager computes with CUDA's kernels)."""
+    return any(
         isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
         for n in gm.graph.nodes
         if n.op == "placeholder"
     )
-    return Program(gm, callbacks, needs_key(gm), graph_constants(gm), on_cuda)
 
 
 def failed(err: Any) -> bool:

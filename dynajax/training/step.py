@@ -46,7 +46,7 @@ from dynajax.lowering import precision
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.lowering.interpreter import output_vals
-from dynajax.program import NEVER, Policy, failed, lower, select_unless_failed
+from dynajax.program import NEVER, Policy, failed, lower, on_cuda, select_unless_failed
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import draw_seed
 from dynajax.runtime.jax_internals import X64
@@ -677,11 +677,6 @@ def _describe_step(
     if text is None:
         return None
     layout = (graph.n_params, graph.n_buffers, graph.state_in, graph.state_out, graph.frozen_out)
-    on_cuda = any(
-        isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "cuda"
-        for n in graph.joint.graph.nodes
-        if n.op == "placeholder"
-    )
     settings = (
         f"train_step {layout!r} fallback_ops={sorted(policy.fallback_ops)!r} "
         f"strict={policy.strict} deterministic={torch.are_deterministic_algorithms_enabled()}"
@@ -697,7 +692,7 @@ def _describe_step(
             for a in leaves
         ],
         {},
-        precision=precision.describe(on_cuda),
+        precision=precision.describe(on_cuda(graph.joint)),
         needs_seed=True,
         checks=check,
         out_sharding=out_shardings,
