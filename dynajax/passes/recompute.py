@@ -148,7 +148,7 @@ class KeepRecomputation(PassBase):
             if not opaque or after is None:
                 continue
             with graph.inserting_before(region[0]):
-                barrier = graph.call_function(BARRIER, (opaque, after))
+                barrier = graph.call_function(BARRIER, (opaque, [after]))
                 barrier.meta["val"] = [a.meta["val"] for a in opaque]
                 swap = {}
                 for i, a in enumerate(opaque):

@@ -56,6 +56,7 @@ from dynajax.lowering.dtypes import eager_on_cuda
 from dynajax.lowering.interpreter import needs_key
 from dynajax.lowering.precision import eager_precision
 from dynajax.passes import run_passes
+from dynajax.passes.inplace import OrderInPlaceUpdates
 from dynajax.passes.recompute import KeepRecomputation
 from dynajax.program.interpreter import (
     TRUNCATION_WARNING,
@@ -83,6 +84,9 @@ class Policy:
         keep_recomputation: the graph runs a backward, where ``torch.utils.checkpoint``
             recomputes its regions: each recomputation starts behind a barrier XLA does
             not merge across (``dynajax.passes.recompute``).
+        donated: (input index, output index) pairs: the input's buffer is donated to
+            that output; each update is ordered after the input's other readers, so
+            that XLA writes it in place (``dynajax.passes.inplace``).
     """
 
     error: type[DynajaxError]
@@ -93,6 +97,7 @@ class Policy:
     before: Sequence[PassBase] = ()
     after: Sequence[PassBase] = ()
     keep_recomputation: bool = False
+    donated: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass
@@ -159,6 +164,8 @@ def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
     """``gm`` as one program under ``policy``: passes, verdicts, what cannot be in it,
     strict, host callbacks (see the module doc)."""
     own: list[PassBase] = [KeepRecomputation()] if policy.keep_recomputation else []
+    if policy.donated:
+        own.append(OrderInPlaceUpdates(policy.donated))
     gm = run_passes(gm, before=list(policy.before), after=[*own, *policy.after])
     refused = CapabilityChecker(policy.fallback_ops).annotate(gm)
     impossible = [v for v in refused if v.reason in policy.impossible]

@@ -566,6 +566,7 @@ class TrainStep:
             fallback_ops=self.fallback_ops,
             strict=self.strict,
             keep_recomputation=True,
+            donated=_donated(graph),
         )
         state_layout = self.layout
         written = graph.frozen_out
@@ -665,6 +666,20 @@ def _step_function(
         return loss, list(new_params), list(new_buffers), list(new_state), err, list(new_frozen)
 
     return step
+
+
+def _donated(graph: StepGraph) -> tuple[tuple[int, int], ...]:
+    """The step graph's (input, output) pairs whose buffers its program donates: each
+    parameter, buffer and optimizer state tensor to its new value."""
+    n, b = graph.n_params, graph.n_buffers
+    after = 1 + n + b + len(graph.frozen_out)
+    pairs = [(i, 1 + i) for i in range(n + b)]
+    pairs += [
+        (n + b + graph.state_in.index(k), after + j)
+        for j, k in enumerate(graph.state_out)
+        if k in graph.state_in
+    ]
+    return tuple(pairs)
 
 
 def _describe_step(

@@ -1,0 +1,108 @@
+"""A training step's program writes each parameter's update into the parameter's own
+(donated) buffer: XLA copies no weight that the backward still reads
+(``dynajax.passes.inplace``), and the step computes what it computed before."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dynajax
+from dynajax.passes.inplace import ORDERS_UPDATE
+from dynajax.passes.recompute import BARRIER
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        # (no biases before the batch norms: their gradient is rounding noise, which
+        # AdamW's normalized update makes a step of its own size)
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 4),
+    )
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+def _copied_weights(monkeypatch, tmp_path, model: nn.Module, x, y, ordered: bool) -> list[str]:  # type: ignore[no-untyped-def]
+    # (its own cache: a program loaded from the session's would not be lowered)
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path / str(ordered)))
+    if not ordered:
+        monkeypatch.setattr("dynajax.training.step._donated", lambda graph: ())
+    step = dynajax.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
+    step(x, y)
+    (program,) = step._programs.values()
+    text = program.run.as_text()
+    # The parameters are the program's first inputs (``state[0]``); copies of the
+    # vectors are XLA's own (a fusion of the backward reads a bias again).
+    return [s for s in re.findall(r"= (\S+) copy\(%state_0_", text) if "," in s]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_no_weight_is_copied_before_its_update(monkeypatch, tmp_path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    make, x, y = (
+        (_mlp, torch.randn(8, 16), torch.randn(8, 4))
+        if kind == "mlp"
+        else (_cnn, torch.randn(4, 3, 6, 6), torch.randn(4, 4))
+    )
+    assert _copied_weights(monkeypatch, tmp_path, make(), x, y, ordered=True) == []
+    # Without the pass XLA copies the weights the backward reads for the input's
+    # gradient (all but the first layer's, whose input needs none).
+    unordered = _copied_weights(monkeypatch, tmp_path, make(), x, y, ordered=False)
+    assert len(unordered) == 2, unordered
+
+
+def test_the_ordered_step_trains_as_eager(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
+    seen = []
+    from dynajax.program import driver
+
+    lower = driver.lower
+
+    def spy(gm, policy):  # type: ignore[no-untyped-def]
+        program = lower(gm, policy)
+        seen.append(
+            sum(n.target is BARRIER and n.meta.get(ORDERS_UPDATE) for n in program.gm.graph.nodes)
+        )
+        return program
+
+    monkeypatch.setattr("dynajax.training.step.lower", spy)
+    eager, ours = _cnn(), _cnn()
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
+    step = dynajax.train_step(
+        ours, torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1), _loss
+    )
+    torch.manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 3, 6, 6), torch.randn(4, 4)
+        eager_opt.zero_grad()
+        loss = _loss(eager, x, y)
+        loss.backward()
+        eager_opt.step()
+        torch.testing.assert_close(torch.as_tensor(step(x, y)), loss.detach())
+    # The second conv's and the linear's weights, the batch norms' weights (the
+    # backward reads them for the input's gradient): AdamW's first step and its
+    # steady program.
+    assert seen and all(n >= 4 for n in seen), seen
+    step.sync()
+    for (name, a), b in zip(eager.state_dict().items(), ours.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, msg=name)
