@@ -135,9 +135,7 @@ def _order_update(graph: torch.fx.Graph, donated: torch.fx.Node, new: torch.fx.N
     order = {n: k for k, n in enumerate(graph.nodes)}
     last = max(order[v] for v in after)
     updates = [
-        r
-        for r in dict.fromkeys(readers)
-        if r in needed and r not in waiting and order[r] > last
+        r for r in dict.fromkeys(readers) if r in needed and r not in waiting and order[r] > last
     ]
     if not updates:
         return False

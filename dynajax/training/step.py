@@ -566,7 +566,9 @@ class TrainStep:
             fallback_ops=self.fallback_ops,
             strict=self.strict,
             keep_recomputation=True,
-            donated=_donated(graph),
+            # On a mesh the barrier's predicate (an element of a sharded value) would
+            # be a collective per parameter: one device only.
+            donated=_donated(graph) if self.layout.placement.mesh is None else (),
         )
         state_layout = self.layout
         written = graph.frozen_out
