@@ -49,6 +49,7 @@ from dynajax.lowering.interpreter import output_vals
 from dynajax.program import NEVER, Policy, failed, lower, on_cuda, select_unless_failed
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import draw_seed
+from dynajax.runtime.heap import release_freed_heap
 from dynajax.runtime.jax_internals import X64
 from dynajax.runtime.programs import describe_call, describe_graph
 from dynajax.sharding.placement import gather_to_torch, placement_of
@@ -513,6 +514,9 @@ class TrainStep:
                 self.retraces.append(self._why)
             self._why = None
             program = self._programs[key] = self._compile(layout, batch, xs, lrs)
+            # What the trace, the passes and XLA's compiler freed goes back to the
+            # system (else it stays resident beside the step's state).
+            release_freed_heap()
         return program
 
     def _examples(self, arrays: Sequence[jax.Array]) -> list[torch.Tensor]:
