@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -98,7 +99,7 @@ class OrderInPlaceUpdates(PassBase):
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         graph = graph_module.graph
         inputs = [n for n in graph.nodes if n.op == "placeholder"]
-        outputs = graph.output_node().args[0]
+        outputs: Any = graph.output_node().args[0]
         modified = False
         for i, j in self.donated:
             new = outputs[j]

@@ -56,6 +56,7 @@ from dynajax.lowering.dtypes import eager_on_cuda
 from dynajax.lowering.interpreter import needs_key
 from dynajax.lowering.precision import eager_precision
 from dynajax.passes import run_passes
+from dynajax.passes.flat_updates import FlattenUpdates
 from dynajax.passes.inplace import OrderInPlaceUpdates
 from dynajax.passes.recompute import KeepRecomputation
 from dynajax.program.interpreter import (
@@ -87,6 +88,8 @@ class Policy:
         donated: (input index, output index) pairs: the input's buffer is donated to
             that output; each update is ordered after the input's other readers, so
             that XLA writes it in place (``dynajax.passes.inplace``).
+        flatten: the outputs whose elementwise computation runs on flat arrays
+            (``dynajax.passes.flat_updates``).
     """
 
     error: type[DynajaxError]
@@ -98,6 +101,7 @@ class Policy:
     after: Sequence[PassBase] = ()
     keep_recomputation: bool = False
     donated: tuple[tuple[int, int], ...] = ()
+    flatten: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -164,6 +168,8 @@ def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
     """``gm`` as one program under ``policy``: passes, verdicts, what cannot be in it,
     strict, host callbacks (see the module doc)."""
     own: list[PassBase] = [KeepRecomputation()] if policy.keep_recomputation else []
+    if policy.flatten:
+        own.append(FlattenUpdates(policy.flatten))
     if policy.donated:
         own.append(OrderInPlaceUpdates(policy.donated))
     gm = run_passes(gm, before=list(policy.before), after=[*own, *policy.after])

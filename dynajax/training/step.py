@@ -47,6 +47,7 @@ from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.lowering.interpreter import output_vals
 from dynajax.program import NEVER, Policy, failed, lower, on_cuda, select_unless_failed
+from dynajax.program.callbacks import forget_host_error, raised_on_host
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import draw_seed
 from dynajax.runtime.heap import release_freed_heap
@@ -55,6 +56,7 @@ from dynajax.runtime.programs import describe_call, describe_graph
 from dynajax.sharding.placement import gather_to_torch, placement_of
 from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
+from dynajax.training.boundary import FlatBoundary
 from dynajax.training.graph import BatchLayout, StateKey, StepGraph, trace_step
 from dynajax.training.state import StateLayout, TrainState, bytes_per_device, report_lines
 from dynajax.training.view import ModuleView
@@ -88,6 +90,7 @@ class _Program:
     run: Callable[..., Any]  # jitted (state, frozen, lrs, seed, batch) -> (loss, state, err)
     random: bool  # whether it draws random numbers (then each step draws a seed)
     checks: list[Check]  # eager's value checks the program computes (its trace fills it)
+    boundary: FlatBoundary | None = None  # the state arrays that cross it flat (one CPU)
 
 
 class TrainStep:
@@ -462,20 +465,34 @@ class TrainStep:
         state_in = [self.state[k] for k in graph.state_in]
         rng = torch.get_rng_state() if program.random else None
         seed = draw_seed() if program.random else np.int64(0)
+        boundary = program.boundary
+        taken = [self.params, self.buffers, state_in]
+        if boundary is not None:
+            taken = boundary.stored(taken)
+        forget_host_error()
         try:
             loss, params, buffers, state, err, frozen = program.run(
-                (self.params, self.buffers, state_in),
+                tuple(taken),
                 self.frozen,
                 [np.float64(lr) for lr in lrs],
                 seed,
                 xs,
             )
-        except BaseException:
+        except BaseException as e:
             # A host callback raised (eager's error): the state was not donated and
             # stays as it was; so does torch's generator.
+            if boundary is not None:
+                self.params, self.buffers, state_in = boundary.unstored(taken)
+                self.state.update(zip(graph.state_in, state_in, strict=True))
             if rng is not None:
                 torch.set_rng_state(rng)
+            original = raised_on_host()
+            if isinstance(e, jax.errors.JaxRuntimeError) and original is not None:
+                # An op run in eager PyTorch raised: its own error, as eager gives it.
+                raise original from e
             raise
+        if boundary is not None:
+            params, buffers, state = boundary.shaped([params, buffers, state])
         self.params, self.buffers = list(params), list(buffers)
         for i, a in zip(graph.frozen_out, frozen, strict=True):
             self.frozen[i] = a
@@ -562,6 +579,17 @@ class TrainStep:
                 accumulate=self.accumulate,
             )
         self.traces += 1
+        state_layout = self.layout
+        written = graph.frozen_out
+        after = 1 + graph.n_params + graph.n_buffers + len(written)
+        # (the first trace's outputs: the same values as the functional graph's)
+        state_shapes = _output_shapes(graph.joint)[after:]
+        state_in = [self.state[k] for k in graph.state_in]
+        boundary = None
+        if self._flat_boundary():
+            own = [[a.shape for a in self.params], [a.shape for a in self.buffers]]
+            boundary = FlatBoundary([*own, [a.shape for a in state_in]], [*own, state_shapes])
+            boundary = boundary if boundary else None
         policy = Policy(
             TrainStepError,
             "these ops of the training step cannot be part of one XLA program "
@@ -573,12 +601,10 @@ class TrainStep:
             # On a mesh the barrier's predicate (an element of a sharded value) would
             # be a collective per parameter: one device only.
             donated=_donated(graph) if self.layout.placement.mesh is None else (),
+            flatten=(
+                tuple(boundary.flat_outputs([1, 1 + graph.n_params, after])) if boundary else ()
+            ),
         )
-        state_layout = self.layout
-        written = graph.frozen_out
-        after = 1 + graph.n_params + graph.n_buffers + len(written)
-        # (the first trace's outputs: the same values as the functional graph's)
-        state_shapes = _output_shapes(graph.joint)[after:]
         state_shardings = [
             state_layout.state(k, shape)
             for k, shape in zip(graph.state_out, state_shapes, strict=True)
@@ -592,8 +618,9 @@ class TrainStep:
             replicated,
             [state_layout.frozen[i] for i in written],
         )
+        taken = [self.params, self.buffers, state_in]
         args = (
-            (self.params, self.buffers, [self.state[k] for k in graph.state_in]),
+            tuple(boundary.stored_avals(taken) if boundary else taken),
             self.frozen,
             [np.float64(lr) for lr in lrs],
             np.int64(0),
@@ -605,7 +632,7 @@ class TrainStep:
         def lower_step() -> jax.stages.Lowered:
             program = lower(graph.functional(), policy)
             lowered["random"] = program.random
-            fn = _step_function(program, graph, checks, self.checks)
+            fn = _step_function(program, graph, checks, self.checks, boundary)
             # Donated, the state's buffers are gone once the program starts; a host
             # callback (eager PyTorch) can still raise then, so a step with callbacks
             # keeps them. The outputs keep the state's layout (on a mesh, FSDP's shards
@@ -631,11 +658,23 @@ class TrainStep:
         )
         if stored is not None:  # loaded without lowering: what its lowering recorded
             checks[:], lowered["random"] = stored
-        return _Program(graph, run, lowered["random"], checks)
+        return _Program(graph, run, lowered["random"], checks, boundary)
+
+    def _flat_boundary(self) -> bool:
+        """Whether the step's arrays of 3 or more dimensions cross its program flat
+        (``training/boundary.py``): on one CPU device, where XLA's CPU compiler emits
+        their elementwise updates unvectorized in their own shapes."""
+        if self.layout.placement.mesh is not None:
+            return False
+        return all(getattr(d, "platform", "") == "cpu" for d in self.layout.replicated.device_set)
 
 
 def _step_function(
-    program: Any, graph: StepGraph, checks: list[Check], check: bool
+    program: Any,
+    graph: StepGraph,
+    checks: list[Check],
+    check: bool,
+    boundary: FlatBoundary | None = None,
 ) -> Callable[..., Any]:
     """The JAX function of one step: ``(state, frozen, lrs, seed, xs) -> (loss, params,
     buffers, optimizer state, err, written frozen)``, where eager's value checks
@@ -647,7 +686,7 @@ def _step_function(
     kept = [graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out]
 
     def step(state, frozen, lrs, seed, xs):  # type: ignore[no-untyped-def]
-        params, buffers, opt_state = state
+        params, buffers, opt_state = boundary.inside(state) if boundary else state
         key = jax.random.key(seed) if random else None
         arrays = [*params, *buffers, *opt_state, *frozen, *lrs, *xs]
         out, err, found = program.run(arrays, key=key, check=check)
@@ -669,7 +708,10 @@ def _step_function(
             new_state = list(new_state)
             for i, a in zip(carried, selected, strict=True):
                 new_state[i] = a
-        return loss, list(new_params), list(new_buffers), list(new_state), err, list(new_frozen)
+        leaving = [list(new_params), list(new_buffers), list(new_state)]
+        if boundary:
+            leaving = boundary.leaving(leaving)
+        return loss, *leaving, err, list(new_frozen)
 
     return step
 

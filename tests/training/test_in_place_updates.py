@@ -1,11 +1,15 @@
-"""A training step's program writes each parameter's update into the parameter's own
-(donated) buffer: XLA copies no weight that the backward still reads
-(``dynajax.passes.inplace``), and the step computes what it computed before."""
+"""How a training step's program updates its state: each parameter's update written
+into the parameter's own (donated) buffer, XLA copying no weight that the backward
+still reads (``dynajax.passes.inplace``); on a CPU, arrays of 3 or more dimensions
+crossing the program flat and updated flat (``training/boundary.py``,
+``passes/flat_updates.py``); either way the step computes what eager computes."""
 
 from __future__ import annotations
 
 import re
 
+import jax
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,8 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _copied_weights(monkeypatch, tmp_path, model: nn.Module, x, y, ordered: bool) -> list[str]:  # type: ignore[no-untyped-def]
     # (its own cache: a program loaded from the session's would not be lowered)
     monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path / str(ordered)))
+    # (every array in its own shape: the weights are told from the vectors by rank)
+    monkeypatch.setattr("dynajax.training.step.TrainStep._flat_boundary", lambda self: False)
     if not ordered:
         monkeypatch.setattr("dynajax.training.step._donated", lambda graph: ())
     step = dynajax.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
@@ -106,3 +112,62 @@ def test_the_ordered_step_trains_as_eager(monkeypatch, tmp_path) -> None:  # typ
     step.sync()
     for (name, a), b in zip(eager.state_dict().items(), ours.state_dict().values(), strict=True):
         torch.testing.assert_close(b, a, msg=name)
+
+
+def _trained(monkeypatch, tmp_path, flat: bool) -> tuple[dict[str, torch.Tensor], list[int]]:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path / f"flat{flat}"))
+    if not flat:
+        monkeypatch.setattr("dynajax.training.step.TrainStep._flat_boundary", lambda self: False)
+    model = _cnn()
+    step = dynajax.train_step(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), _loss
+    )
+    torch.manual_seed(1)
+    for _ in range(3):
+        step(torch.randn(4, 3, 6, 6), torch.randn(4, 4))
+    program = list(step._programs.values())[-1]
+    # The ranks of the state arrays the steady program takes.
+    ranks = [len(a.shape) for a in jax.tree.leaves(program.run.args_info[0][0])]
+    step.sync()
+    return {k: v.clone() for k, v in model.state_dict().items()}, ranks
+
+
+def test_convolution_weights_cross_the_program_flat_and_train_alike(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    flat, flat_ranks = _trained(monkeypatch, tmp_path, flat=True)
+    shaped, shaped_ranks = _trained(monkeypatch, tmp_path, flat=False)
+    # The two convolutions' weights and their two moments each.
+    assert shaped_ranks.count(4) == 6 and max(flat_ranks) == 2, (flat_ranks, shaped_ranks)
+    # The same ops on the same elements: the same bits.
+    for name, a in shaped.items():
+        np.testing.assert_array_equal(flat[name].numpy(), a.numpy(), err_msg=name)
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)  # a weight of 3 dimensions: flat
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.embed(ids).transpose(1, 2)).mean()
+
+
+def test_a_host_callback_that_raises_leaves_the_flat_state_whole() -> None:
+    torch.manual_seed(0)
+    model = _Tokens()
+    step = dynajax.train_step(
+        model,
+        torch.optim.Adam(model.parameters(), lr=0.1),
+        lambda m, ids: m(ids),
+        fallback_ops=["aten.embedding"],  # eager's kernel, through a host callback
+    )
+    ids = torch.randint(0, 10, (2, 5))
+    step(ids)
+    step.sync()
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(IndexError):
+        step(torch.full((2, 5), 10))  # eager's embedding raises: no row 10
+    step.sync()
+    for name, a in trained.items():
+        torch.testing.assert_close(model.state_dict()[name], a, rtol=0, atol=0, msg=name)
+    step(ids)  # and the step goes on
