@@ -205,10 +205,10 @@ def draw_benchmarks(data: dict[str, Any], table: Table, path: Path) -> None:
 
 def memory_table(data: dict[str, Any]) -> Table:
     """Per row: each peer's peak resident set during a steady step, dynajax's against
-    eager's and inductor's, and dynajax's peak up to its first step (the compile)."""
+    eager's and inductor's, and dynajax's peak up to its steady step (the compiles)."""
     peers = list(next(iter(data["rows"].values())))
     header = ["workload", *(f"{p}, steady step" for p in peers)]
-    header += ["dynajax / eager", "dynajax / inductor", "dynajax, first step"]
+    header += ["dynajax / eager", "dynajax / inductor", "dynajax, first steps"]
 
     def mib(r: dict[str, Any], key: str) -> str:
         return f"{r[key] / 2**20:.0f} MiB" if key in r else ""

@@ -36,7 +36,7 @@ import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from dynajax.passes.recompute import BARRIER
+from dynajax.passes.recompute import put_behind_barrier
 
 # The meta key marking the barriers this pass puts in (the others keep a recomputation).
 ORDERS_UPDATE = "dynajax_orders_update"
@@ -141,16 +141,6 @@ def _order_update(graph: torch.fx.Graph, donated: torch.fx.Node, new: torch.fx.N
     if not updates:
         return False
     read = [a for a in aliases if any(a in u.all_input_nodes for u in updates)]
-    first = min(updates, key=order.__getitem__)
-    with graph.inserting_before(first):
-        barrier = graph.call_function(BARRIER, (read, after))
-        barrier.meta["val"] = [a.meta["val"] for a in read]
-        barrier.meta[ORDERS_UPDATE] = True
-        kept = {}
-        for k, a in enumerate(read):
-            kept[a] = graph.call_function(operator.getitem, (barrier, k))
-            kept[a].meta["val"] = a.meta["val"]
-    for u in updates:
-        for a, b in kept.items():
-            u.replace_input_with(a, b)
+    barrier = put_behind_barrier(graph, read, after, updates)
+    barrier.meta[ORDERS_UPDATE] = True
     return True

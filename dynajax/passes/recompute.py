@@ -147,21 +147,34 @@ class KeepRecomputation(PassBase):
             after = _backward_value_before(nodes, order[region[0]], members)
             if not opaque or after is None:
                 continue
-            with graph.inserting_before(region[0]):
-                barrier = graph.call_function(BARRIER, (opaque, [after]))
-                barrier.meta["val"] = [a.meta["val"] for a in opaque]
-                swap = {}
-                for i, a in enumerate(opaque):
-                    swap[a] = graph.call_function(operator.getitem, (barrier, i))
-                    swap[a].meta["val"] = a.meta["val"]
-            for n in region:
-                for a, kept in swap.items():
-                    n.replace_input_with(a, kept)
+            put_behind_barrier(graph, opaque, [after], region)
             modified = True
         if modified:
             graph.lint()
             graph_module.recompile()
         return PassResult(graph_module, modified)
+
+
+def put_behind_barrier(
+    graph: torch.fx.Graph,
+    values: list[torch.fx.Node],
+    after: list[torch.fx.Node],
+    readers: list[torch.fx.Node],
+) -> torch.fx.Node:
+    """Inserts ``recompute_barrier(values, after)`` before the first of ``readers`` (in
+    graph order) and makes the readers read its outputs instead of ``values``."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_before(min(readers, key=order.__getitem__)):
+        barrier = graph.call_function(BARRIER, (values, after))
+        barrier.meta["val"] = [a.meta["val"] for a in values]
+        kept = {}
+        for i, a in enumerate(values):
+            kept[a] = graph.call_function(operator.getitem, (barrier, i))
+            kept[a].meta["val"] = a.meta["val"]
+    for n in readers:
+        for a, b in kept.items():
+            n.replace_input_with(a, b)
+    return barrier
 
 
 def _backward_value_before(

@@ -97,3 +97,30 @@ def assert_all_in_jax(backend: dynajax.Backend, kind: str) -> None:
         assert not g.fallbacks, f"{kind} graph {g.index} kept ops in PyTorch: " + ", ".join(
             f"{f.target} ({f.reason.name} {f.detail})" for f in g.fallbacks
         )
+
+
+def count_barriers(monkeypatch: Any, tmp_path: Any, orders_update: bool) -> list[int]:
+    """For each program ``train_step`` lowers from here on (in its own cache directory:
+    a program loaded from the session's is not lowered), the number of barriers that
+    order an update (``orders_update``) or keep a recomputation (not), appended to the
+    list returned."""
+    from dynajax.passes.inplace import ORDERS_UPDATE
+    from dynajax.passes.recompute import BARRIER
+    from dynajax.program import driver
+
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
+    seen: list[int] = []
+    lower = driver.lower
+
+    def spy(gm: Any, policy: Any) -> Any:
+        program = lower(gm, policy)
+        seen.append(
+            sum(
+                n.target is BARRIER and bool(n.meta.get(ORDERS_UPDATE)) == orders_update
+                for n in program.gm.graph.nodes
+            )
+        )
+        return program
+
+    monkeypatch.setattr("dynajax.training.step.lower", spy)
+    return seen

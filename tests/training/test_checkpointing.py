@@ -18,10 +18,10 @@ from torch.utils.checkpoint import checkpoint
 
 import dynajax
 from dynajax.errors import TrainStepError
-from dynajax.passes.inplace import ORDERS_UPDATE
 from dynajax.passes.recompute import BARRIER, KeepRecomputation
 from tests.helpers import run_python
 from tests.training.checkpoint_memory_worker import Deep, loss_fn
+from tests.training.harness import count_barriers
 
 
 class DropoutBlock(nn.Module):
@@ -204,25 +204,7 @@ def test_checkpointing_lowers_the_steps_peak_memory() -> None:
 
 
 def test_a_step_without_checkpointing_has_no_barrier(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from dynajax.program import driver
-
-    # (its own cache: a program loaded from the session's would not be lowered)
-    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
-
-    seen = []
-    lower = driver.lower
-
-    def spy(gm, policy):  # type: ignore[no-untyped-def]
-        program = lower(gm, policy)
-        seen.append(
-            sum(
-                n.target is BARRIER and not n.meta.get(ORDERS_UPDATE)
-                for n in program.gm.graph.nodes
-            )
-        )
-        return program
-
-    monkeypatch.setattr("dynajax.training.step.lower", spy)
+    seen = count_barriers(monkeypatch, tmp_path, orders_update=False)
     model = Deep(blocks=3, width=8, checkpointed=False)
     step = dynajax.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn)
     step(torch.randn(4, 8), torch.randn(4, 8))

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynajax
-from dynajax.passes.inplace import ORDERS_UPDATE
-from dynajax.passes.recompute import BARRIER
+from tests.training.harness import count_barriers
 
 
 def _mlp() -> nn.Module:
@@ -78,20 +77,7 @@ def test_no_weight_is_copied_before_its_update(monkeypatch, tmp_path, kind: str)
 
 
 def test_the_ordered_step_trains_as_eager(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
-    seen = []
-    from dynajax.program import driver
-
-    lower = driver.lower
-
-    def spy(gm, policy):  # type: ignore[no-untyped-def]
-        program = lower(gm, policy)
-        seen.append(
-            sum(n.target is BARRIER and n.meta.get(ORDERS_UPDATE) for n in program.gm.graph.nodes)
-        )
-        return program
-
-    monkeypatch.setattr("dynajax.training.step.lower", spy)
+    seen = count_barriers(monkeypatch, tmp_path, orders_update=True)
     eager, ours = _cnn(), _cnn()
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
     step = dynajax.train_step(

@@ -323,6 +323,27 @@ def test_a_second_step_over_the_same_model_takes_the_state_over() -> None:
     _assert_trained_alike(eager, eager_opt, ours, our_opt)
 
 
+def test_the_first_steps_program_is_let_go_and_a_reset_state_trains_again() -> None:
+    make_adam = functools.partial(torch.optim.Adam, lr=1e-2)
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", make_adam)
+    batches = _batches("mlp")[:6]
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+    actual = [float(step(*b)) for b in batches[:3]]
+    # Adam has no state before its first step, so that step ran a program of its own;
+    # it is not kept once the state has grown.
+    assert len(step._programs) == 1
+    # A fresh optimizer's state loaded: the program for no state again, as eager.
+    empty = make_adam(eager.parameters()).state_dict()
+    our_opt.load_state_dict(empty)
+    actual += [float(step(*b)) for b in batches[3:]]
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches[:3])
+    eager_opt.load_state_dict(empty)
+    expected += _eager_losses(eager, eager_opt, loss_fn, batches[3:])
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
 def test_an_optimizer_with_a_closure_is_refused_by_name() -> None:
     model = mlp()
     with pytest.raises(TrainStepError, match="cannot compile LBFGS: its step"):
