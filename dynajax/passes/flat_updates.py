@@ -61,6 +61,9 @@ def _elementwise_of(node: torch.fx.Node, shape: tuple[int, ...]) -> bool:
             s = _shape(a)
             if s is None or (s != shape and s != ()):
                 return False
+            # (a flat view of a strided operand is no view: such an op stays as it is)
+            if s == shape and not a.meta["val"].is_contiguous():
+                return False
         elif isinstance(a, (list, tuple)):
             return False
     return True
