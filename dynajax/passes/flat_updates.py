@@ -23,7 +23,6 @@ output. The values are the same: the same ops on the same elements in the same o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,10 +130,3 @@ class FlattenUpdates(PassBase):
         graph.lint()
         graph_module.recompile()
         return PassResult(graph_module, True)
-
-
-def flat_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape ``train_step`` keeps an array of ``shape`` in at its program's
-    boundary: flat where the last dimensions are a convolution's window (3 or more
-    dimensions), as it is otherwise."""
-    return (math.prod(shape),) if len(shape) >= 3 else tuple(shape)

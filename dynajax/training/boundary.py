@@ -16,14 +16,19 @@ Elsewhere (a GPU, a mesh) every array crosses in its own shape and there is no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from dynajax.passes.flat_updates import flat_shape
-
 Shapes = Sequence[Sequence[tuple[int, ...]]]  # the shapes of each group of arrays
+
+
+def flat_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape an array of ``shape`` crosses the program in: flat where its last
+    dimensions can be a convolution's window (3 or more dimensions), else its own."""
+    return (math.prod(shape),) if len(shape) >= 3 else tuple(shape)
 
 
 def _reshaper(shapes: list[tuple[int, ...]]) -> Any:

@@ -80,6 +80,12 @@ class StepGraph:
 
     what: tuple[str, str] = ("", "")  # (the optimizer's class, the loss's name), for errors
 
+    @property
+    def state_at(self) -> int:
+        """Where the optimizer's state starts among the graph's outputs: after the
+        loss, the parameters, the buffers and the frozen parameters it writes."""
+        return 1 + self.n_params + self.n_buffers + len(self.frozen_out)
+
     def functional(self) -> torch.fx.GraphModule:
         """The step as one functional ATen graph, decomposed: the in-place updates of
         the parameters, buffers and optimizer state are the values it returns."""

@@ -590,7 +590,7 @@ class TrainStep:
         self.traces += 1
         state_layout = self.layout
         written = graph.frozen_out
-        after = 1 + graph.n_params + graph.n_buffers + len(written)
+        after = graph.state_at
         # (the first trace's outputs: the same values as the functional graph's)
         state_shapes = _output_shapes(graph.joint)[after:]
         state_in = [self.state[k] for k in graph.state_in]
@@ -691,7 +691,7 @@ def _step_function(
     random = program.random
     n, b = graph.n_params, graph.n_buffers
     written = graph.frozen_out
-    after = 1 + n + b + len(written)
+    after = graph.state_at
     kept = [graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out]
 
     def step(state, frozen, lrs, seed, xs):  # type: ignore[no-untyped-def]
@@ -729,7 +729,7 @@ def _donated(graph: StepGraph) -> tuple[tuple[int, int], ...]:
     """The step graph's (input, output) pairs whose buffers its program donates: each
     parameter, buffer and optimizer state tensor to its new value."""
     n, b = graph.n_params, graph.n_buffers
-    after = 1 + n + b + len(graph.frozen_out)
+    after = graph.state_at
     pairs = [(i, 1 + i) for i in range(n + b)]
     pairs += [
         (n + b + graph.state_in.index(k), after + j)
