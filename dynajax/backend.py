@@ -12,6 +12,7 @@ and ``jax.jit`` -> the stitched callable.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -167,6 +168,63 @@ class Backend:
             unwanted = [v for v in refused if not v.reason.is_choice]
             if unwanted:
                 raise UnsupportedNodesError(unwanted, graph=f"{kind} graph")
+
+        def build(gm: torch.fx.GraphModule) -> _Built:
+            return self._partitioned(gm, kind, input_names)
+
+        built = None
+        if checker.candidates:
+            # A choice between XLA and a PyTorch kernel: the whole graph timed both
+            # ways where it can be, else the op alone.
+            built = checker.measure_in_graph(
+                gm, example_inputs, build, lambda b: stitched_callable(b.gm)
+            )
+            if built is None:
+                checker.measure_alone()
+        if built is None:
+            built = build(gm)
+        gm = built.gm
+        with self._lock:
+            report = graph_report(
+                kind,
+                next(self._counter),
+                built.annotated,
+                gm,
+                built.snapshot,
+                self.options.min_block_size,
+            )
+            report.compile_stats = built.stats
+            if isinstance(aot, aot_cache.Lookup):
+                aot.follow(report)  # its status may change after this graph compiled
+            else:
+                report.aot = aot
+            report.sharding = built.sharding
+            report.dynamo = dynamo
+            if kind != "backward":  # (the forward's report shows its Dynamo graph's rewrites)
+                report.rewrites = list(rewrites)
+            self.graphs.append(report)
+        log_fallbacks_once(report.fallbacks)
+        trace_artifact(report.__str__)
+        times = None
+        if self.options.profile:  # innermost, so that a hook's wrapper is timed too
+            times = report.times = GraphTimes(f"dynajax/graph{report.index}")
+            for p in report.partitions:
+                setattr(gm, p.name, ProfiledPartition(times, p.name, getattr(gm, p.name)))
+        hook = self.partition_hook
+        if hook is not None:
+            for p in report.partitions:
+                setattr(gm, p.name, hook(report, p.name, getattr(gm, p.name)))
+        run = stitched_callable(gm)
+        return profiled_graph(run, times) if times is not None else run
+
+    def _partitioned(
+        self,
+        gm: torch.fx.GraphModule,
+        kind: str,
+        input_names: Sequence[StateName | None],
+    ) -> _Built:
+        """``gm`` (annotated) cut into JAX partitions, each a compiled partition
+        (compiled at its first call); ``input_names`` as in ``compile_aten_graph``."""
         annotated = list(gm.graph.nodes)
         proposal = assign_partitions(
             gm, self.options.min_block_size, output_aliases=kind == "inference"
@@ -197,38 +255,18 @@ class Backend:
                     sharding.add(part)
                 setattr(gm, name, part)
         gm.recompile()
-        with self._lock:
-            report = graph_report(
-                kind,
-                next(self._counter),
-                annotated,
-                gm,
-                snapshot,
-                self.options.min_block_size,
-            )
-            report.compile_stats = stats
-            if isinstance(aot, aot_cache.Lookup):
-                aot.follow(report)  # its status may change after this graph compiled
-            else:
-                report.aot = aot
-            report.sharding = sharding
-            report.dynamo = dynamo
-            if kind != "backward":  # (the forward's report shows its Dynamo graph's rewrites)
-                report.rewrites = list(rewrites)
-            self.graphs.append(report)
-        log_fallbacks_once(report.fallbacks)
-        trace_artifact(report.__str__)
-        times = None
-        if self.options.profile:  # innermost, so that a hook's wrapper is timed too
-            times = report.times = GraphTimes(f"dynajax/graph{report.index}")
-            for p in report.partitions:
-                setattr(gm, p.name, ProfiledPartition(times, p.name, getattr(gm, p.name)))
-        hook = self.partition_hook
-        if hook is not None:
-            for p in report.partitions:
-                setattr(gm, p.name, hook(report, p.name, getattr(gm, p.name)))
-        run = stitched_callable(gm)
-        return profiled_graph(run, times) if times is not None else run
+        return _Built(annotated, snapshot, gm, stats, sharding)
+
+
+@dataclasses.dataclass
+class _Built:
+    """One graph partitioned and its partitions made (``Backend._partitioned``)."""
+
+    annotated: list[torch.fx.Node]  # its nodes before fusing, with their verdicts
+    snapshot: torch.fx.Graph  # their copy (verdicts and partitions)
+    gm: torch.fx.GraphModule  # the stitched graph: partitions and eager ops
+    stats: CompileStats
+    sharding: GraphSharding | None
 
 
 def dynajax_backend(

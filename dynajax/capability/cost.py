@@ -77,13 +77,18 @@ REPEATS = 7
 
 @dataclasses.dataclass(frozen=True)
 class CostChoice:
-    """Both paths of one node, timed on this machine, and the one kept.
+    """Both paths of a choice, timed on this machine, and the one kept.
 
     Attributes:
-        pytorch_s: the median time of PyTorch's kernel on the node's arguments.
-        xla_s: the median time of XLA's program of the rule (compiled alone).
-        measure_s: what measuring took (XLA's compile included), the first compile's
+        op: the op (or ops) chosen for.
+        node: the node (or nodes) it was chosen for.
+        pytorch_s: the median time with PyTorch's kernel.
+        xla_s: the median time with XLA's program of the rule.
+        measure_s: what measuring took (XLA's compiles included), the first compile's
             added cost; 0 where the times came from the cache.
+        scope: what was timed: ``"op"``, the op alone (``measure``), or ``"graph"``,
+            the node's whole graph built both ways (``in_graph.choose``: every
+            candidate of the graph in PyTorch, or all in JAX).
     """
 
     op: str
@@ -91,6 +96,7 @@ class CostChoice:
     pytorch_s: float
     xla_s: float
     measure_s: float
+    scope: str = "op"
 
     @property
     def in_pytorch(self) -> bool:
@@ -99,9 +105,20 @@ class CostChoice:
     def describe(self) -> str:
         where = "PyTorch" if self.in_pytorch else "JAX"
         took = f" (measuring took {self.measure_s:.2f} s)" if self.measure_s else " (cached)"
+        if self.scope == "graph":
+            timed = (
+                f"its graph with PyTorch's kernel {_ms(self.pytorch_s)}, all in JAX "
+                f"{_ms(self.xla_s)}"
+            )
+        else:
+            timed = f"PyTorch's kernel {_ms(self.pytorch_s)}, XLA's program {_ms(self.xla_s)}"
+        return f"{timed} on this machine: runs in {where}{took}"
+
+    def why(self) -> str:
+        """The detail of the node's verdict."""
         return (
-            f"PyTorch's kernel {_ms(self.pytorch_s)}, XLA's program {_ms(self.xla_s)} on "
-            f"this machine: runs in {where}{took}"
+            f"{self.describe()} (measured at the first compile; measure_costs=False takes "
+            "the defaults of dynajax/capability/cost.py); perf_fallbacks=False runs it in JAX"
         )
 
 
@@ -186,25 +203,24 @@ _MEASURED: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], bool]] = {
 Measure = Callable[[torch.fx.Node], "tuple[float, float, float] | None"]
 
 
+def is_measured(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s choice is one measured where it runs (``_MEASURED``)."""
+    candidate = _MEASURED.get(node.target)  # type: ignore[call-overload]
+    return candidate is not None and candidate(node)
+
+
 def faster_in_pytorch(node: torch.fx.Node, measure: Measure | None = None) -> str | None:
     """Why ``node``, which JAX can run, runs faster in PyTorch; None where it does not.
     With ``measure``, the ops of ``_MEASURED`` are timed (``CostChoice``, stored in
     ``node.meta``) instead of judged by the defaults."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return None
-    candidate = _MEASURED.get(node.target)
-    if measure is not None and candidate is not None and candidate(node):
+    if measure is not None and is_measured(node):
         times = measure(node)
         if times is not None:
             choice = CostChoice(str(node.target), node.name, *times)
             node.meta[COST_KEY] = choice
-            if not choice.in_pytorch:
-                return None
-            return (
-                f"{choice.describe()} (measured at the first compile; "
-                "measure_costs=False takes the defaults of dynajax/capability/cost.py); "
-                "perf_fallbacks=False runs it in JAX"
-            )
+            return choice.why() if choice.in_pytorch else None
     default = _FASTER_IN_PYTORCH.get(node.target)
     return default(node) if default is not None else None
 
@@ -284,7 +300,7 @@ def _measure(node: torch.fx.Node, rule: Rule) -> tuple[float, float, float] | No
     def xla() -> None:
         jax.block_until_ready(program(*arrays))
 
-    pytorch_s, xla_s = _median_times(pytorch, xla)
+    pytorch_s, xla_s = median_times(pytorch, xla)
     return pytorch_s, xla_s, time.perf_counter() - start
 
 
@@ -292,14 +308,17 @@ class _Symbolic(Exception):
     pass
 
 
-def _median_times(*calls: Callable[[], Any]) -> list[float]:
-    """Each call's median time over ``REPEATS`` rounds, the calls alternating within a
-    round (so that a loaded machine slows them alike), after one untimed call each
-    (XLA's compile, warm caches)."""
-    for call in calls:
-        call()
+def median_times(
+    *calls: Callable[[], Any], rounds: int = REPEATS, untimed_first: bool = True
+) -> list[float]:
+    """Each call's median time over ``rounds``, the calls alternating within a round
+    (so that a loaded machine slows them alike); with ``untimed_first``, after one
+    untimed call each (XLA's compile, warm caches)."""
+    if untimed_first:
+        for call in calls:
+            call()
     times: list[list[float]] = [[] for _ in calls]
-    for _ in range(REPEATS):
+    for _ in range(rounds):
         for call, kept in zip(calls, times, strict=True):
             t = time.perf_counter()
             call()

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import operator
 import os
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dynajax.capability import cost
+from dynajax.capability import cost, in_graph
 from dynajax.capability.cost import Measure, faster_in_pytorch
 from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.capability.layout import keep_eager_storage, node_layout
@@ -53,6 +53,17 @@ _ABSTRACT_EVAL_ERRORS = (TypeError, ValueError, NotImplementedError, IndexError)
 _JAX_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, np) if m.__file__
 )
+
+
+T = TypeVar("T")
+
+
+class _Candidate(NamedTuple):
+    """A node whose choice is measured, with its evaluation key and rule."""
+
+    node: torch.fx.Node
+    key: Any
+    rule: Rule
 
 
 class _NoHint(Exception):
@@ -169,6 +180,9 @@ class CapabilityChecker:
         # Abstract evaluations by (op, argument signature), shared by every graph of
         # the process and, given a persistent cache, by later processes (memo.py).
         self._evaluations = evaluations if evaluations is not None else Evaluations()
+        # With measure: the nodes whose choice is measured (cost.is_measured), placed by
+        # the defaults until measured.
+        self.candidates: list[_Candidate] = []
 
     def annotate(self, gm: torch.fx.GraphModule) -> list[Unsupported]:
         """Stores a verdict in ``node.meta`` for every call_function node of ``gm``
@@ -276,30 +290,88 @@ class CapabilityChecker:
             return self._refuse(node, *found)
         faster = None
         if self.perf:
-            faster = faster_in_pytorch(node, self._measure(key, rule) if self.measure else None)
+            if self.measure and cost.is_measured(node):
+                # Placed by the defaults until measured (``measure_in_graph``, else
+                # ``measure_alone``).
+                self.candidates.append(_Candidate(node, key, rule))
+            faster = faster_in_pytorch(node)
         if faster is not None:
             return self._refuse(node, Reason.PERF, faster)
         return Supported(name)
 
-    def _measure(self, key: Any, rule: Rule) -> Measure:
-        """cost.measure of a node with this evaluation key, remembered beside the
-        evaluations (per machine); a remembered one took no time to measure now."""
+    def place(self, node: torch.fx.Node, in_pytorch: bool, why: str) -> None:
+        """Sets the verdict of a candidate whose choice was measured (PERF with ``why``,
+        or supported), and of the getitems that pick its outputs."""
+        node.meta[META_KEY] = (
+            self._refuse(node, Reason.PERF, why) if in_pytorch else Supported(target_name(node))
+        )
+        for user in node.users:
+            if user.target is operator.getitem:
+                user.meta[META_KEY] = self._decide_getitem(user, target_name(user))
 
-        def measured(node: torch.fx.Node) -> tuple[float, float, float] | None:
-            fresh = []
+    def measure_alone(self) -> None:
+        """Places each candidate by timing its op alone (``cost.measure``)."""
+        for c in self.candidates:
+            faster = faster_in_pytorch(c.node, self._measure(c.key, c.rule))
+            self.place(c.node, faster is not None, faster or "")
+        self._evaluations.save()
 
-            def evaluate() -> tuple[Reason, str] | None:
-                fresh.append(True)
-                times = cost.measure(node, rule)
-                return None if times is None else (Reason.PERF, cost.result_of(times))
+    def measure_in_graph(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        build: Callable[[torch.fx.GraphModule], T],
+        run_of: Callable[[T], Callable[[list[Any]], Any]],
+    ) -> T | None:
+        """``in_graph.choose`` of the candidates of ``gm`` (annotated): the build of
+        ``gm`` with them where its whole graph ran faster; None (``gm`` untouched) where
+        the graph cannot be timed in place."""
+        rule = self.candidates[0].rule
 
-            found = self._evaluations.get(("measured", cost.machine(), key), rule, evaluate)
-            times = cost.times_of(found[1] if found is not None else None)
-            if times is not None and not fresh:
-                times = (times[0], times[1], 0.0)
+        def remembered(
+            fingerprint: str, timing: Callable[[], tuple[float, float, float]]
+        ) -> tuple[float, float, float]:
+            key = ("measured in its graph", cost.machine(), fingerprint)
+            times = self._remembered(key, rule, timing)
+            assert times is not None
             return times
 
-        return measured
+        nodes = [c.node for c in self.candidates]
+        try:
+            return in_graph.choose(gm, example_inputs, nodes, self.place, build, run_of, remembered)
+        except in_graph.NotTimed as e:
+            log.info("cost choice timed for the op alone: %s", e)
+            return None
+        finally:
+            self._evaluations.save()
+
+    def _measure(self, key: Any, rule: Rule) -> Measure:
+        """cost.measure of a node with this evaluation key, remembered beside the
+        evaluations (per machine)."""
+        return lambda node: self._remembered(
+            ("measured", cost.machine(), key), rule, lambda: cost.measure(node, rule)
+        )
+
+    def _remembered(
+        self,
+        key: Any,
+        rule: Rule,
+        timing: Callable[[], tuple[float, float, float] | None],
+    ) -> tuple[float, float, float] | None:
+        """``timing()``, remembered beside the evaluations under ``key``; remembered
+        times took no time to measure now."""
+        fresh = []
+
+        def evaluate() -> tuple[Reason, str] | None:
+            fresh.append(True)
+            times = timing()
+            return None if times is None else (Reason.PERF, cost.result_of(times))
+
+        found = self._evaluations.get(key, rule, evaluate)
+        times = cost.times_of(found[1] if found is not None else None)
+        if times is not None and not fresh:
+            times = (times[0], times[1], 0.0)
+        return times
 
     def _decide_getitem(self, node: torch.fx.Node, name: str) -> Verdict:
         # getitem picks an output of a multi-output node: it goes where its producer goes.

@@ -1,6 +1,7 @@
 """Cost choices measured on the machine that runs them (option ``measure_costs``): both
-paths timed at the first compile, the faster kept, the times remembered per machine and
-shown in the report."""
+paths timed at the first compile (the whole graph built both ways where it can be run on
+made-up inputs, else the op alone), the faster kept, the times remembered per machine
+and shown in the report."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 import dynajax
-from dynajax.capability import Reason, cost, memo
+from dynajax.capability import Reason, cost, in_graph, memo
 from tests.tolerances import assert_same
 
 
@@ -40,23 +41,115 @@ def _choices(report: dynajax.Report) -> list[cost.CostChoice]:
     return [c for g in report.graphs for c in g.cost_choices]
 
 
+@torch.library.custom_op("dynajax_cost_test::halve", mutates_args=())
+def _halve(x: torch.Tensor) -> torch.Tensor:
+    return x / 2
+
+
+@_halve.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _WithUserOp(nn.Module):
+    """The layer after a user's op (no JAX rule): its graph must not run on made-up
+    inputs (the op may have effects), so the layer's choice is timed alone."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(_halve(x))
+
+
+def _fixed_graph_times(monkeypatch, pytorch_s: float, xla_s: float) -> list[int]:  # type: ignore[no-untyped-def]
+    """Replaces the timed rounds of a graph's two builds by fixed times (each build
+    still runs, and compiles, once first); returns one entry per timing: the number of
+    callables timed."""
+    timed: list[int] = []
+
+    def median_times(*calls, rounds, untimed_first):  # type: ignore[no-untyped-def]
+        timed.append(len(calls))
+        return [pytorch_s, xla_s]
+
+    monkeypatch.setattr(cost, "median_times", median_times)
+    return timed
+
+
 @pytest.mark.parametrize("faster", ["pytorch", "xla"])
-def test_the_measured_faster_path_is_kept(monkeypatch, faster: str) -> None:
+def test_the_graph_is_built_both_ways_and_the_faster_kept(monkeypatch, faster: str) -> None:
+    monkeypatch.setattr(cost, "_measure", lambda node, rule: pytest.fail("timed alone"))
+    times = (0.003, 0.004) if faster == "pytorch" else (0.004, 0.003)
+    timed = _fixed_graph_times(monkeypatch, *times)
+    report = _compile(*_layer_and_input(), measure_costs=True)
+    assert timed == [2]
+    (choice,) = _choices(report)
+    assert (choice.pytorch_s, choice.xla_s, choice.scope) == (*times, "graph")
+    assert choice.measure_s > 0
+    reasons = [f.reason for f in report.fallbacks]
+    assert reasons == ([Reason.PERF] if faster == "pytorch" else [])
+    in_jax = sum(p.op_count for g in report.graphs for p in g.partitions)
+    assert (in_jax == 0) == (faster == "pytorch")
+    text = str(report)
+    assert "its graph with PyTorch's kernel 3.00 ms, all in JAX 4.00 ms" in text or (
+        "its graph with PyTorch's kernel 4.00 ms, all in JAX 3.00 ms" in text
+    )
+    where = "PyTorch" if faster == "pytorch" else "JAX"
+    assert f"runs in {where} (measuring took {choice.measure_s:.2f} s)" in text
+
+
+def test_the_graph_is_timed_on_this_machine_without_drawing_random_numbers() -> None:
+    layer, x = _layer_and_input()
+    state = torch.random.get_rng_state()
+    report = _compile(layer, x, measure_costs=True)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    (choice,) = _choices(report)
+    assert choice.scope == "graph"
+    assert choice.pytorch_s > 0 and choice.xla_s > 0 and choice.measure_s > 0
+    in_pytorch = [f for f in report.fallbacks if f.reason is Reason.PERF]
+    assert bool(in_pytorch) == (choice.pytorch_s < choice.xla_s)
+
+
+def test_a_graph_timing_is_remembered_for_the_same_graph(monkeypatch) -> None:
+    timed = _fixed_graph_times(monkeypatch, 0.004, 0.003)
+    layer, x = _layer_and_input()
+    _compile(layer, x, measure_costs=True)
+    torch._dynamo.reset()
+    report = _compile(layer, x, measure_costs=True)
+    assert timed == [2]
+    (choice,) = _choices(report)
+    assert choice.measure_s == 0.0 and "(cached)" in choice.describe()
+    torch._dynamo.reset()
+    _compile(layer, torch.randn(3, 16, 64), measure_costs=True)  # other shapes
+    assert timed == [2, 2]
+    monkeypatch.setattr(cost, "machine", lambda: "another CPU; 64 cpus")
+    torch._dynamo.reset()
+    _compile(layer, x, measure_costs=True)
+    assert timed == [2, 2, 2]
+
+
+@pytest.mark.parametrize("faster", ["pytorch", "xla"])
+def test_beside_a_users_op_the_op_is_timed_alone(monkeypatch, faster: str) -> None:
+    monkeypatch.setattr(in_graph, "time_both", lambda runs, inputs: pytest.fail("graph timed"))
     times = (0.001, 0.002, 0.5) if faster == "pytorch" else (0.002, 0.001, 0.5)
     monkeypatch.setattr(cost, "_measure", lambda node, rule: times)
-    report = _compile(*_layer_and_input(), measure_costs=True)
+    layer, x = _layer_and_input()
+    report = _compile(_WithUserOp(layer), x, measure_costs=True)
     (choice,) = _choices(report)
-    assert (choice.pytorch_s, choice.xla_s, choice.measure_s) == times
-    reasons = [f.reason for f in report.fallbacks]
+    assert (choice.pytorch_s, choice.xla_s, choice.measure_s, choice.scope) == (*times, "op")
+    reasons = [f.reason for f in report.fallbacks if f.reason is not Reason.NO_LOWERING]
     assert reasons == ([Reason.PERF] if faster == "pytorch" else [])
     text = str(report)
     assert "PyTorch's kernel 1.00 ms" in text or "PyTorch's kernel 2.00 ms" in text
     assert f"runs in {'PyTorch' if faster == 'pytorch' else 'JAX'} (measuring took 0.50 s)" in text
 
 
-def test_both_paths_are_timed_on_this_machine() -> None:
-    report = _compile(*_layer_and_input(), measure_costs=True)
+def test_the_op_alone_is_timed_on_this_machine() -> None:
+    layer, x = _layer_and_input()
+    report = _compile(_WithUserOp(layer), x, measure_costs=True)
     (choice,) = _choices(report)
+    assert choice.scope == "op"
     assert choice.pytorch_s > 0 and choice.xla_s > 0 and choice.measure_s > 0
     in_pytorch = [f for f in report.fallbacks if f.reason is Reason.PERF]
     assert bool(in_pytorch) == (choice.pytorch_s < choice.xla_s)
@@ -74,32 +167,27 @@ def _counted_measures(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
     return calls
 
 
-def test_a_measurement_is_remembered_for_the_same_shapes(monkeypatch) -> None:
+def test_an_op_timing_is_remembered_for_the_same_shapes(monkeypatch) -> None:
     calls = _counted_measures(monkeypatch)
     layer, x = _layer_and_input()
-    _compile(layer, x, measure_costs=True)
+    _compile(_WithUserOp(layer), x, measure_costs=True)
     torch._dynamo.reset()
-    report = _compile(layer, x, measure_costs=True)
+    report = _compile(_WithUserOp(layer), x, measure_costs=True)
     assert len(calls) == 1
     (choice,) = _choices(report)
     assert choice.measure_s == 0.0 and "(cached)" in choice.describe()
     torch._dynamo.reset()
-    _compile(layer, torch.randn(3, 16, 64), measure_costs=True)  # other shapes
+    _compile(_WithUserOp(layer), torch.randn(3, 16, 64), measure_costs=True)  # other shapes
     assert len(calls) == 2
-
-
-def test_another_machine_measures_again(monkeypatch) -> None:
-    calls = _counted_measures(monkeypatch)
-    layer, x = _layer_and_input()
-    _compile(layer, x, measure_costs=True)
     monkeypatch.setattr(cost, "machine", lambda: "another CPU; 64 cpus")
     torch._dynamo.reset()
-    _compile(layer, x, measure_costs=True)
-    assert len(calls) == 2
+    _compile(_WithUserOp(layer), x, measure_costs=True)
+    assert len(calls) == 3
 
 
 def test_without_measuring_the_defaults_decide(monkeypatch) -> None:
     monkeypatch.setattr(cost, "_measure", lambda node, rule: pytest.fail("measured"))
+    monkeypatch.setattr(in_graph, "time_both", lambda runs, inputs: pytest.fail("measured"))
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True).eval()
     report = _compile(layer, torch.randn(8, 128, 256), measure_costs=False)

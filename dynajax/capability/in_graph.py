@@ -1,0 +1,200 @@
+"""Cost choices timed in their graph: the whole graph run both ways.
+
+Timed alone, an op's two paths can rank one way and the graph they sit in the other:
+with PyTorch's kernel, the JAX partition around the op is cut in two, the tensors
+between XLA's work and the kernel are made and crossed, XLA's fusions around the op are
+lost, and the two runtimes hand their threads over twice. On the benchmark's
+``attention-512`` row the attention alone took 14.8 ms in PyTorch and 16.1 ms in XLA,
+yet the block ran 3-6% faster all in JAX (``benchmarks/README.md``, 2026-11-29).
+
+So where it can, the backend times the choice in place (``choose``): it partitions the
+graph twice, once with every measured candidate (``cost._MEASURED``) in PyTorch and
+once with them all in JAX, builds both, runs each a few times on random inputs of the
+graph's shapes and dtypes (alternating, medians: ``cost.median_times``), and keeps the
+faster, whose partitions go on to run. The times are remembered with the abstract
+evaluations (``memo.py``), keyed by the machine and the graph (its code, the shapes of
+its inputs, every node's verdict), so a later process builds only the winner.
+
+A graph is not timed in place (the candidates are then timed alone, ``cost.measure``)
+where running it on made-up inputs is not safe or not possible: an input with a
+symbolic size, or not a CPU tensor or a plain number; an op kept in PyTorch that is
+not ATen's own (a user's custom op may have effects); an error on the random inputs.
+PyTorch's random generator is put back as it was, so measuring draws nothing from the
+user's stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.fx
+from torch.utils._python_dispatch import _disable_current_modes
+
+from dynajax.capability import cost
+from dynajax.capability.verdict import META_KEY, verdict_of
+
+T = TypeVar("T")
+
+# A graph whose call takes longer than this (after its first, compiling, call) is timed
+# in fewer rounds: measuring must not cost the first compile many times the graph.
+_LONG_CALL_S = 0.05
+_FEW_ROUNDS = 3
+
+
+class NotTimed(Exception):
+    """Why a graph cannot be timed in place."""
+
+
+def concrete_inputs(example_inputs: Sequence[Any]) -> list[Any]:
+    """Random tensors (zeros for integers and booleans) of the example inputs' shapes,
+    strides and dtypes; plain numbers as they are."""
+    gen = torch.Generator().manual_seed(0)
+    out: list[Any] = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                raise NotTimed(f"an input on {x.device}")
+            sizes = (*x.shape, *x.stride())
+            if not all(isinstance(d, int) for d in sizes):
+                raise NotTimed("an input with a symbolic size")
+            t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+            if t.is_floating_point():
+                t.copy_(torch.randn(x.shape, dtype=x.dtype, generator=gen))
+            else:
+                t.zero_()
+            out.append(t)
+        elif isinstance(x, bool | int | float) and not isinstance(x, torch.SymInt):
+            out.append(x)
+        else:
+            raise NotTimed(f"an input of type {type(x).__name__}")
+    return out
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[Any, Any]]:
+    """A copy of ``gm`` over the same attributes, its nodes' meta shallow-copied (so
+    verdicts set on the copy leave ``gm``'s alone); and the map of old nodes to new."""
+    graph = torch.fx.Graph()
+    nodes: dict[Any, Any] = {}
+    out = graph.graph_copy(gm.graph, nodes)
+    graph.output(out)
+    graph._codegen = gm.graph._codegen
+    return torch.fx.GraphModule(gm, graph), nodes
+
+
+def fingerprint(gm: torch.fx.GraphModule) -> str:
+    """What the graph's two timings depend on besides the machine: its code, the shapes,
+    strides and dtypes of its inputs and constants, and every node's verdict."""
+    parts = [str(gm.graph)]
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op in ("placeholder", "get_attr") and isinstance(v, torch.Tensor):
+            parts.append(f"{n.name}:{v.dtype}{tuple(v.shape)}{v.stride()}")
+        verdict = verdict_of(n)
+        if verdict is not None:
+            parts.append(f"{n.name}:{verdict.supported}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+# Modules of the Python functions a graph may call in PyTorch that have no effects
+# (arithmetic on sizes, getitem).
+_PURE_MODULES = ("_operator", "operator", "math", "builtins", "torch")
+
+
+def not_timed(gm: torch.fx.GraphModule) -> str | None:
+    """Why ``gm`` must not run on made-up inputs, or None: an op it runs in PyTorch
+    that is not ATen's own (a user's op, a higher-order op around one: either may have
+    effects)."""
+    for n in gm.graph.nodes:
+        verdict = verdict_of(n)
+        if n.op != "call_function" or verdict is None or verdict.supported:
+            continue
+        target = n.target
+        if isinstance(target, torch._ops.OpOverload):
+            if target.namespace in ("aten", "prims"):
+                continue
+        elif getattr(target, "__module__", None) in _PURE_MODULES:
+            continue
+        return f"{target} runs in PyTorch (not one of ATen's own ops)"
+    return None
+
+
+def time_both(
+    runs: Sequence[Callable[[list[Any]], Any]], inputs: list[Any]
+) -> tuple[list[float], float]:
+    """The median time of each boxed graph callable on ``inputs`` (each called once
+    first: its partitions compile), and what it all took. PyTorch's random generator is
+    left as it was."""
+    start = time.perf_counter()
+    rng = torch.random.get_rng_state()
+    try:
+        with _disable_current_modes(), torch.no_grad():
+            calls = [(lambda run=run: run(list(inputs))) for run in runs]
+            for call in calls:
+                call()
+            t = time.perf_counter()
+            calls[0]()
+            rounds = cost.REPEATS if time.perf_counter() - t < _LONG_CALL_S else _FEW_ROUNDS
+            times = cost.median_times(*calls, rounds=rounds, untimed_first=False)
+    finally:
+        torch.random.set_rng_state(rng)
+    return times, time.perf_counter() - start
+
+
+def choose(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    candidates: Sequence[torch.fx.Node],
+    place: Callable[[torch.fx.Node, bool, str], None],
+    build: Callable[[torch.fx.GraphModule], T],
+    run_of: Callable[[T], Callable[[list[Any]], Any]],
+    remembered: Callable[[str, Callable[[], tuple[float, float, float]]], Any],
+) -> T:
+    """Builds ``gm`` with its ``candidates`` in PyTorch and in JAX (``place(node,
+    in_pytorch, why)`` on a copy's node sets its verdict), times both unless
+    ``remembered`` (keyed by the fingerprint) knows the times, and returns the faster's
+    build, its first candidate carrying the ``CostChoice``. Raises NotTimed where it
+    cannot."""
+    why = not_timed(gm)
+    if why is not None:
+        raise NotTimed(why)
+    with _disable_current_modes():  # real tensors, outside the compile's fake mode
+        inputs = concrete_inputs(example_inputs)
+    built: dict[bool, T] = {}
+    copies: dict[bool, dict[Any, Any]] = {}
+
+    def variant(in_pytorch: bool) -> T:
+        if in_pytorch not in built:
+            copy, copies[in_pytorch] = copy_graph(gm)
+            for node in candidates:
+                place(copies[in_pytorch][node], in_pytorch, "timed in its graph")
+            built[in_pytorch] = build(copy)
+        return built[in_pytorch]
+
+    def measure() -> tuple[float, float, float]:
+        runs = [run_of(variant(True)), run_of(variant(False))]
+        try:
+            (pytorch_s, xla_s), took = time_both(runs, inputs)
+        except Exception as e:  # noqa: BLE001 - made-up inputs the graph refuses
+            raise NotTimed(f"the graph raised on random inputs: {type(e).__name__}: {e}") from e
+        return pytorch_s, xla_s, took
+
+    times = remembered(fingerprint(gm), measure)
+    pytorch_s, xla_s, measure_s = times
+    choice = cost.CostChoice(
+        ", ".join(sorted({str(n.target) for n in candidates})),
+        ", ".join(n.name for n in candidates),
+        pytorch_s,
+        xla_s,
+        measure_s,
+        scope="graph",
+    )
+    result = variant(choice.in_pytorch)
+    nodes = [copies[choice.in_pytorch][n] for n in candidates]
+    for node in nodes:  # the verdicts the report shows, with the times
+        place(node, choice.in_pytorch, choice.why())
+    nodes[0].meta[cost.COST_KEY] = choice
+    return result
