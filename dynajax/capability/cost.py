@@ -9,11 +9,13 @@ it; the report prints the detail beside the node.
 Which of XLA and a PyTorch kernel is faster depends on the machine (XLA and
 MKL/oneDNN rank differently on Intel and AMD, AVX2 and AVX-512, and by core count), so
 for the large attention and the fused encoder layer the choice is measured where it
-runs (``Options.measure_costs``, on by default): at the node's first compile each path
-runs a few times on random inputs of the node's shapes and dtypes (``measure``), and
-the faster is kept. The times are remembered with the abstract evaluations (in the
-process, and in the persistent cache keyed by the machine, the op, its shapes and
-dtypes: ``capability/memo.py``), and the report lists them with the choice
+runs (``Options.measure_costs``, on by default): at the first compile, the node's whole
+graph is built with it in PyTorch and in JAX and each build runs a few times on random
+inputs (``in_graph.py``), or, where the graph cannot run on made-up inputs, the op
+alone runs both ways on random inputs of its shapes and dtypes (``measure``); the
+faster is kept. The times are remembered with the abstract evaluations (in the
+process, and in the persistent cache keyed by the machine and the graph, or the op, its
+shapes and dtypes: ``capability/memo.py``), and the report lists them with the choice
 (``CostChoice``). The measurements below are the defaults, used with
 ``measure_costs=False`` and where a node cannot be measured (symbolic sizes).
 
