@@ -112,9 +112,12 @@ def graph_summary(*backends: Any) -> str:
     for f in report.fallbacks:
         why.setdefault(str(f.target), f"{f.reason.name}: {f.detail}"[:80])
     fallbacks = "; ".join(f"{op} ({reason})" for op, reason in sorted(why.items()))
+    # The choices between XLA and a PyTorch kernel measured at the compile, as timed.
+    costs = "".join(f"; cost choice {c.op}: {c.describe()}" for c in report.cost_choices)
     return (
         f"{len(report.graphs)} graph(s), partitions per graph {parts}, "
         f"{report.compile_stats.xla_compiles} XLA compile(s), fallbacks {fallbacks or 'none'}"
+        f"{costs}"
     )
 
 

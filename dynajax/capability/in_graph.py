@@ -35,7 +35,7 @@ import torch.fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from dynajax.capability import cost
-from dynajax.capability.verdict import META_KEY, verdict_of
+from dynajax.capability.verdict import verdict_of
 
 T = TypeVar("T")
 

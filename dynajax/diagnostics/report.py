@@ -293,6 +293,11 @@ class Report:
         return [f for g in self.graphs for f in g.fallbacks]
 
     @property
+    def cost_choices(self) -> list[CostChoice]:
+        """The choices between XLA and a PyTorch kernel timed at the compiles."""
+        return [c for g in self.graphs for c in g.cost_choices]
+
+    @property
     def compile_stats(self) -> CompileStats:
         """XLA compiles and persistent-cache hits/misses summed over the graphs."""
         return stats_of(g.compile_stats for g in self.graphs if g.compile_stats is not None)

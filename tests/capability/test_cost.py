@@ -38,7 +38,7 @@ def _compile(layer: nn.Module, x: torch.Tensor, **options: object) -> dynajax.Re
 
 
 def _choices(report: dynajax.Report) -> list[cost.CostChoice]:
-    return [c for g in report.graphs for c in g.cost_choices]
+    return report.cost_choices
 
 
 @torch.library.custom_op("dynajax_cost_test::halve", mutates_args=())
