@@ -311,20 +311,29 @@ class _Symbolic(Exception):
 
 
 def median_times(
-    *calls: Callable[[], Any], rounds: int = REPEATS, untimed_first: bool = True
+    *calls: Callable[[], Any],
+    rounds: int = REPEATS,
+    untimed_first: bool = True,
+    block: int = 0,
 ) -> list[float]:
     """Each call's median time over ``rounds``, the calls alternating within a round
     (so that a loaded machine slows them alike); with ``untimed_first``, after one
-    untimed call each (XLA's compile, warm caches)."""
+    untimed call each (XLA's compile, warm caches). With ``block``, each call's turn in
+    a round is one untimed call and then ``block`` timed ones: how a program runs when
+    called again and again, where PyTorch's OpenMP workers, spinning after one call's
+    kernel, would otherwise slow the other call's first XLA program."""
     if untimed_first:
         for call in calls:
             call()
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
         for call, kept in zip(calls, times, strict=True):
-            t = time.perf_counter()
-            call()
-            kept.append(time.perf_counter() - t)
+            if block:
+                call()
+            for _ in range(max(block, 1)):
+                t = time.perf_counter()
+                call()
+                kept.append(time.perf_counter() - t)
     return [statistics.median(t) for t in times]
 
 

@@ -9,8 +9,8 @@ yet the block ran 3-6% faster all in JAX (``benchmarks/README.md``, 2026-11-29).
 
 So where it can, the backend times the choice in place (``choose``): it partitions the
 graph twice, once with every measured candidate (``cost._MEASURED``) in PyTorch and
-once with them all in JAX, builds both, runs each a few times on random inputs of the
-graph's shapes and dtypes (alternating, medians: ``cost.median_times``), and keeps the
+once with them all in JAX, builds both, runs each on random inputs of the graph's
+shapes and dtypes (blocks of calls, alternating, medians: ``time_both``), and keeps the
 faster, whose partitions go on to run. The times are remembered with the abstract
 evaluations (``memo.py``), keyed by the machine and the graph (its code, the shapes of
 its inputs, every node's verdict), so a later process builds only the winner.
@@ -39,10 +39,15 @@ from dynajax.capability.verdict import verdict_of
 
 T = TypeVar("T")
 
-# A graph whose call takes longer than this (after its first, compiling, call) is timed
-# in fewer rounds: measuring must not cost the first compile many times the graph.
+# Each build is timed in _ROUNDS blocks of _ROUNDS calls, alternating (each block after
+# an untimed call: as a program runs when called again and again; alternating call by
+# call, PyTorch's OpenMP workers spinning after one build's kernel slowed the other's
+# XLA programs, and the choice went against what the row ran). A graph whose call takes
+# longer than _LONG_CALL_S (after its first, compiling, call) is timed in _FEW_ROUNDS
+# blocks of _FEW_ROUNDS: measuring must not cost the first compile many times the graph.
+_ROUNDS = 3
 _LONG_CALL_S = 0.05
-_FEW_ROUNDS = 3
+_FEW_ROUNDS = 2
 
 
 class NotTimed(Exception):
@@ -126,8 +131,8 @@ def time_both(
     runs: Sequence[Callable[[list[Any]], Any]], inputs: list[Any]
 ) -> tuple[list[float], float]:
     """The median time of each boxed graph callable on ``inputs`` (each called once
-    first: its partitions compile), and what it all took. PyTorch's random generator is
-    left as it was."""
+    first: its partitions compile), timed in alternating blocks of calls, and what it
+    all took. PyTorch's random generator is left as it was."""
     start = time.perf_counter()
     rng = torch.random.get_rng_state()
     try:
@@ -137,8 +142,13 @@ def time_both(
                 call()
             t = time.perf_counter()
             calls[0]()
-            rounds = cost.REPEATS if time.perf_counter() - t < _LONG_CALL_S else _FEW_ROUNDS
-            times = cost.median_times(*calls, rounds=rounds, untimed_first=False)
+            long = time.perf_counter() - t >= _LONG_CALL_S
+            times = cost.median_times(
+                *calls,
+                rounds=_FEW_ROUNDS if long else _ROUNDS,
+                untimed_first=False,
+                block=_FEW_ROUNDS if long else _ROUNDS,
+            )
     finally:
         torch.random.set_rng_state(rng)
     return times, time.perf_counter() - start

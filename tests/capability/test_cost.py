@@ -69,7 +69,7 @@ def _fixed_graph_times(monkeypatch, pytorch_s: float, xla_s: float) -> list[int]
     callables timed."""
     timed: list[int] = []
 
-    def median_times(*calls, rounds, untimed_first):  # type: ignore[no-untyped-def]
+    def median_times(*calls, rounds, untimed_first, block):  # type: ignore[no-untyped-def]
         timed.append(len(calls))
         return [pytorch_s, xla_s]
 
