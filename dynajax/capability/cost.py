@@ -198,7 +198,17 @@ _MEASURED: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], bool]] = {
         _large_cpu_attention(n) is not None
     ),
     aten._transformer_encoder_layer_fwd.default: lambda n: _static_cpu(n),
+    aten.convolution.default: lambda n: _static_cpu(n),
+    aten.convolution_backward.default: lambda n: _static_cpu(n),
 }
+
+# Of those, the ones measured only in their graph (``in_graph.py``); where the graph
+# cannot be timed they take the defaults (XLA). A network's convolutions are many
+# nodes, and each is cheap: alone, oneDNN's kernel beat XLA's convolution on most of
+# ResNet's shapes (``benchmarks/README.md``, "Convolution algorithms"), yet the model
+# with them in PyTorch pays a crossing and a cut partition per convolution; only the
+# graph tells.
+_IN_GRAPH_ONLY = frozenset({aten.convolution.default, aten.convolution_backward.default})
 
 # Measures a candidate node, remembered: (node) -> (pytorch_s, xla_s, measure_s), or
 # None where it cannot be measured. The capability stage passes one bound to its cache.
@@ -217,7 +227,7 @@ def faster_in_pytorch(node: torch.fx.Node, measure: Measure | None = None) -> st
     ``node.meta``) instead of judged by the defaults."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return None
-    if measure is not None and is_measured(node):
+    if measure is not None and is_measured(node) and node.target not in _IN_GRAPH_ONLY:
         times = measure(node)
         if times is not None:
             choice = CostChoice(str(node.target), node.name, *times)

@@ -207,3 +207,52 @@ def test_measure_costs_is_an_option_with_an_environment_variable(monkeypatch) ->
     assert Options.resolve().measure_costs is False
     with pytest.raises(OptionsError, match="measure_costs must be True or False"):
         dynajax.Backend(measure_costs=1)
+
+
+def _cnn_and_input() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2), nn.ReLU()
+    )
+    return cnn, torch.randn(2, 3, 16, 16)
+
+
+@pytest.mark.parametrize("faster", ["pytorch", "xla"])
+def test_a_networks_convolutions_are_timed_together_in_their_graph(monkeypatch, faster) -> None:  # type: ignore[no-untyped-def]
+    """Convolutions are a choice timed in the graph only: every convolution of the graph
+    in PyTorch against all in JAX, forward and backward graphs each on their own."""
+    monkeypatch.setattr(cost, "_measure", lambda node, rule: pytest.fail("timed alone"))
+    times = (0.003, 0.004) if faster == "pytorch" else (0.004, 0.003)
+    timed = _fixed_graph_times(monkeypatch, *times)
+    cnn, x = _cnn_and_input()
+    backend = dynajax.Backend(measure_costs=True)
+    compiled = torch.compile(cnn, backend=backend, dynamic=False)
+    out = compiled(x)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in cnn.parameters()]
+    cnn.zero_grad()
+    expected = cnn(x)
+    expected.square().sum().backward()
+    assert_same(out, expected)
+    for g, p in zip(grads, cnn.parameters(), strict=True):
+        assert_same(g, p.grad)
+    assert timed == [2, 2]  # the forward graph, then the backward
+    report = dynajax.Report(list(backend.graphs))
+    ops = sorted(c.op for c in report.cost_choices)
+    assert ops == ["aten.convolution.default", "aten.convolution_backward.default"]
+    assert all(c.node.count("convolution") == 2 for c in report.cost_choices)
+    in_pytorch = sorted({str(f.target) for f in report.fallbacks if f.reason is Reason.PERF})
+    if faster == "pytorch":
+        assert in_pytorch == ops
+    else:
+        assert in_pytorch == []
+
+
+def test_convolutions_beside_a_users_op_take_the_defaults(monkeypatch) -> None:
+    """Where the graph cannot be timed, convolutions are not timed one by one: XLA."""
+    monkeypatch.setattr(cost, "_measure", lambda node, rule: pytest.fail("timed alone"))
+    monkeypatch.setattr(in_graph, "time_both", lambda runs, inputs: pytest.fail("graph timed"))
+    cnn, x = _cnn_and_input()
+    report = _compile(_WithUserOp(cnn), x, measure_costs=True)
+    assert report.cost_choices == []
+    assert [f for f in report.fallbacks if f.reason is Reason.PERF] == []
