@@ -75,7 +75,8 @@ class Options:
             in JAX. Env: ``DYNAJAX_PERF_FALLBACKS``.
         measure_costs: with ``perf_fallbacks``, where the choice between XLA and a
             PyTorch kernel depends on the machine (the large attention, the fused
-            encoder layer), time both on this machine at the graph's first compile
+            encoder layer, a graph's convolutions), time both on this machine at the
+            graph's first compile
             and keep the faster: the graph built both ways, a few calls each on random
             inputs of its shapes (the op alone where the graph cannot run on made-up
             inputs: a user's op, a symbolic size); the times are kept in the

@@ -8,14 +8,15 @@ it; the report prints the detail beside the node.
 
 Which of XLA and a PyTorch kernel is faster depends on the machine (XLA and
 MKL/oneDNN rank differently on Intel and AMD, AVX2 and AVX-512, and by core count), so
-for the large attention and the fused encoder layer the choice is measured where it
-runs (``Options.measure_costs``, on by default): at the first compile, the node's whole
-graph is built with it in PyTorch and in JAX and each build runs a few times on random
-inputs (``in_graph.py``), or, where the graph cannot run on made-up inputs, the op
-alone runs both ways on random inputs of its shapes and dtypes (``measure``); the
-faster is kept. The times are remembered with the abstract evaluations (in the
-process, and in the persistent cache keyed by the machine and the graph, or the op, its
-shapes and dtypes: ``capability/memo.py``), and the report lists them with the choice
+for the large attention, the fused encoder layer and a graph's convolutions the choice
+is measured where it runs (``Options.measure_costs``, on by default): at the first
+compile, the node's whole graph is built with it in PyTorch and in JAX and each build
+runs in blocks of calls on random inputs (``in_graph.py``), or, where the graph cannot
+run on made-up inputs, the op alone runs both ways on random inputs of its shapes and
+dtypes (``measure``; not convolutions, which then take the default); the faster is
+kept. The times are remembered with the abstract evaluations (in the process, and in
+the persistent cache keyed by the machine and the graph, or the op, its shapes and
+dtypes: ``capability/memo.py``), and the report lists them with the choice
 (``CostChoice``). The measurements below are the defaults, used with
 ``measure_costs=False`` and where a node cannot be measured (symbolic sizes).
 
@@ -39,6 +40,12 @@ shapes and dtypes: ``capability/memo.py``), and the report lists them with the c
   (32, 2, 64, 2, 8) JAX 130, PyTorch 145; (64, 4, 256, 4, 32) 371 and 410;
   (128, 4, 512, 8, 64) 2653 and 1548; (256, 4, 1024, 8, 128, the benchmark's
   ``encoder`` row) 11230 and 8214; (512, 8, 2048, 4, 256) 38390 and 29508.
+* ``convolution`` and ``convolution_backward`` on CPU tensors, timed in their graph
+  only (``_IN_GRAPH_ONLY``; the default is XLA). oneDNN's kernels beat XLA's
+  convolution alone on most of ResNet's shapes (1.5-2x), but each convolution kept in
+  PyTorch cuts the partition around it; on 2026-11-29 ResNet-18's inference graph
+  (batch 8, 64x64) ran 21.97 ms with its convolutions in PyTorch and 29.05 ms all in
+  JAX, its training backward 56.64 and 54.75 ms (``benchmarks/README.md``).
 * ``mode`` and ``kthvalue`` on CPU tensors. PyTorch's kernels select in place on each
   row; the rules sort the rows, and where values tie run PyTorch's own algorithms step
   by step to give its index (``lowering/eager_sorting.py``), a loop per step. Each op

@@ -17,7 +17,8 @@ its inputs, every node's verdict), so a later process builds only the winner.
 
 A graph is not timed in place (the candidates are then timed alone, ``cost.measure``)
 where running it on made-up inputs is not safe or not possible: an input with a
-symbolic size, or not a CPU tensor or a plain number; an op kept in PyTorch that is
+symbolic size, or not a CPU tensor or a plain number; inputs over ``MAX_INPUT_BYTES``
+(the random inputs would copy a large model's weights); an op kept in PyTorch that is
 not ATen's own (a user's custom op may have effects); an error on the random inputs.
 PyTorch's random generator is put back as it was, so measuring draws nothing from the
 user's stream.
@@ -48,6 +49,10 @@ T = TypeVar("T")
 _ROUNDS = 3
 _LONG_CALL_S = 0.05
 _FEW_ROUNDS = 2
+# Timing in place makes random inputs of the graph's inputs (parameters included): a
+# graph with more than this many bytes of inputs is not timed so (a copy of a large
+# model's weights at its compile).
+MAX_INPUT_BYTES = 1 << 30
 
 
 class NotTimed(Exception):
@@ -57,25 +62,29 @@ class NotTimed(Exception):
 def concrete_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     """Random tensors (zeros for integers and booleans) of the example inputs' shapes,
     strides and dtypes; plain numbers as they are."""
-    gen = torch.Generator().manual_seed(0)
-    out: list[Any] = []
+    size = 0
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             if x.device.type != "cpu":
                 raise NotTimed(f"an input on {x.device}")
-            sizes = (*x.shape, *x.stride())
-            if not all(isinstance(d, int) for d in sizes):
+            if not all(isinstance(d, int) for d in (*x.shape, *x.stride())):
                 raise NotTimed("an input with a symbolic size")
+            size += x.numel() * x.element_size()
+        elif not isinstance(x, bool | int | float) or isinstance(x, torch.SymInt):
+            raise NotTimed(f"an input of type {type(x).__name__}")
+    if size > MAX_INPUT_BYTES:
+        raise NotTimed(f"its inputs hold {size >> 20} MiB: a copy of them to time it")
+    gen = torch.Generator().manual_seed(0)
+    out: list[Any] = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
             t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
             if t.is_floating_point():
                 t.copy_(torch.randn(x.shape, dtype=x.dtype, generator=gen))
             else:
                 t.zero_()
-            out.append(t)
-        elif isinstance(x, bool | int | float) and not isinstance(x, torch.SymInt):
-            out.append(x)
-        else:
-            raise NotTimed(f"an input of type {type(x).__name__}")
+            x = t
+        out.append(x)
     return out
 
 

@@ -256,3 +256,14 @@ def test_convolutions_beside_a_users_op_take_the_defaults(monkeypatch) -> None:
     report = _compile(_WithUserOp(cnn), x, measure_costs=True)
     assert report.cost_choices == []
     assert [f for f in report.fallbacks if f.reason is Reason.PERF] == []
+
+
+def test_a_graph_with_large_inputs_is_not_copied_to_be_timed(monkeypatch) -> None:
+    """Timing in place would copy the graph's inputs (a model's weights): past
+    ``MAX_INPUT_BYTES`` the op is timed alone instead."""
+    monkeypatch.setattr(in_graph, "MAX_INPUT_BYTES", 1024)
+    monkeypatch.setattr(in_graph, "time_both", lambda runs, inputs: pytest.fail("graph timed"))
+    _counted_measures(monkeypatch)
+    report = _compile(*_layer_and_input(), measure_costs=True)
+    (choice,) = _choices(report)
+    assert choice.scope == "op"
