@@ -205,7 +205,7 @@ def choose(
     pytorch_s, xla_s, measure_s = times
     choice = cost.CostChoice(
         ", ".join(sorted({str(n.target) for n in candidates})),
-        ", ".join(n.name for n in candidates),
+        _names(candidates),
         pytorch_s,
         xla_s,
         measure_s,
@@ -217,3 +217,11 @@ def choose(
         place(node, choice.in_pytorch, choice.why())
     nodes[0].meta[cost.COST_KEY] = choice
     return result
+
+
+def _names(nodes: Sequence[torch.fx.Node], shown: int = 3) -> str:
+    """The nodes' names, the first few of many and their count."""
+    names = [n.name for n in nodes]
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])}, ... ({len(names)} nodes)"
