@@ -340,7 +340,7 @@ class CapabilityChecker:
         try:
             return in_graph.choose(gm, example_inputs, nodes, self.place, build, run_of, remembered)
         except in_graph.NotTimed as e:
-            log.info("cost choice timed for the op alone: %s", e)
+            log.info("cost choice not timed in its graph (%s): the op alone, or the default", e)
             return None
         finally:
             self._evaluations.save()
