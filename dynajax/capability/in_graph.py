@@ -15,8 +15,9 @@ faster, whose partitions go on to run. The times are remembered with the abstrac
 evaluations (``memo.py``), keyed by the machine and the graph (its code, the shapes of
 its inputs, every node's verdict), so a later process builds only the winner.
 
-A graph is not timed in place (the candidates are then timed alone, ``cost.measure``)
-where running it on made-up inputs is not safe or not possible: an input with a
+A graph is not timed in place (an attention or encoder layer is then timed alone,
+``cost.measure``; convolutions take the default, XLA) where running it on made-up
+inputs is not safe or not possible: an input with a
 symbolic size, or not a CPU tensor or a plain number; inputs over ``MAX_INPUT_BYTES``
 (the random inputs would copy a large model's weights); an op kept in PyTorch that is
 not ATen's own (a user's custom op may have effects); an error on the random inputs.
