@@ -295,9 +295,7 @@ def _measure(node: torch.fx.Node, rule: Rule) -> tuple[float, float, float] | No
         if isinstance(a, torch.Tensor):
             if not all(isinstance(d, int) for d in a.shape):
                 raise _Symbolic
-            if a.is_floating_point():
-                return torch.randn(a.shape, dtype=a.dtype, generator=gen)
-            return torch.zeros(a.shape, dtype=a.dtype)
+            return random_tensor(a.shape, a.dtype, gen)
         if isinstance(a, (list, tuple)):
             return type(a)(concrete(x) for x in a)
         return a
@@ -321,6 +319,14 @@ def _measure(node: torch.fx.Node, rule: Rule) -> tuple[float, float, float] | No
 
     pytorch_s, xla_s = median_times(pytorch, xla)
     return pytorch_s, xla_s, time.perf_counter() - start
+
+
+def random_tensor(shape: Any, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A stand-in argument to time an op or a graph on: normal numbers of ``shape`` and
+    ``dtype`` drawn from ``gen``, zeros for integers and booleans (valid indices)."""
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, generator=gen)
+    return torch.zeros(shape, dtype=dtype)
 
 
 class _Symbolic(Exception):

@@ -80,11 +80,7 @@ def concrete_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
-            if t.is_floating_point():
-                t.copy_(torch.randn(x.shape, dtype=x.dtype, generator=gen))
-            else:
-                t.zero_()
-            x = t
+            x = t.copy_(cost.random_tensor(x.shape, x.dtype, gen))
         out.append(x)
     return out
 
