@@ -84,9 +84,30 @@ def _x64() -> Iterator[None]:
         X64.restore(token)
 
 
+@contextlib.contextmanager
+def _unfilled() -> Iterator[None]:
+    """``torch.empty`` leaves memory untouched even under
+    ``torch.use_deterministic_algorithms(True)``, which fills it (NaN) by default: the
+    trace's example tensors are never read, and filled, a model's worth of pages would
+    be resident for nothing."""
+    import torch.utils.deterministic as deterministic
+
+    fill = getattr(deterministic, "fill_uninitialized_memory", False)
+    setattr(deterministic, "fill_uninitialized_memory", False)  # noqa: B010 (a property)
+    try:
+        yield
+    finally:
+        setattr(deterministic, "fill_uninitialized_memory", fill)  # noqa: B010
+
+
 @dataclasses.dataclass
 class _Program:
-    graph: StepGraph
+    """A step's executable and what it takes and returns. The trace it was built from
+    (its graphs, and the example tensors and first batch they ran on) is not kept."""
+
+    state_in: list[StateKey]  # the optimizer state it reads, in order
+    state_out: list[StateKey]  # the optimizer state it returns, in order
+    frozen_out: list[int]  # the frozen parameters it writes, by position
     run: Callable[..., Any]  # jitted (state, frozen, lrs, seed, batch) -> (loss, state, err)
     random: bool  # whether it draws random numbers (then each step draws a seed)
     checks: list[Check]  # eager's value checks the program computes (its trace fills it)
@@ -461,8 +482,7 @@ class TrainStep:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         xs = [self.layout.put_batch(x) for x in batch]
         program = self._program(layout, batch, xs, lrs, settings)
-        graph = program.graph
-        state_in = [self.state[k] for k in graph.state_in]
+        state_in = [self.state[k] for k in program.state_in]
         rng = torch.get_rng_state() if program.random else None
         seed = draw_seed() if program.random else np.int64(0)
         boundary = program.boundary
@@ -483,7 +503,7 @@ class TrainStep:
             # stays as it was; so does torch's generator.
             if boundary is not None:
                 self.params, self.buffers, state_in = boundary.unstored(taken)
-                self.state.update(zip(graph.state_in, state_in, strict=True))
+                self.state.update(zip(program.state_in, state_in, strict=True))
             if rng is not None:
                 torch.set_rng_state(rng)
             original = raised_on_host()
@@ -494,9 +514,9 @@ class TrainStep:
         if boundary is not None:
             params, buffers, state = boundary.shaped([params, buffers, state])
         self.params, self.buffers = list(params), list(buffers)
-        for i, a in zip(graph.frozen_out, frozen, strict=True):
+        for i, a in zip(program.frozen_out, frozen, strict=True):
             self.frozen[i] = a
-        new_state = dict(zip(graph.state_out, state, strict=True))
+        new_state = dict(zip(program.state_out, state, strict=True))
         if program.checks and failed(err):
             # Eager raises on this batch: the program returned the state it took (the
             # parameters, buffers and moments as they were); state the step would have
@@ -550,10 +570,11 @@ class TrainStep:
         trace, which reads no values (untouched memory, never written)."""
         view = self._view
         device = view.devices[0] if view is not None and view.devices else torch.device("cpu")
-        return [
-            torch.empty(a.shape, dtype=JAX_TO_TORCH[np.dtype(a.dtype)], device=device)
-            for a in arrays
-        ]
+        with _unfilled():
+            return [
+                torch.empty(a.shape, dtype=JAX_TO_TORCH[np.dtype(a.dtype)], device=device)
+                for a in arrays
+            ]
 
     def _compile(
         self,
@@ -667,7 +688,15 @@ class TrainStep:
         )
         if stored is not None:  # loaded without lowering: what its lowering recorded
             checks[:], lowered["random"] = stored
-        return _Program(graph, run, lowered["random"], checks, boundary)
+        return _Program(
+            graph.state_in,
+            graph.state_out,
+            graph.frozen_out,
+            run,
+            lowered["random"],
+            checks,
+            boundary,
+        )
 
     def _flat_boundary(self) -> bool:
         """Whether the step's arrays of 3 or more dimensions cross its program flat

@@ -6,6 +6,8 @@ state tensor after ``step.sync()``."""
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 from typing import Any
 
 import numpy as np
@@ -342,6 +344,43 @@ def test_the_first_steps_program_is_let_go_and_a_reset_state_trains_again() -> N
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
     step.sync()
     _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_step_keeps_neither_its_first_batch_nor_its_trace(deterministic: bool) -> None:
+    # The trace ran on the first batch and on example tensors of the state's shapes;
+    # a program keeps neither (else the batch, and under deterministic algorithms,
+    # which fill torch.empty, a model's worth of example tensors stay resident).
+    torch.manual_seed(0)
+    # (shapes no other test has)
+    model = nn.Sequential(nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 3))
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        # (SGD: no optimizer state, so the first step's program is the one kept)
+        step = dynajax.train_step(model, torch.optim.SGD(model.parameters(), lr=1e-2), regression)
+        first = np.random.default_rng(0).standard_normal((5, 13), dtype=np.float32)
+        alive = weakref.ref(first)  # the tensor's memory is the array's
+        y = torch.randn(5, 3)
+        step(torch.from_numpy(first), y)
+        del first
+        loss = step(torch.randn(5, 13), y)
+        gc.collect()
+        assert alive() is None, "the first batch is still referenced"
+        # No CPU tensor of a weight's shape exists but the module's own parameters.
+        shapes = {(11, 13), (3, 11)}
+        others = [
+            tuple(o.shape)
+            for o in gc.get_objects()
+            if isinstance(o, torch.Tensor)
+            and not isinstance(o, nn.Parameter)
+            and tuple(o.shape) in shapes
+            and o.device.type == "cpu"
+        ]
+        assert others == []
+        assert np.isfinite(float(loss))
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def test_an_optimizer_with_a_closure_is_refused_by_name() -> None:
