@@ -167,9 +167,9 @@ def _run(name: str, peer: str, cache_dir: str) -> dict:
 
 
 def main() -> None:
-    from benchmarks.workloads import WORKLOADS
+    from benchmarks.workloads import WORKLOADS, default_rows
 
-    rows = [n for n, w in WORKLOADS.items() if w.group in ("model", "training")]
+    rows = [n for n in default_rows() if WORKLOADS[n].group in ("model", "training")]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=",".join(rows))
     parser.add_argument("--peers", default="dynajax,inductor")

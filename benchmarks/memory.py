@@ -42,6 +42,7 @@ ROWS = (
     "gpt2-train-step",
     "deep-mlp-train-step",
     "deep-mlp-checkpointed-train-step",
+    "gpt2-124m-train-step",
 )
 PEERS = ("eager", "inductor", "dynajax")
 MMAP_THRESHOLD = "131072"

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.workloads import DEVICE_ENV, WORKLOADS, device
+from benchmarks.workloads import DEVICE_ENV, WORKLOADS, default_rows, device
 
 
 def profile_step(
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-dir", help="also write each (row, peer) profile as a Chrome trace here")
     args = p.parse_args(argv)
     os.environ[DEVICE_ENV] = args.device
-    names = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    names = args.workloads.split(",") if args.workloads else default_rows()
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         sys.exit(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")

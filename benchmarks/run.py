@@ -49,14 +49,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from benchmarks import harness
-    from benchmarks.workloads import WORKLOADS, device
+    from benchmarks.workloads import WORKLOADS, default_rows, device
 
     if args.suite:  # the test suite's models: rows built on the fly, not in WORKLOADS
         from benchmarks.suite import suite_workloads
 
         WORKLOADS = suite_workloads(train=args.train)  # noqa: N806
         args.no_first_call = True  # first-call workers look rows up in WORKLOADS
-    names = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    if args.workloads:
+        names = args.workloads.split(",")
+    else:
+        names = list(WORKLOADS) if args.suite else default_rows()
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         sys.exit(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")

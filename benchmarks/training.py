@@ -23,6 +23,7 @@ from benchmarks.workloads import (
     Workload,
     encoder_model,
     gpt2_model,
+    gpt2_small_model,
     mlp_model,
     placed,
     register,
@@ -147,6 +148,21 @@ for _name, _build, _loss, _what in (
             no_grad=False,
         )
     )
+
+# A model of a real size (GPT-2 small, 124M parameters) for the memory benchmark: where
+# the state outweighs the runtimes' fixed cost. Too heavy for every run: named to run.
+register(
+    Workload(
+        "gpt2-124m-train-step",
+        "training",
+        _whole_step(gpt2_small_model, _lm_loss),
+        jax_setup=lambda: None,
+        description="GPT-2 small (12 layers, width 768, vocabulary 50257, 124M parameters) "
+        "on (2, 128) tokens: the whole AdamW step",
+        no_grad=False,
+        default=False,
+    )
+)
 
 # The cost of train_step's value checks (GPT-2's embedding and cross-entropy indices,
 # eager's errors): the row above without them; the other rows' models have no check.

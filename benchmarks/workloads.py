@@ -58,6 +58,8 @@ class Workload:
         memory_calls: if > 0, run that many more calls and report RSS and live JAX
             buffers before and after (must stay flat).
         no_grad: run the step under ``torch.no_grad()`` (inference rows).
+        default: part of a run that names no rows (False: a row too heavy for every run,
+            run where named, as ``benchmarks.memory`` names its large model).
     """
 
     name: str
@@ -69,9 +71,15 @@ class Workload:
     inner: int = 1
     memory_calls: int = 0
     no_grad: bool = True
+    default: bool = True
 
 
 WORKLOADS: dict[str, Workload] = {}
+
+
+def default_rows() -> list[str]:
+    """The rows a run that names none runs (every row but the heavy ones)."""
+    return [n for n, w in WORKLOADS.items() if w.default]
 
 
 def register(w: Workload) -> Workload:
@@ -254,6 +262,15 @@ def gpt2_model() -> tuple[nn.Module, tuple[Any, ...]]:
     vocab = 1024
     model = gpt2(layers=4, width=256, heads=4, vocab=vocab)
     return model, (tokens(4, 128, vocab),)
+
+
+def gpt2_small_model() -> tuple[nn.Module, tuple[Any, ...]]:
+    """GPT-2 small's configuration (124M parameters), built from its config."""
+    from tests.models import gpt2, tokens
+
+    vocab = 50257
+    model = gpt2(layers=12, width=768, heads=12, vocab=vocab)
+    return model, (tokens(2, 128, vocab),)
 
 
 class _BasicBlock(nn.Module):
