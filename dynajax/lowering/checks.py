@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -180,6 +181,10 @@ class Collector:
         self.checks.append(check)
         self.failed.append(failed)
         self.payloads.append(payload)
+
+    def any_failed(self) -> jax.Array:
+        """Whether some check recorded so far failed (a traced bool)."""
+        return functools.reduce(jnp.logical_or, self.failed, jnp.zeros((), bool))
 
     def result(self) -> jax.Array:
         """The int64 vector ``[code, *payload]`` of the first failing check (code 0:

@@ -10,7 +10,6 @@ from dynajax.program.driver import (
     lower,
     on_cuda,
     run_graph,
-    select_unless_failed,
 )
 
 __all__ = [
@@ -21,5 +20,4 @@ __all__ = [
     "lower",
     "on_cuda",
     "run_graph",
-    "select_unless_failed",
 ]

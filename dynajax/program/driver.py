@@ -38,10 +38,9 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -131,12 +130,19 @@ class Program:
         key: Any = None,
         sizes: SizeBindings | None = None,
         check: bool = False,
+        unless_failed: Mapping[int, int] | None = None,
     ) -> tuple[list[Any], Any, list[Check]]:
         """``run_graph`` of this program's graph, under eager's precision and the
         dtype rules of eager's kernels (CUDA's where its tensors are CUDA tensors)."""
         with eager_precision(self.on_cuda), eager_on_cuda(self.on_cuda):
             return run_graph(
-                self.gm, arrays, key=key, sizes=sizes, check=check, constants=self.constants
+                self.gm,
+                arrays,
+                key=key,
+                sizes=sizes,
+                check=check,
+                constants=self.constants,
+                unless_failed=unless_failed,
             )
 
 
@@ -148,10 +154,20 @@ def run_graph(
     sizes: SizeBindings | None = None,
     check: bool = False,
     constants: dict[str, Any] | None = None,
+    unless_failed: Mapping[int, int] | None = None,
 ) -> tuple[list[Any], Any, list[Check]]:
     """The outputs of ``gm`` (lowered by ``lower``) on ``arrays`` (traced or concrete),
     the value checks' vector (``[code, *payload]``; code 0: all passed) and the checks
-    recorded, in graph order (none without ``check``, the vector then ``[0]``)."""
+    recorded, in graph order (none without ``check``, the vector then ``[0]``).
+
+    ``unless_failed`` (with ``check``): output index -> input index, the outputs that
+    are their input's value where a check failed (``train_step``'s state: where eager
+    raises, the step changes nothing). Each is selected where the graph computes it,
+    on the checks recorded before it, so that the nodes reading it read the selected
+    value and the input has no reader after the update: XLA updates a donated input in
+    place. Selected at the end instead, the input would be read after its update, and
+    XLA copies it (GPT-2 small's step: 945 MiB of optimizer state copied). An output
+    with checks recorded after it is selected again at the end on all of them."""
     interpreter = ExportInterpreter(gm, key, sizes or SizeBindings(), constants)
     with warnings.catch_warnings():
         # Rules ask for int64/float64 by name; with JAX's 64-bit mode off, JAX warns that
@@ -160,8 +176,52 @@ def run_graph(
         if not check:
             return list(interpreter.run(*arrays)), jnp.zeros((1,), np.int64), []
         with value_checks.collecting() as found:
-            outputs = interpreter.run(*arrays)
-    return list(outputs), found.result(), list(found.checks)
+            selected = _select_where_computed(interpreter, gm, unless_failed or {}, found)
+            outputs = list(interpreter.run(*arrays))
+    if found.checks:
+        # What no earlier selection covered: outputs computed before a later check.
+        bad = found.any_failed()
+        for k, i in (unless_failed or {}).items():
+            if selected.get(k, -1) < len(found.checks):
+                outputs[k] = jnp.where(bad, arrays[i], outputs[k])
+    return outputs, found.result(), list(found.checks)
+
+
+def _select_where_computed(
+    interpreter: ExportInterpreter,
+    gm: torch.fx.GraphModule,
+    unless_failed: Mapping[int, int],
+    found: value_checks.Collector,
+) -> dict[int, int]:
+    """Makes ``interpreter`` select each ``unless_failed`` output where its node is
+    computed (``run_graph``); returns, filled as it runs, for each output so selected
+    the number of checks its selection covered."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    (out,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    outs = list(out) if isinstance(out, list | tuple) else [out]
+    inputs: dict[torch.fx.Node, list[tuple[int, torch.fx.Node]]] = {}
+    for k, i in unless_failed.items():
+        node = outs[k]
+        if isinstance(node, torch.fx.Node) and node is not placeholders[i]:
+            inputs.setdefault(node, []).append((k, placeholders[i]))
+    # A node that is two outputs of two inputs is selected at the end only.
+    inputs = {n: pairs for n, pairs in inputs.items() if len(pairs) == 1}
+    selected: dict[int, int] = {}
+    flags: dict[int, Any] = {}  # the failure flag over the first N checks, by N
+
+    def select(n: torch.fx.Node, value: Any) -> Any:
+        pairs = inputs.get(n)
+        count = len(found.checks)
+        if not pairs or not count or not hasattr(value, "shape"):
+            return value
+        ((k, placeholder),) = pairs
+        selected[k] = count
+        if count not in flags:
+            flags[count] = found.any_failed()
+        return jnp.where(flags[count], interpreter.env[placeholder], value)
+
+    interpreter.after_node = select
+    return selected
 
 
 def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
@@ -216,10 +276,3 @@ def on_cuda(gm: torch.fx.GraphModule) -> bool:
 def failed(err: Any) -> bool:
     """Whether a value checks' vector (``Program.run``) reports a failed check."""
     return bool(int(np.asarray(err)[0]))
-
-
-def select_unless_failed(err: Any, new: Sequence[Any], old: Sequence[Any]) -> list[Any]:
-    """``new``, or ``old`` where the checks of ``err`` failed (inside a trace: one
-    select per array, which XLA fuses into the computation of ``new``)."""
-    bad = err[0] != 0
-    return [jax.numpy.where(bad, o, n) for n, o in zip(new, old, strict=True)]

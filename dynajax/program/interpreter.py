@@ -177,6 +177,9 @@ class ExportInterpreter(JaxInterpreter):
         super().__init__(gm, key)
         self.sizes = sizes
         self.constants = constants or {}
+        # Called with each node and its value; what it returns is the node's value
+        # (``driver.run_graph`` selects outputs where eager's checks failed).
+        self.after_node: Callable[[torch.fx.Node, Any], Any] | None = None
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         return self.constants[target]
@@ -185,13 +188,14 @@ class ExportInterpreter(JaxInterpreter):
         """The node's value; a rule failing on symbolic sizes (under ``jax.export``)
         raises ``JaxFunctionError`` naming the op and its source line."""
         try:
-            return self._run_node(n)
+            value = self._run_node(n)
         except DynajaxError:
             raise
         except Exception as e:
             if not self.sizes.symbolic:
                 raise
             raise _symbolic_size_error(n, e) from e
+        return value if self.after_node is None else self.after_node(n, value)
 
     def _run_node(self, n: torch.fx.Node) -> Any:
         verdict = n.meta.get(META_KEY)

@@ -46,7 +46,7 @@ from dynajax.lowering import precision
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.lowering.interpreter import output_vals
-from dynajax.program import NEVER, Policy, failed, lower, on_cuda, select_unless_failed
+from dynajax.program import NEVER, Policy, failed, lower, on_cuda
 from dynajax.program.callbacks import forget_host_error, raised_on_host
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import draw_seed
@@ -719,33 +719,24 @@ def _step_function(
     (``check``) fail, the state it took; ``checks`` is filled by its trace."""
     random = program.random
     n, b = graph.n_params, graph.n_buffers
-    written = graph.frozen_out
     after = graph.state_at
-    kept = [graph.state_in.index(k) if k in graph.state_in else -1 for k in graph.state_out]
+    # Where eager raises, the step changes nothing: each output that carries an input
+    # (the parameters, buffers, optimizer state and frozen parameters it writes) is
+    # that input's value (selected where the program computes it, ``run_graph``).
+    frozen_at, frozen_in = 1 + n + b, n + b + len(graph.state_in)
+    carried = {out: i for i, out in _donated(graph)}
+    carried.update((frozen_at + j, frozen_in + i) for j, i in enumerate(graph.frozen_out))
 
     def step(state, frozen, lrs, seed, xs):  # type: ignore[no-untyped-def]
         params, buffers, opt_state = boundary.inside(state) if boundary else state
         key = jax.random.key(seed) if random else None
         arrays = [*params, *buffers, *opt_state, *frozen, *lrs, *xs]
-        out, err, found = program.run(arrays, key=key, check=check)
+        out, err, found = program.run(arrays, key=key, check=check, unless_failed=carried)
         checks[:] = found
         loss = out[0]
         new_params, new_buffers = out[1 : 1 + n], out[1 + n : 1 + n + b]
         new_frozen = out[1 + n + b : after]
         new_state = out[after:]
-        if checks:
-            # Where eager raises, the step changes nothing: the outputs are the state
-            # it took (XLA fuses the selects into the update).
-            new_params = select_unless_failed(err, new_params, params)
-            new_buffers = select_unless_failed(err, new_buffers, buffers)
-            new_frozen = select_unless_failed(err, new_frozen, [frozen[i] for i in written])
-            carried = [i for i in range(len(kept)) if kept[i] >= 0]
-            selected = select_unless_failed(
-                err, [new_state[i] for i in carried], [opt_state[kept[i]] for i in carried]
-            )
-            new_state = list(new_state)
-            for i, a in zip(carried, selected, strict=True):
-                new_state[i] = a
         leaving = [list(new_params), list(new_buffers), list(new_state)]
         if boundary:
             leaving = boundary.leaving(leaving)

@@ -157,3 +157,50 @@ def test_a_host_callback_that_raises_leaves_the_flat_state_whole() -> None:
     for name, a in trained.items():
         torch.testing.assert_close(model.state_dict()[name], a, rtol=0, atol=0, msg=name)
     step(ids)  # and the step goes on
+
+
+class _Tagger(nn.Module):
+    """An embedding and a classifier: eager checks the indices and the targets, so the
+    step's program has value checks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 24)
+        self.head = nn.Linear(24, 7)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids))).mean(1)
+
+
+def _classify(model: nn.Module, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids), y)
+
+
+def test_with_value_checks_no_state_is_copied_before_its_update(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Where eager raises, the step returns the state it took; that choice is made where
+    # each new value is computed, so nothing reads an old value after its update and
+    # XLA updates every parameter and moment in place (it copied Adam's moments of each
+    # weight when the choice was made on the outputs).
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
+    model = _Tagger()
+    step = dynajax.train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), _classify)
+    torch.manual_seed(1)
+    for _ in range(2):  # (Adam's second program, the one with its moments)
+        step(torch.randint(0, 50, (8, 5)), torch.randint(0, 7, (8,)))
+    program = list(step._programs.values())[-1]
+    assert program.checks, "the program has no value checks"
+    text = program.run.as_text()
+    copied = re.findall(r"= (\S+) copy\(%state_\d_", text)
+    assert [s for s in copied if "," in s] == []
+    # ... and a batch eager refuses still changes nothing.
+    step.sync()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in step.optimizer.state.values()]
+    with pytest.raises(IndexError):
+        step(torch.full((8, 5), 50), torch.randint(0, 7, (8,)))
+    step.sync()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for a, b in zip(moments, [s["exp_avg"] for s in step.optimizer.state.values()], strict=True):
+        assert torch.equal(a, b)
