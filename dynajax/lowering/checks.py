@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -183,8 +182,16 @@ class Collector:
         self.payloads.append(payload)
 
     def any_failed(self) -> jax.Array:
-        """Whether some check recorded so far failed (a traced bool)."""
-        return functools.reduce(jnp.logical_or, self.failed, jnp.zeros((), bool))
+        """Whether some check recorded so far failed (a traced bool), computed once:
+        as the count of failed checks by a product, which XLA computes once and passes
+        to the fusions that read it. An OR of the flags (or ``any`` of them, which XLA
+        rewrites into one) is cheap enough that XLA recomputes it inside every fusion
+        that reads it: in GPT-2 small's step, each of ~900 fusions of the update (a
+        tenth of the program's instructions, and of its executable's memory)."""
+        if not self.failed:
+            return jnp.zeros((), bool)
+        flags = jnp.stack(self.failed).astype(jnp.float32)
+        return jnp.dot(flags, jnp.ones_like(flags)) > 0
 
     def result(self) -> jax.Array:
         """The int64 vector ``[code, *payload]`` of the first failing check (code 0:
