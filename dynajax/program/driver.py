@@ -204,8 +204,9 @@ def _select_where_computed(
         node = outs[k]
         if isinstance(node, torch.fx.Node) and node is not placeholders[i]:
             inputs.setdefault(node, []).append((k, placeholders[i]))
-    # A node that is two outputs of two inputs is selected at the end only.
-    inputs = {n: pairs for n, pairs in inputs.items() if len(pairs) == 1}
+    # A node that is two outputs (of two inputs, or another output too) is selected
+    # at the end only.
+    inputs = {n: pairs for n, pairs in inputs.items() if outs.count(n) == 1}
     selected: dict[int, int] = {}
     flags: dict[int, Any] = {}  # the failure flag over the first N checks, by N
 
