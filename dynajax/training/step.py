@@ -554,7 +554,7 @@ class TrainStep:
             # its first step): a program for the same batch and settings over less
             # state runs again only after the state is reset, which loads it from the
             # persistent cache. Its executable is let go before the new one is built,
-            # not beside it (GPT-2 small's first-step program: 150 MiB resident).
+            # not beside it (an executable of GPT-2 small's step: 156 MiB resident).
             state = set(key[2])
             for old in [k for k in self._programs if k[:2] == key[:2] and k[3:] == key[3:]]:
                 if set(old[2]) < state:
