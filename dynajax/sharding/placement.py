@@ -633,6 +633,13 @@ def shardings(
 
 def _put(value: Any, sharding: Sharding, copy: bool = False) -> jax.Array:
     if sharding.is_fully_addressable:
+        if copy:
+            # ``device_put(numpy_view, may_alias=False)`` still aliases an aligned NumPy
+            # view on the CPU (a torch tensor's memory), and XLA copies a donated buffer
+            # it does not own at each call that donates it (a second copy of a model's
+            # parameters at ``train_step``'s first step). From a ``jax.Array``,
+            # ``may_alias=False`` copies: one copy, into XLA's own memory.
+            value = jax.device_put(value, sharding)
         return jax.device_put(value, sharding, may_alias=False if copy else None)
     # Several processes: each holds the whole value and builds its own devices' shards.
     if copy:

@@ -381,6 +381,21 @@ def test_the_step_keeps_neither_its_first_batch_nor_its_trace(deterministic: boo
         torch.use_deterministic_algorithms(previous)
 
 
+def test_the_state_is_copied_into_memory_jax_owns() -> None:
+    # The step donates its arrays: one that aliased torch's memory (a parameter taken
+    # zero-copy) is not XLA's to reuse, and XLA copies it at every call that donates it
+    # (GPT-2 small's first step: a second copy of its 124M parameters).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32))
+    torch_memory = {t.data_ptr() for t in model.state_dict().values()}
+    step = dynajax.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), regression)
+    step._take_up()  # (the state loaded from the module, as a first step loads it)
+    state = step.train_state()
+    arrays = [*state.params, *state.buffers]
+    assert len(arrays) == len(torch_memory)
+    assert not {a.unsafe_buffer_pointer() for a in arrays} & torch_memory
+
+
 def test_an_optimizer_with_a_closure_is_refused_by_name() -> None:
     model = mlp()
     with pytest.raises(TrainStepError, match="cannot compile LBFGS: its step"):
