@@ -186,8 +186,8 @@ class Collector:
         as the count of failed checks by a product, which XLA computes once and passes
         to the fusions that read it. An OR of the flags (or ``any`` of them, which XLA
         rewrites into one) is cheap enough that XLA recomputes it inside every fusion
-        that reads it: in GPT-2 small's step, each of ~900 fusions of the update (a
-        tenth of the program's instructions, and of its executable's memory)."""
+        that reads it: in GPT-2 small's step, each of ~900 fusions of the update
+        (48.7k instructions against 37.4k, its executable 191 MiB against 156)."""
         if not self.failed:
             return jnp.zeros((), bool)
         flags = jnp.stack(self.failed).astype(jnp.float32)
