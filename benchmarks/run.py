@@ -56,10 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         WORKLOADS = suite_workloads(train=args.train)  # noqa: N806
         args.no_first_call = True  # first-call workers look rows up in WORKLOADS
-    if args.workloads:
-        names = args.workloads.split(",")
-    else:
-        names = list(WORKLOADS) if args.suite else default_rows()
+    names = args.workloads.split(",") if args.workloads else default_rows(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         sys.exit(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")

@@ -77,9 +77,9 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {}
 
 
-def default_rows() -> list[str]:
+def default_rows(workloads: dict[str, Workload] = WORKLOADS) -> list[str]:
     """The rows a run that names none runs (every row but the heavy ones)."""
-    return [n for n, w in WORKLOADS.items() if w.default]
+    return [n for n, w in workloads.items() if w.default]
 
 
 def register(w: Workload) -> Workload:
@@ -256,21 +256,20 @@ def attention_model() -> tuple[nn.Module, tuple[Any, ...]]:
     return _CausalSelfAttention(256, 4), (torch.randn(8, 512, 256),)
 
 
-def gpt2_model() -> tuple[nn.Module, tuple[Any, ...]]:
+def gpt2_model(
+    layers: int = 4, width: int = 256, heads: int = 4, vocab: int = 1024, batch: int = 4
+) -> tuple[nn.Module, tuple[Any, ...]]:
+    """A GPT-2 built from its config, on (batch, 128) tokens (by default the rows'
+    4-layer one)."""
     from tests.models import gpt2, tokens
 
-    vocab = 1024
-    model = gpt2(layers=4, width=256, heads=4, vocab=vocab)
-    return model, (tokens(4, 128, vocab),)
+    model = gpt2(layers=layers, width=width, heads=heads, vocab=vocab)
+    return model, (tokens(batch, 128, vocab),)
 
 
 def gpt2_small_model() -> tuple[nn.Module, tuple[Any, ...]]:
-    """GPT-2 small's configuration (124M parameters), built from its config."""
-    from tests.models import gpt2, tokens
-
-    vocab = 50257
-    model = gpt2(layers=12, width=768, heads=12, vocab=vocab)
-    return model, (tokens(2, 128, vocab),)
+    """GPT-2 small's configuration (124M parameters)."""
+    return gpt2_model(layers=12, width=768, heads=12, vocab=50257, batch=2)
 
 
 class _BasicBlock(nn.Module):
