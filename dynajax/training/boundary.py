@@ -31,6 +31,20 @@ def flat_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return (math.prod(shape),) if len(shape) >= 3 else tuple(shape)
 
 
+def flat_avals(groups: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """The state arrays' abstract values as ``FlatBoundary.stored`` gives them to the
+    program (``jax.ShapeDtypeStruct``s where flat), for lowering."""
+    return [
+        [
+            a
+            if flat_shape(a.shape) == tuple(a.shape)
+            else jax.ShapeDtypeStruct(flat_shape(a.shape), a.dtype, sharding=a.sharding)
+            for a in group
+        ]
+        for group in groups
+    ]
+
+
 def _reshaper(shapes: list[tuple[int, ...]]) -> Any:
     def reshape(arrays: list[Any]) -> list[Any]:
         return [a.reshape(s) for a, s in zip(arrays, shapes, strict=True)]
@@ -84,14 +98,6 @@ class FlatBoundary:
     def shaped(self, groups: Sequence[Sequence[Any]]) -> list[list[Any]]:
         """The program's state outputs in their own shapes (the flat ones donated)."""
         return _splice(groups, self._out, self._to_shapes([groups[g][i] for g, i in self._out]))
-
-    def stored_avals(self, groups: Sequence[Sequence[Any]]) -> list[list[Any]]:
-        """``stored`` of abstract values (``jax.ShapeDtypeStruct``), for lowering."""
-        out = [list(group) for group in groups]
-        for g, i in self._in:
-            a = out[g][i]
-            out[g][i] = jax.ShapeDtypeStruct(flat_shape(a.shape), a.dtype, sharding=a.sharding)
-        return out
 
     def inside(self, groups: Sequence[Sequence[Any]]) -> list[list[Any]]:
         """In the program (traced): the state it took, in its own shapes."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.overrides import TorchFunctionMode
 
 from dynajax.aot import compiling, functionalized, joint_graph
@@ -79,6 +81,9 @@ class StepGraph:
     examples: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)
 
     what: tuple[str, str] = ("", "")  # (the optimizer's class, the loss's name), for errors
+    # Traced without the update (``trace_step(update=False)``): which parameters have a
+    # gradient (the graph returns those only).
+    graded: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def state_at(self) -> int:
@@ -232,6 +237,56 @@ def optimizer_on(
             group.update(saved)
 
 
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
+    """The optimizer's update as text that determines its trace, for one of torch's own
+    optimizers (``torch.optim``'s class itself, its ``step`` torch's code, no step
+    hooks): its class, each param group's size and hyperparameters but ``lr`` (a traced
+    input) and the default dtype (its step counters'); the code is torch's and dynajax's,
+    which the cache's versions key. Given the gradients it reads (``trace_step(...,
+    update=False)``) and the state it holds (names, shapes and dtypes), that is its
+    whole trace. None for any other optimizer, whose update is Python of the user's:
+    only its trace can key it."""
+    cls = type(optimizer)
+    if (
+        cls not in _TORCH_OPTIMIZERS
+        or {"step", "_optimizer_step_code"} & set(vars(optimizer))
+        or optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or _global_optimizer_pre_hooks
+        or _global_optimizer_post_hooks
+        or not _torch_code(cls.step)
+    ):
+        return None
+    groups = [
+        (len(g["params"]), sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "lr")))
+        for g in optimizer.param_groups
+    ]
+    return (
+        f"optimizer {cls.__module__}.{cls.__qualname__} groups={groups!r} "
+        f"default_dtype={torch.get_default_dtype()}"
+    )
+
+
+_TORCH_OPTIMIZERS = frozenset(
+    cls
+    for cls in vars(torch.optim).values()
+    if isinstance(cls, type)
+    and issubclass(cls, torch.optim.Optimizer)
+    and cls is not torch.optim.Optimizer
+)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _torch_code(fn: Any) -> bool:
+    """Whether ``fn`` and every function it wraps (``functools.wraps``) are torch's."""
+    while fn is not None:
+        code = getattr(fn, "__code__", None)
+        if code is None or not code.co_filename.startswith(_TORCH_DIR):
+            return False
+        fn = getattr(fn, "__wrapped__", None)
+    return True
+
+
 def trace_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -249,6 +304,7 @@ def trace_step(
     layout: BatchLayout | None = None,
     clip_grad_norm: float | None,
     accumulate: int = 1,
+    update: bool = True,
 ) -> StepGraph:
     """The step's ``StepGraph``, traced on (fakes of) these example values.
 
@@ -257,7 +313,13 @@ def trace_step(
     ``buffers`` the model's buffers; ``frozen`` the model's other parameters; ``batch``
     the batch's tensors, which ``layout`` puts back into the batch ``loss_fn`` takes
     (by default they are the batch); ``accumulate``: the number of micro-batches (each
-    batch tensor split along its first dim)."""
+    batch tensor split along its first dim).
+
+    ``update=False`` traces the step up to the optimizer's update: its graph returns
+    the loss, the gradients the update would read (``StepGraph.graded`` says which
+    parameters have one), the buffers and the frozen parameters it writes. Of one of
+    torch's own optimizers that is the whole of what the user's Python computed
+    (``describe_optimizer``), and what keys the step's program."""
     wrapper = _LossModule(model, loss_fn)
     state_in = list(state)
     n_params, n_buffers, n_state = len(params), len(buffers), len(state_in)
@@ -265,6 +327,7 @@ def trace_step(
     wanted = [p.requires_grad for p in params]  # the others get no gradient, as in eager
     state_out: list[StateKey] = []
     frozen_out: list[int] = []
+    graded: list[bool] = []
 
     def step(*flat: torch.Tensor) -> tuple[Any, ...]:
         ps = list(flat[:n_params])
@@ -321,6 +384,18 @@ def trace_step(
                 p.grad = _as_accumulated(g, p)
             if clip_grad_norm is not None:
                 nn.utils.clip_grad_norm_(ps, clip_grad_norm, foreach=False)
+            if not update:
+                read = [p.grad for p in ps]
+                for p in ps:
+                    p.grad = None
+                graded[:] = [g is not None for g in read]
+                frozen_out[:] = [i for i, f in enumerate(fixed) if f._version != versions[i]]
+                return (
+                    loss.detach(),
+                    *[g for g in read if g is not None],
+                    *bufs,
+                    *[fixed[i] for i in frozen_out],
+                )
             with optimizer_on(optimizer, ps, st, group_lrs) as new_state, _TensorScalars():
                 optimizer.step()
             for p in ps:
@@ -352,7 +427,9 @@ def trace_step(
     what = (type(optimizer).__name__, repr(getattr(loss_fn, "__name__", loss_fn)))
     with compiling(), _untraceable(*what):
         joint = joint_graph(step, examples)
-    return StepGraph(joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what)
+    return StepGraph(
+        joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what, graded
+    )
 
 
 @contextlib.contextmanager

@@ -56,8 +56,14 @@ from dynajax.runtime.programs import describe_call, describe_graph
 from dynajax.sharding.placement import gather_to_torch, placement_of
 from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
-from dynajax.training.boundary import FlatBoundary
-from dynajax.training.graph import BatchLayout, StateKey, StepGraph, trace_step
+from dynajax.training.boundary import FlatBoundary, flat_avals
+from dynajax.training.graph import (
+    BatchLayout,
+    StateKey,
+    StepGraph,
+    describe_optimizer,
+    trace_step,
+)
 from dynajax.training.state import StateLayout, TrainState, bytes_per_device, report_lines
 from dynajax.training.view import ModuleView
 from dynajax.training.watch import Watch
@@ -155,6 +161,9 @@ class TrainStep:
         self.release_module = release_module
         self.checks = checks
         self._programs: dict[Any, _Program] = {}
+        # Per batch signature and settings, the trace up to the optimizer's update as
+        # the cache keys it (``_compile``).
+        self._gradients: dict[Any, tuple[str | None, list[int], list[bool], bool]] = {}
         # Programs persist as the backend's executables do (DYNAJAX_CACHE_DIR,
         # DYNAJAX_CACHE_MAX_BYTES): keyed by the step's first trace, a hit skips the rest.
         options = Options.resolve({})
@@ -559,7 +568,8 @@ class TrainStep:
             for old in [k for k in self._programs if k[:2] == key[:2] and k[3:] == key[3:]]:
                 if set(old[2]) < state:
                     del self._programs[old]
-            program = self._programs[key] = self._compile(layout, batch, xs, lrs)
+            gradients_key = key[:2] + key[3:]  # (the same but for the optimizer's state)
+            program = self._programs[key] = self._compile(layout, batch, xs, lrs, gradients_key)
             # What the trace, the passes and XLA's compiler freed goes back to the
             # system (else it stays resident beside the step's state).
             release_freed_heap()
@@ -576,22 +586,18 @@ class TrainStep:
                 for a in arrays
             ]
 
-    def _compile(
-        self,
-        layout: BatchLayout,
-        batch: Sequence[torch.Tensor],
-        xs: Sequence[jax.Array],
-        lrs: list[float],
-    ) -> _Program:
-        """The step's program for this batch: traced once (the step's first trace, which
-        keys it), then loaded from the persistent cache, or functionalized, lowered,
-        compiled and stored."""
+    def _trace(
+        self, layout: BatchLayout, batch: Sequence[torch.Tensor], lrs: list[float], update: bool
+    ) -> StepGraph:
+        """The step's first trace on examples of its state (``update=False``: up to the
+        optimizer's update, which then reads no state)."""
         assert self._view is not None
         params = self._examples(self.params)
         for p, original in zip(params, self._params, strict=True):
             p.requires_grad_(original.requires_grad)
+        state = self.state if update else {}
         with self._view.quiet_hooks():
-            graph = trace_step(
+            return trace_step(
                 self.model,
                 self.optimizer,
                 self.loss_fn,
@@ -599,7 +605,7 @@ class TrainStep:
                 buffer_names=self._buffer_names,
                 params=params,
                 buffers=self._examples(self.buffers),
-                state=dict(zip(self.state, self._examples(list(self.state.values())), strict=True)),
+                state=dict(zip(state, self._examples(list(state.values())), strict=True)),
                 frozen_names=self._frozen_names,
                 frozen=self._examples(self.frozen),
                 lrs=lrs,
@@ -607,62 +613,106 @@ class TrainStep:
                 layout=layout,
                 clip_grad_norm=self.clip_grad_norm,
                 accumulate=self.accumulate,
+                update=update,
             )
+
+    def _compile(
+        self,
+        layout: BatchLayout,
+        batch: Sequence[torch.Tensor],
+        xs: Sequence[jax.Array],
+        lrs: list[float],
+        gradients_key: Any,
+    ) -> _Program:
+        """The step's program for this batch: loaded from the persistent cache where it
+        is there, else traced, functionalized, lowered, compiled and stored.
+
+        What keys it is the step's first trace (everything the user's Python computed).
+        With one of torch's own optimizers, that is the trace up to the update (the
+        optimizer described by its configuration, ``describe_optimizer``), made once per
+        batch signature and settings (``gradients_key``): the program of the second
+        step, over the state the first created, is then found without tracing again."""
         self.traces += 1
-        state_layout = self.layout
-        written = graph.frozen_out
-        after = graph.state_at
-        # (the first trace's outputs: the same values as the functional graph's)
-        state_shapes = _output_shapes(graph.joint)[after:]
-        state_in = [self.state[k] for k in graph.state_in]
-        boundary = None
-        if self._flat_boundary():
-            own = [[a.shape for a in self.params], [a.shape for a in self.buffers]]
-            boundary = FlatBoundary([*own, [a.shape for a in state_in]], [*own, state_shapes])
-            boundary = boundary if boundary else None
-        policy = Policy(
-            TrainStepError,
-            "these ops of the training step cannot be part of one XLA program "
-            "(or eager PyTorch raises on them):",
-            impossible=NEVER | {Reason.EAGER_REFUSES},
-            fallback_ops=self.fallback_ops,
-            strict=self.strict,
-            keep_recomputation=True,
-            # On a mesh the barrier's predicate (an element of a sharded value) would
-            # be a collective per parameter: one device only.
-            donated=_donated(graph) if self.layout.placement.mesh is None else (),
-            flatten=(
-                tuple(boundary.flat_outputs([1, 1 + graph.n_params, after])) if boundary else ()
-            ),
-        )
-        state_shardings = [
-            state_layout.state(k, shape)
-            for k, shape in zip(graph.state_out, state_shapes, strict=True)
-        ]
-        replicated = state_layout.replicated
-        out_shardings = (
-            replicated,
-            state_layout.params,
-            state_layout.buffers,
-            state_shardings,
-            replicated,
-            [state_layout.frozen[i] for i in written],
-        )
-        taken = [self.params, self.buffers, state_in]
+        # One process's executables only: those of a multi-process step (each process
+        # holding some of the mesh's devices) are neither stored nor loaded.
+        single = jax.process_count() == 1
+        cache = self._cache if single else ExecutableCache(None)
+        state_in = list(self.state)
+        taken = [self.params, self.buffers, [self.state[k] for k in state_in]]
+        flat = self._flat_boundary()
         args = (
-            tuple(boundary.stored_avals(taken) if boundary else taken),
+            tuple(flat_avals(taken) if flat else taken),
             self.frozen,
             [np.float64(lr) for lr in lrs],
             np.int64(0),
             list(xs),
         )
+        graph: StepGraph | None = None
+        description = None
+        if cache.directory is not None:
+            optimizer = describe_optimizer(self.optimizer)
+            if optimizer is not None:
+                before = self._gradients.get(gradients_key)
+                if before is None:
+                    g = self._trace(layout, batch, lrs, update=False)
+                    text = describe_graph(g.joint, "train_step")
+                    before = (text, g.frozen_out, g.graded, on_cuda(g.joint))
+                    self._gradients[gradients_key] = before
+                text, frozen_out, graded, cuda = before
+                if text is not None:
+                    description = self._describe(
+                        f"{text}\n{optimizer}\ngraded={graded!r}",
+                        (state_in, frozen_out),
+                        args,
+                        self._out_shardings(frozen_out),
+                        cuda,
+                    )
+            if description is None:
+                graph = self._trace(layout, batch, lrs, update=True)
+                text = describe_graph(graph.joint, "train_step")
+                if text is not None:
+                    state_shapes = _output_shapes(graph.joint)[graph.state_at :]
+                    description = self._describe(
+                        text,
+                        (state_in, graph.state_out, graph.frozen_out),
+                        args,
+                        self._out_shardings(graph.frozen_out, graph.state_out, state_shapes),
+                        on_cuda(graph.joint),
+                    )
         checks: list[Check] = []
-        lowered: dict[str, Any] = {}
+        traced: dict[str, Any] = {}
 
         def lower_step() -> jax.stages.Lowered:
-            program = lower(graph.functional(), policy)
-            lowered["random"] = program.random
-            fn = _step_function(program, graph, checks, self.checks, boundary)
+            step = graph or self._trace(layout, batch, lrs, update=True)
+            # (the first trace's outputs: the same values as the functional graph's)
+            state_shapes = _output_shapes(step.joint)[step.state_at :]
+            boundary = self._boundary(step.state_in, state_shapes) if flat else None
+            policy = Policy(
+                TrainStepError,
+                "these ops of the training step cannot be part of one XLA program "
+                "(or eager PyTorch raises on them):",
+                impossible=NEVER | {Reason.EAGER_REFUSES},
+                fallback_ops=self.fallback_ops,
+                strict=self.strict,
+                keep_recomputation=True,
+                # On a mesh the barrier's predicate (an element of a sharded value) would
+                # be a collective per parameter: one device only.
+                donated=_donated(step) if self.layout.placement.mesh is None else (),
+                flatten=(
+                    tuple(boundary.flat_outputs([1, 1 + step.n_params, step.state_at]))
+                    if boundary
+                    else ()
+                ),
+            )
+            program = lower(step.functional(), policy)
+            traced.update(
+                random=program.random,
+                state_out=step.state_out,
+                state_shapes=state_shapes,
+                frozen_out=step.frozen_out,
+            )
+            fn = _step_function(program, step, checks, self.checks, boundary)
+            out_shardings = self._out_shardings(step.frozen_out, step.state_out, state_shapes)
             # Donated, the state's buffers are gone once the program starts; a host
             # callback (eager PyTorch) can still raise then, so a step with callbacks
             # keeps them. The outputs keep the state's layout (on a mesh, FSDP's shards
@@ -670,32 +720,93 @@ class TrainStep:
             donate = () if program.callbacks else (0,)
             return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
 
-        # One process's executables only: those of a multi-process step (each process
-        # holding some of the mesh's devices) are neither stored nor loaded.
-        single = jax.process_count() == 1
-        cache = self._cache if single else ExecutableCache(None)
-        description = (
-            _describe_step(graph, policy, self.checks, args, out_shardings) if single else None
-        )
         shapes = ", ".join(str(list(np.shape(x))) for x in xs)
         run, stored = cache.compile_traced(
             description,
             lower_step,
             self.compile_stats,
             name=f"train_step({shapes})",
-            extra=lambda: (list(checks), lowered["random"]),
-            event=("train_step", shapes, "first step" if not self._programs else "new program"),
+            extra=lambda: (
+                list(checks),
+                traced["random"],
+                traced["state_out"],
+                traced["state_shapes"],
+                traced["frozen_out"],
+            ),
+            event=("train_step", shapes, "first step" if self.steps == 0 else "new program"),
         )
-        if stored is not None:  # loaded without lowering: what its lowering recorded
-            checks[:], lowered["random"] = stored
+        if stored is not None:  # loaded without tracing: what its trace recorded
+            checks[:], random, state_out, state_shapes, frozen_out = stored
+            traced.update(
+                random=random, state_out=state_out, state_shapes=state_shapes, frozen_out=frozen_out
+            )
         return _Program(
-            graph.state_in,
-            graph.state_out,
-            graph.frozen_out,
+            state_in,
+            traced["state_out"],
+            traced["frozen_out"],
             run,
-            lowered["random"],
+            traced["random"],
             checks,
-            boundary,
+            self._boundary(state_in, traced["state_shapes"]) if flat else None,
+        )
+
+    def _boundary(
+        self, state_in: Sequence[StateKey], state_shapes: Sequence[tuple[int, ...]]
+    ) -> FlatBoundary | None:
+        """Which of the step's arrays cross its program flat (None: none do)."""
+        own = [[a.shape for a in self.params], [a.shape for a in self.buffers]]
+        ins = [tuple(self.state[k].shape) for k in state_in]
+        boundary = FlatBoundary([*own, ins], [*own, state_shapes])
+        return boundary if boundary else None
+
+    def _out_shardings(
+        self,
+        frozen_out: Sequence[int],
+        state_out: Sequence[StateKey] | None = None,
+        state_shapes: Sequence[tuple[int, ...]] | None = None,
+    ) -> tuple[Any, ...]:
+        """The layouts of the step's outputs: (loss, parameters, buffers, optimizer state,
+        checks, written frozen parameters). Without ``state_out``, the state's as its
+        rule (``StateLayout.state``) for the cache's key, where the state the step
+        returns is not known before its trace."""
+        layout = self.layout
+        state: Any = "each entry as its parameter where of its shape, else replicated"
+        if state_out is not None and state_shapes is not None:
+            state = [layout.state(k, s) for k, s in zip(state_out, state_shapes, strict=True)]
+        return (
+            layout.replicated,
+            layout.params,
+            layout.buffers,
+            state,
+            layout.replicated,
+            [layout.frozen[i] for i in frozen_out],
+        )
+
+    def _describe(
+        self, text: str, layout: tuple[Any, ...], args: Any, out_shardings: Any, cuda: bool
+    ) -> str:
+        """The step's program as the persistent cache keys it: ``text`` (what its trace
+        computed), the layout of its state, its policy and its call."""
+        settings = (
+            f"train_step {(len(self.params), len(self.buffers), *layout)!r} "
+            f"fallback_ops={sorted(self.fallback_ops)!r} strict={self.strict} "
+            f"deterministic={torch.are_deterministic_algorithms_enabled()}"
+        )
+        leaves = jax.tree.leaves(args)
+        # (a sharding's repr names its mesh's shape, not which devices, in which order)
+        devices = [_device_ids(getattr(a, "sharding", None)) for a in leaves]
+        devices += [_device_ids(s) for s in jax.tree.leaves(out_shardings)]
+        return describe_call(
+            f"{text}\n{settings}\ndevices={devices!r}",
+            [
+                jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None))
+                for a in leaves
+            ],
+            {},
+            precision=precision.describe(cuda),
+            needs_seed=True,
+            checks=self.checks,
+            out_sharding=out_shardings,
         )
 
     def _flat_boundary(self) -> bool:
@@ -759,41 +870,9 @@ def _donated(graph: StepGraph) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def _describe_step(
-    graph: StepGraph, policy: Policy, check: bool, args: Any, out_shardings: Any
-) -> str | None:
-    """The step's program as the persistent cache keys it (``programs.describe_graph``
-    of its first trace, the policy and the call), or None where it cannot be keyed
-    before it is lowered."""
-    text = describe_graph(graph.joint, "train_step")
-    if text is None:
-        return None
-    layout = (graph.n_params, graph.n_buffers, graph.state_in, graph.state_out, graph.frozen_out)
-    settings = (
-        f"train_step {layout!r} fallback_ops={sorted(policy.fallback_ops)!r} "
-        f"strict={policy.strict} deterministic={torch.are_deterministic_algorithms_enabled()}"
-    )
-    leaves = jax.tree.leaves(args)
-    # (a sharding's repr names its mesh's shape, not which devices, in which order)
-    devices = [_device_ids(getattr(a, "sharding", None)) for a in leaves]
-    devices += [_device_ids(s) for s in jax.tree.leaves(out_shardings)]
-    return describe_call(
-        f"{text}\n{settings}\ndevices={devices!r}",
-        [
-            jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None))
-            for a in leaves
-        ],
-        {},
-        precision=precision.describe(on_cuda(graph.joint)),
-        needs_seed=True,
-        checks=check,
-        out_sharding=out_shardings,
-    )
-
-
 def _device_ids(sharding: Any) -> tuple[int, ...] | None:
     """The ids of a sharding's devices, in its mesh's order."""
-    if sharding is None:
+    if not isinstance(sharding, jax.sharding.Sharding):
         return None
     devices = getattr(getattr(sharding, "mesh", None), "devices", None)
     if devices is not None:

@@ -6,6 +6,8 @@ the step (the model's code, a tensor constant, the options) is another program."
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,6 +55,11 @@ def test_a_second_process_loads_the_programs_and_trains_as_the_first(tmp_path) -
     assert (warm["compiles"], warm["hits"]) == (0, 2), warm
     assert warm["losses"] == cold["losses"] and warm["params"] == cold["params"]
     np.testing.assert_allclose(warm["losses"], _eager_losses("relu"), rtol=1e-5)
+    # AdamW is torch's own: what keys both programs is the trace up to its update,
+    # made once. The cold run then traced the whole step for each program; the warm
+    # one traced nothing more (the second program found without its trace).
+    assert cold["traced"] == [False, True, True], cold
+    assert warm["traced"] == [False], warm
     # eager's value checks came with the loaded program: the bad batch raises eager's
     # error and changes nothing (the same parameters as the cold run's).
     assert warm["error"] == cold["error"] == "index out of range in self"
@@ -132,3 +139,89 @@ def test_a_step_with_host_callbacks_compiles_in_every_process(tmp_path, monkeypa
         torch.manual_seed(0)
         eager = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
         assert loss == pytest.approx(eager(x).square().mean().item(), rel=1e-6)
+
+
+def _train(
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], x: torch.Tensor
+) -> tuple[list[float], list[float], dynajax.TrainStep]:
+    """Three steps of ``train_step`` and of eager on the same model and optimizer."""
+    losses = []
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    eager = nn.Linear(4, 3)
+    eager.load_state_dict(model.state_dict())
+    step = dynajax.train_step(
+        model, make_optimizer(list(model.parameters())), lambda m, x: m(x).square().mean()
+    )
+    losses = [_run(step, x) for _ in range(3)]
+    opt = make_optimizer(list(eager.parameters()))
+    expected = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = eager(x).square().mean()
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    return losses, expected, step
+
+
+def test_a_hyperparameter_keys_the_program(tmp_path, monkeypatch) -> None:
+    # Of torch's own optimizers the configuration keys the update (not its trace):
+    # another weight decay, or another class over the same parameters, is a miss.
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
+    x = torch.randn(8, 4)
+    runs = [
+        _train(lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.01), x),
+        _train(lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.5), x),
+        _train(lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.5), x),
+        _train(lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.01), x),
+    ]
+    for losses, expected, _ in runs:
+        np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    stats = [step.compile_stats for _, _, step in runs]
+    assert [(s.xla_compiles, s.cache_hits) for s in stats] == [(2, 0), (2, 0), (2, 0), (0, 2)]
+
+
+# What the hand-written optimizers below multiply the gradient by: Python the user
+# changes between runs, which no configuration shows.
+_SCALE = {"by": 1.0}
+
+
+class _ScaledSGD(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(_SCALE["by"])
+        return super().step(closure)
+
+
+def _scale_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad.mul_(_SCALE["by"])
+
+
+@pytest.mark.parametrize("how", ["subclass", "step hook"])
+def test_an_optimizer_of_the_users_code_is_keyed_by_its_trace(tmp_path, monkeypatch, how) -> None:
+    # A subclass's step, or a hook around torch's, is the user's Python: its trace keys
+    # the program, so a change of what it computes is another program (keyed by the
+    # class's configuration alone, the second run would load the first's).
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(_SCALE, "by", 1.0)
+    x = torch.randn(8, 4)
+
+    def make(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if how == "subclass":
+            return _ScaledSGD(ps, lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+        opt.register_step_pre_hook(_scale_before_step)
+        return opt
+
+    first = _train(make, x)
+    monkeypatch.setitem(_SCALE, "by", 3.0)
+    second = _train(make, x)
+    for losses, expected, _ in (first, second):
+        np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    assert first[0] != second[0]
+    assert second[2].compile_stats.cache_hits == 0

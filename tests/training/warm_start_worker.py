@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynajax
+import dynajax.training.step
 
 
 class Model(nn.Module):
@@ -43,6 +44,16 @@ class Model(nn.Module):
 
 def main() -> None:
     variant = sys.argv[1]
+    # Which traces the step made (update=False: up to the optimizer's update, which
+    # keys the program of one of torch's own optimizers; True: the whole step).
+    traced: list[bool] = []
+    trace_step = dynajax.training.step.trace_step
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        traced.append(kwargs.get("update", True))
+        return trace_step(*args, **kwargs)
+
+    dynajax.training.step.trace_step = spy
     torch.manual_seed(0)
     model = Model(variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -80,6 +91,7 @@ def main() -> None:
                 "hits": stats.cache_hits,
                 "error": error,
                 "steps": step.steps,
+                "traced": traced,
             }
         )
     )
