@@ -871,8 +871,9 @@ def _donated(graph: StepGraph) -> tuple[tuple[int, int], ...]:
 
 
 def _device_ids(sharding: Any) -> tuple[int, ...] | None:
-    """The ids of a sharding's devices, in its mesh's order."""
-    if not isinstance(sharding, jax.sharding.Sharding):
+    """The ids of a sharding's devices, in its mesh's order (None: not a sharding, as
+    ``TrainStep._out_shardings``'s rule for the state)."""
+    if not hasattr(sharding, "device_set"):
         return None
     devices = getattr(getattr(sharding, "mesh", None), "devices", None)
     if devices is not None:
