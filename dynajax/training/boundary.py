@@ -16,6 +16,7 @@ Elsewhere (a GPU, a mesh) every array crosses in its own shape and there is no
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -45,7 +46,12 @@ def flat_avals(groups: Sequence[Sequence[Any]]) -> list[list[Any]]:
     ]
 
 
-def _reshaper(shapes: list[tuple[int, ...]]) -> Any:
+@functools.lru_cache(maxsize=64)
+def _reshaper(shapes: tuple[tuple[int, ...], ...]) -> Any:
+    """The donating reshape of arrays into ``shapes``; one per list of shapes, so that
+    the programs of a step's boundaries share what they can (the first step's outputs
+    leave as the steady program's do: one compile)."""
+
     def reshape(arrays: list[Any]) -> list[Any]:
         return [a.reshape(s) for a, s in zip(arrays, shapes, strict=True)]
 
@@ -66,9 +72,9 @@ class FlatBoundary:
         self.outputs = [[tuple(s) for s in group] for group in outputs]
         self._in = self._flat(self.inputs)
         self._out = self._flat(self.outputs)
-        self._to_flat = _reshaper([flat_shape(self.inputs[g][i]) for g, i in self._in])
-        self._to_inputs = _reshaper([self.inputs[g][i] for g, i in self._in])
-        self._to_shapes = _reshaper([self.outputs[g][i] for g, i in self._out])
+        self._to_flat = _reshaper(tuple(flat_shape(self.inputs[g][i]) for g, i in self._in))
+        self._to_inputs = _reshaper(tuple(self.inputs[g][i] for g, i in self._in))
+        self._to_shapes = _reshaper(tuple(self.outputs[g][i] for g, i in self._out))
 
     @staticmethod
     def _flat(groups: list[list[tuple[int, ...]]]) -> list[tuple[int, int]]:
