@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -656,12 +657,14 @@ class TrainStep:
                 if before is None:
                     g = self._trace(layout, batch, lrs, update=False)
                     text = describe_graph(g.joint, "train_step")
-                    before = (text, g.frozen_out, g.graded, on_cuda(g.joint))
+                    # (kept as its digest: the text of a large model's graph is MBs)
+                    digest = text and hashlib.sha256(text.encode()).hexdigest()
+                    before = (digest, g.frozen_out, g.graded, on_cuda(g.joint))
                     self._gradients[gradients_key] = before
-                text, frozen_out, graded, cuda = before
-                if text is not None:
+                digest, frozen_out, graded, cuda = before
+                if digest is not None:
                     description = self._describe(
-                        f"{text}\n{optimizer}\ngraded={graded!r}",
+                        f"up to the update {digest}\n{optimizer}\ngraded={graded!r}",
                         (state_in, frozen_out),
                         args,
                         self._out_shardings(frozen_out),

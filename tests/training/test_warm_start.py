@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import dynajax
+from dynajax.training.graph import describe_optimizer
 from tests.helpers import run_python
 from tests.training.warm_start_worker import Model
 
@@ -225,3 +227,25 @@ def test_an_optimizer_of_the_users_code_is_keyed_by_its_trace(tmp_path, monkeypa
         np.testing.assert_allclose(losses, expected, rtol=1e-6)
     assert first[0] != second[0]
     assert second[2].compile_stats.cache_hits == 0
+
+
+def test_only_torchs_own_optimizers_are_described_by_their_configuration() -> None:
+    params = list(nn.Linear(2, 2).parameters())
+    plain = describe_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    assert plain is not None and "SGD" in plain
+    assert describe_optimizer(torch.optim.SGD(params, lr=0.5, momentum=0.9)) == plain  # lr: input
+    assert describe_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.8)) != plain
+    assert describe_optimizer(_ScaledSGD(params, lr=0.1)) is None
+    patched = torch.optim.SGD(params, lr=0.1)
+    patched.step = lambda closure=None: None  # type: ignore[method-assign]
+    assert describe_optimizer(patched) is None
+    hooked = torch.optim.SGD(params, lr=0.1)
+    handle = hooked.register_step_post_hook(lambda *args: None)
+    assert describe_optimizer(hooked) is None
+    handle.remove()
+    assert describe_optimizer(hooked) is not None
+    handle = register_optimizer_step_pre_hook(lambda *args: None)
+    try:
+        assert describe_optimizer(hooked) is None
+    finally:
+        handle.remove()
