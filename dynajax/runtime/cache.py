@@ -326,6 +326,37 @@ class ExecutableCache(store.BlobStore):
             h.update(b"\x00")
         return h.hexdigest()
 
+    def load_traced(
+        self,
+        program: str,
+        stats: CompileStats,
+        *,
+        name: str = "",
+        platform_name: str | None = None,
+        event: tuple[str, str, str] | None = None,
+    ) -> tuple[jax.stages.Compiled, Any] | str:
+        """A program's executable and what was stored with it, where the cache has it
+        (a hit, counted in ``stats``); else the reason of the miss, for
+        ``compile_traced(..., missed=)``, which counts it. Arguments as
+        ``compile_traced``'s."""
+        start = time.perf_counter()
+        if self.directory is None:
+            return "no cache directory"
+        platform_name = platform_name or jax.default_backend()
+        key = self.program_key(program, platform_name)
+        secret = self._get_secret()
+        if secret is None:
+            return "no cache key"
+        path = self.directory / f"{key}.bin"
+        compiled, value, why = self._load(path, key, secret, platform_name, program=True)
+        if compiled is None:
+            return why
+        with _STATS_LOCK:
+            stats.cache_hits += 1
+        log.debug("cache hit: %s (%s, not traced)", name, key[:16])
+        _record(stats, event or (name, "", "first call"), start, None)
+        return compiled, value
+
     def compile_traced(
         self,
         program: str | None,
@@ -336,6 +367,7 @@ class ExecutableCache(store.BlobStore):
         platform_name: str | None = None,
         extra: Callable[[], Any] = lambda: None,
         event: tuple[str, str, str] | None = None,
+        missed: str | None = None,
     ) -> tuple[jax.stages.Compiled, Any]:
         """The executable of a program, loaded without tracing it when cached.
 
@@ -350,6 +382,8 @@ class ExecutableCache(store.BlobStore):
                 value checks), stored with the executable; called after ``lower``.
             event: (partition, inputs, reason) of the ``CompileEvent`` recorded in
                 ``stats``, timed from here (the trace and lowering included).
+            missed: the reason ``load_traced`` gave for not finding it, where the caller
+                looked already (it is then compiled and stored without looking again).
 
         Returns:
             The executable, and ``extra()`` as stored (None when ``program`` is None).
@@ -361,27 +395,23 @@ class ExecutableCache(store.BlobStore):
             _record(stats, event, start, miss)
             return exe, None
         platform_name = platform_name or jax.default_backend()
+        why = missed
+        if why is None:
+            found = self.load_traced(
+                program, stats, name=name, platform_name=platform_name, event=event
+            )
+            if not isinstance(found, str):
+                return found
+            why = found
         key = self.program_key(program, platform_name)
-        path = self.directory / f"{key}.bin"
-        secret = self._get_secret()
-        value = None
-        if secret is None:
-            why = "no cache key"
-            compiled = None
-        else:
-            compiled, value, why = self._load(path, key, secret, platform_name, program=True)
-        if compiled is not None:
-            with _STATS_LOCK:
-                stats.cache_hits += 1
-            log.debug("cache hit: %s (%s, not traced)", name, key[:16])
-            _record(stats, event, start, None)
-            return compiled, value
         with _STATS_LOCK:
             stats.cache_misses[why] += 1
         log.debug("cache miss: %s (%s): %s", name, key[:16], why)
         compiled = self._compile(lower(), stats)
         _record(stats, event, start, why)  # (before storing it: compiled, not written)
         value = extra()
+        secret = self._get_secret()
+        path = self.directory / f"{key}.bin"
         if secret is not None and self._store(
             path, key, secret, compiled, name, trailer=(store.versions(), value)
         ):

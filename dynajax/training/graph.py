@@ -46,9 +46,11 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode, get_proxy_slot
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dynajax.aot import compiling, functionalized, joint_graph
 from dynajax.errors import TrainStepError
@@ -81,9 +83,6 @@ class StepGraph:
     examples: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)
 
     what: tuple[str, str] = ("", "")  # (the optimizer's class, the loss's name), for errors
-    # Traced without the update (``trace_step(update=False)``): which parameters have a
-    # gradient (the graph returns those only).
-    graded: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def state_at(self) -> int:
@@ -243,7 +242,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
     hooks): its class, each param group's size and hyperparameters but ``lr`` (a traced
     input) and the default dtype (its step counters'); the code is torch's and dynajax's,
     which the cache's versions key. Given the gradients it reads (``trace_step(...,
-    update=False)``) and the state it holds (names, shapes and dtypes), that is its
+    at_update=...)``) and the state it holds (names, shapes and dtypes), that is its
     whole trace. None for any other optimizer, whose update is Python of the user's:
     only its trace can key it."""
     cls = type(optimizer)
@@ -304,8 +303,8 @@ def trace_step(
     layout: BatchLayout | None = None,
     clip_grad_norm: float | None,
     accumulate: int = 1,
-    update: bool = True,
-) -> StepGraph:
+    at_update: AtUpdate | None = None,
+) -> StepGraph | None:
     """The step's ``StepGraph``, traced on (fakes of) these example values.
 
     ``params`` are the optimizer's parameters, in the order of its param groups, named
@@ -315,11 +314,12 @@ def trace_step(
     (by default they are the batch); ``accumulate``: the number of micro-batches (each
     batch tensor split along its first dim).
 
-    ``update=False`` traces the step up to the optimizer's update: its graph returns
-    the loss, the gradients the update would read (``StepGraph.graded`` says which
-    parameters have one), the buffers and the frozen parameters it writes. Of one of
-    torch's own optimizers that is the whole of what the user's Python computed
-    (``describe_optimizer``), and what keys the step's program."""
+    ``at_update``, where given, is called once the trace reaches the optimizer's update
+    (of one of torch's own optimizers, the rest of the trace is what its configuration
+    says, ``describe_optimizer``) with the graph traced so far (returning the loss, the
+    gradients the update reads, the buffers and the frozen parameters written), which
+    parameters have a gradient, and which frozen parameters were written; where it
+    returns True the trace stops there and ``trace_step`` returns None."""
     wrapper = _LossModule(model, loss_fn)
     state_in = list(state)
     n_params, n_buffers, n_state = len(params), len(buffers), len(state_in)
@@ -327,7 +327,7 @@ def trace_step(
     wanted = [p.requires_grad for p in params]  # the others get no gradient, as in eager
     state_out: list[StateKey] = []
     frozen_out: list[int] = []
-    graded: list[bool] = []
+    stopped: list[bool] = []
 
     def step(*flat: torch.Tensor) -> tuple[Any, ...]:
         ps = list(flat[:n_params])
@@ -384,18 +384,19 @@ def trace_step(
                 p.grad = _as_accumulated(g, p)
             if clip_grad_norm is not None:
                 nn.utils.clip_grad_norm_(ps, clip_grad_norm, foreach=False)
-            if not update:
+            if at_update is not None:
                 read = [p.grad for p in ps]
-                for p in ps:
-                    p.grad = None
-                graded[:] = [g is not None for g in read]
-                frozen_out[:] = [i for i, f in enumerate(fixed) if f._version != versions[i]]
-                return (
-                    loss.detach(),
-                    *[g for g in read if g is not None],
-                    *bufs,
-                    *[fixed[i] for i in frozen_out],
+                written = [i for i, f in enumerate(fixed) if f._version != versions[i]]
+                so_far = _traced_so_far(
+                    [loss, *[g for g in read if g is not None], *bufs, *[fixed[i] for i in written]]
                 )
+                # (outside the trace's modes: what it does with tensors, a constant's
+                # digest, is not part of the step)
+                with _disable_current_modes():
+                    stop = at_update(so_far, [g is not None for g in read], written)
+                if stop:
+                    stopped.append(True)
+                    return (loss.detach(),)
             with optimizer_on(optimizer, ps, st, group_lrs) as new_state, _TensorScalars():
                 optimizer.step()
             for p in ps:
@@ -427,9 +428,28 @@ def trace_step(
     what = (type(optimizer).__name__, repr(getattr(loss_fn, "__name__", loss_fn)))
     with compiling(), _untraceable(*what):
         joint = joint_graph(step, examples)
-    return StepGraph(
-        joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what, graded
-    )
+    if stopped:
+        return None
+    return StepGraph(joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what)
+
+
+# Called where the trace reaches the optimizer's update: (the graph so far, which
+# parameters have a gradient, which frozen parameters were written) -> stop there.
+AtUpdate = Callable[[torch.fx.GraphModule, list[bool], list[int]], bool]
+
+
+def _traced_so_far(outputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+    """Inside a ``make_fx`` trace: a copy of the graph recorded so far, returning the
+    nodes that computed ``outputs`` (the trace goes on unchanged)."""
+    mode = get_proxy_mode()
+    assert mode is not None, "only inside make_fx's trace"
+    tracer = mode.tracer
+    assert isinstance(tracer, PythonKeyTracer)
+    graph = torch.fx.Graph()
+    copied: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.graph_copy(tracer.graph, copied)
+    graph.output(tuple(copied[get_proxy_slot(t, tracer).proxy.node] for t in outputs))
+    return torch.fx.GraphModule(tracer.root, graph)
 
 
 @contextlib.contextmanager

@@ -59,6 +59,7 @@ from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
 from dynajax.training.boundary import FlatBoundary, flat_avals
 from dynajax.training.graph import (
+    AtUpdate,
     BatchLayout,
     StateKey,
     StepGraph,
@@ -588,15 +589,19 @@ class TrainStep:
             ]
 
     def _trace(
-        self, layout: BatchLayout, batch: Sequence[torch.Tensor], lrs: list[float], update: bool
-    ) -> StepGraph:
-        """The step's first trace on examples of its state (``update=False``: up to the
-        optimizer's update, which then reads no state)."""
+        self,
+        layout: BatchLayout,
+        batch: Sequence[torch.Tensor],
+        lrs: list[float],
+        at_update: AtUpdate | None = None,
+    ) -> StepGraph | None:
+        """The step's first trace on examples of its state (``trace_step``; None where
+        ``at_update`` stopped it)."""
         assert self._view is not None
         params = self._examples(self.params)
         for p, original in zip(params, self._params, strict=True):
             p.requires_grad_(original.requires_grad)
-        state = self.state if update else {}
+        state = self.state
         with self._view.quiet_hooks():
             return trace_step(
                 self.model,
@@ -614,7 +619,7 @@ class TrainStep:
                 layout=layout,
                 clip_grad_norm=self.clip_grad_norm,
                 accumulate=self.accumulate,
-                update=update,
+                at_update=at_update,
             )
 
     def _compile(
@@ -648,45 +653,63 @@ class TrainStep:
             np.int64(0),
             list(xs),
         )
+        shapes = ", ".join(str(list(np.shape(x))) for x in xs)
+        name = f"train_step({shapes})"
+        event = ("train_step", shapes, "first step" if self.steps == 0 else "new program")
+        optimizer = describe_optimizer(self.optimizer) if cache.directory is not None else None
+        description: str | None = None
+        found: tuple[Any, Any] | str | None = None  # the cache's answer (a miss: why)
+
+        def look_up(
+            digest: str | None, frozen_out: list[int], graded: list[bool], cuda: bool
+        ) -> bool:
+            """Looks for the program keyed by the trace up to the update (its digest)
+            and the optimizer's configuration; True where it is found."""
+            nonlocal description, found
+            self._gradients[gradients_key] = (digest, frozen_out, graded, cuda)
+            if digest is None:
+                return False
+            description = self._describe(
+                f"up to the update {digest}\n{optimizer}\ngraded={graded!r}",
+                (state_in, frozen_out),
+                args,
+                self._out_shardings(frozen_out),
+                cuda,
+            )
+            found = cache.load_traced(description, self.compile_stats, name=name, event=event)
+            return not isinstance(found, str)
+
+        def at_update(so_far: torch.fx.GraphModule, graded: list[bool], written: list[int]) -> bool:
+            text = describe_graph(so_far, "train_step")
+            # (kept as its digest: the text of a large model's graph is MBs)
+            digest = text and hashlib.sha256(text.encode()).hexdigest()
+            return look_up(digest, written, graded, on_cuda(so_far))
+
         graph: StepGraph | None = None
-        description = None
-        if cache.directory is not None:
-            optimizer = describe_optimizer(self.optimizer)
-            if optimizer is not None:
-                before = self._gradients.get(gradients_key)
-                if before is None:
-                    g = self._trace(layout, batch, lrs, update=False)
-                    text = describe_graph(g.joint, "train_step")
-                    # (kept as its digest: the text of a large model's graph is MBs)
-                    digest = text and hashlib.sha256(text.encode()).hexdigest()
-                    before = (digest, g.frozen_out, g.graded, on_cuda(g.joint))
-                    self._gradients[gradients_key] = before
-                digest, frozen_out, graded, cuda = before
-                if digest is not None:
-                    description = self._describe(
-                        f"up to the update {digest}\n{optimizer}\ngraded={graded!r}",
-                        (state_in, frozen_out),
-                        args,
-                        self._out_shardings(frozen_out),
-                        cuda,
-                    )
-            if description is None:
-                graph = self._trace(layout, batch, lrs, update=True)
-                text = describe_graph(graph.joint, "train_step")
-                if text is not None:
-                    state_shapes = _output_shapes(graph.joint)[graph.state_at :]
-                    description = self._describe(
-                        text,
-                        (state_in, graph.state_out, graph.frozen_out),
-                        args,
-                        self._out_shardings(graph.frozen_out, graph.state_out, state_shapes),
-                        on_cuda(graph.joint),
-                    )
+        if optimizer is not None and gradients_key in self._gradients:
+            # The trace up to the update is this batch signature's, as traced before.
+            look_up(*self._gradients[gradients_key])
+        if found is None or isinstance(found, str):
+            # (a miss where looked already: the whole step, no need to stop at the update)
+            stop = at_update if optimizer is not None and found is None else None
+            graph = self._trace(layout, batch, lrs, stop)
+        if graph is not None and description is None and cache.directory is not None:
+            text = describe_graph(graph.joint, "train_step")
+            if text is not None:
+                state_shapes = _output_shapes(graph.joint)[graph.state_at :]
+                description = self._describe(
+                    text,
+                    (state_in, graph.state_out, graph.frozen_out),
+                    args,
+                    self._out_shardings(graph.frozen_out, graph.state_out, state_shapes),
+                    on_cuda(graph.joint),
+                )
         checks: list[Check] = []
         traced: dict[str, Any] = {}
 
         def lower_step() -> jax.stages.Lowered:
-            step = graph or self._trace(layout, batch, lrs, update=True)
+            step = graph
+            assert step is not None
             # (the first trace's outputs: the same values as the functional graph's)
             state_shapes = _output_shapes(step.joint)[step.state_at :]
             boundary = self._boundary(step.state_in, state_shapes) if flat else None
@@ -723,21 +746,24 @@ class TrainStep:
             donate = () if program.callbacks else (0,)
             return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
 
-        shapes = ", ".join(str(list(np.shape(x))) for x in xs)
-        run, stored = cache.compile_traced(
-            description,
-            lower_step,
-            self.compile_stats,
-            name=f"train_step({shapes})",
-            extra=lambda: (
-                list(checks),
-                traced["random"],
-                traced["state_out"],
-                traced["state_shapes"],
-                traced["frozen_out"],
-            ),
-            event=("train_step", shapes, "first step" if self.steps == 0 else "new program"),
-        )
+        if found is not None and not isinstance(found, str):
+            run, stored = found  # found before the trace reached the update
+        else:
+            run, stored = cache.compile_traced(
+                description,
+                lower_step,
+                self.compile_stats,
+                name=name,
+                extra=lambda: (
+                    list(checks),
+                    traced["random"],
+                    traced["state_out"],
+                    traced["state_shapes"],
+                    traced["frozen_out"],
+                ),
+                event=event,
+                missed=found,
+            )
         if stored is not None:  # loaded without tracing: what its trace recorded
             checks[:], random, state_out, state_shapes, frozen_out = stored
             traced.update(

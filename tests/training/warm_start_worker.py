@@ -44,14 +44,16 @@ class Model(nn.Module):
 
 def main() -> None:
     variant = sys.argv[1]
-    # Which traces the step made (update=False: up to the optimizer's update, which
-    # keys the program of one of torch's own optimizers; True: the whole step).
+    # The traces the step made: True, of the whole step; False, stopped at the
+    # optimizer's update (of one of torch's own optimizers, where the trace so far
+    # keys the program and it was found).
     traced: list[bool] = []
     trace_step = dynajax.training.step.trace_step
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        traced.append(kwargs.get("update", True))
-        return trace_step(*args, **kwargs)
+        graph = trace_step(*args, **kwargs)
+        traced.append(graph is not None)
+        return graph
 
     dynajax.training.step.trace_step = spy
     torch.manual_seed(0)
