@@ -420,6 +420,7 @@ class TrainStep:
         if stats.events:
             lines.append(f"  of which loaded from the persistent cache: {stats.cache_hits}")
             lines.append(f"  XLA: {stats.line()}")
+        lines.append(f"  persistent cache: {self._keyed_by()}")
         if self.retraces:
             lines.append(
                 "  retraced for a change of the module, optimizer or loss (step.retraces):"
@@ -429,6 +430,18 @@ class TrainStep:
                 counts[why] = counts.get(why, 0) + 1
             lines += [f"    {why}" + (f" x{n}" if n > 1 else "") for why, n in counts.items()]
         return "\n".join(lines)
+
+    def _keyed_by(self) -> str:
+        """What keys the step's programs in the persistent cache, in words."""
+        if self._cache.directory is None:
+            return "off (DYNAJAX_CACHE_DIR is empty)"
+        name = type(self.optimizer).__name__
+        if describe_optimizer(self.optimizer) is not None:
+            return f"programs keyed by the trace up to {name}'s update and its configuration"
+        return (
+            f"programs keyed by the whole step's trace ({name}'s step is not torch's own: "
+            "a subclass, a patched step or a step hook)"
+        )
 
     # -- the step -----------------------------------------------------------------
 

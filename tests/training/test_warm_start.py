@@ -182,6 +182,7 @@ def test_a_hyperparameter_keys_the_program(tmp_path, monkeypatch) -> None:
     for losses, expected, _ in runs:
         np.testing.assert_allclose(losses, expected, rtol=1e-5)
     stats = [step.compile_stats for _, _, step in runs]
+    assert "keyed by the trace up to AdamW's update" in runs[0][2].report()
     assert [(s.xla_compiles, s.cache_hits) for s in stats] == [(2, 0), (2, 0), (2, 0), (0, 2)]
 
 
@@ -228,6 +229,7 @@ def test_an_optimizer_of_the_users_code_is_keyed_by_its_trace(tmp_path, monkeypa
         np.testing.assert_allclose(losses, expected, rtol=1e-6)
     assert first[0] != second[0]
     assert second[2].compile_stats.cache_hits == 0
+    assert "keyed by the whole step's trace" in second[2].report()
 
 
 def test_only_torchs_own_optimizers_are_described_by_their_configuration() -> None:
