@@ -327,7 +327,6 @@ def trace_step(
     wanted = [p.requires_grad for p in params]  # the others get no gradient, as in eager
     state_out: list[StateKey] = []
     frozen_out: list[int] = []
-    stopped: list[bool] = []
 
     def step(*flat: torch.Tensor) -> tuple[Any, ...]:
         ps = list(flat[:n_params])
@@ -395,8 +394,7 @@ def trace_step(
                 with _disable_current_modes():
                     stop = at_update(so_far, [g is not None for g in read], written)
                 if stop:
-                    stopped.append(True)
-                    return (loss.detach(),)
+                    raise _Stopped
             with optimizer_on(optimizer, ps, st, group_lrs) as new_state, _TensorScalars():
                 optimizer.step()
             for p in ps:
@@ -426,11 +424,17 @@ def trace_step(
         *[x.detach() for x in batch],
     ]
     what = (type(optimizer).__name__, repr(getattr(loss_fn, "__name__", loss_fn)))
-    with compiling(), _untraceable(*what):
-        joint = joint_graph(step, examples)
-    if stopped:
+    try:
+        with compiling(), _untraceable(*what):
+            joint = joint_graph(step, examples)
+    except _Stopped:
         return None
     return StepGraph(joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what)
+
+
+class _Stopped(BaseException):
+    """Ends a trace that ``at_update`` stopped (not an ``Exception``: no handler on the
+    way out takes it for an error of the trace)."""
 
 
 # Called where the trace reaches the optimizer's update: (the graph so far, which

@@ -435,6 +435,8 @@ class TrainStep:
         """What keys the step's programs in the persistent cache, in words."""
         if self._cache.directory is None:
             return "off (DYNAJAX_CACHE_DIR is empty)"
+        if jax.process_count() > 1:
+            return "not used (a multi-process step: each process compiles its programs)"
         name = type(self.optimizer).__name__
         if describe_optimizer(self.optimizer) is not None:
             return f"programs keyed by the trace up to {name}'s update and its configuration"
@@ -703,9 +705,9 @@ class TrainStep:
             # The trace up to the update is this batch signature's, as traced before.
             look_up(*self._gradients[gradients_key])
         if found is None or isinstance(found, str):
-            # (a miss where looked already: the whole step, no need to stop at the update)
-            stop = at_update if optimizer is not None and found is None else None
-            graph = self._trace(layout, batch, lrs, stop)
+            # (looked up before, or no key: the whole step, no stop at the update)
+            keyed = optimizer is not None and gradients_key not in self._gradients
+            graph = self._trace(layout, batch, lrs, at_update if keyed else None)
         if graph is not None and description is None and cache.directory is not None:
             text = describe_graph(graph.joint, "train_step")
             if text is not None:
