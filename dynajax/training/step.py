@@ -649,10 +649,11 @@ class TrainStep:
         is there, else traced, functionalized, lowered, compiled and stored.
 
         What keys it is the step's first trace (everything the user's Python computed).
-        With one of torch's own optimizers, that is the trace up to the update (the
-        optimizer described by its configuration, ``describe_optimizer``), made once per
-        batch signature and settings (``gradients_key``): the program of the second
-        step, over the state the first created, is then found without tracing again."""
+        With one of torch's own optimizers, that is the trace up to the update, with the
+        optimizer's configuration (``describe_optimizer``): the trace looks the program
+        up when it reaches the update and stops there if it is found. Its digest is
+        kept per batch signature and settings (``gradients_key``), so the program of
+        the second step, over the state the first created, is looked up untraced."""
         self.traces += 1
         # One process's executables only: those of a multi-process step (each process
         # holding some of the mesh's devices) are neither stored nor loaded.
@@ -705,7 +706,7 @@ class TrainStep:
             # The trace up to the update is this batch signature's, as traced before.
             look_up(*self._gradients[gradients_key])
         if found is None or isinstance(found, str):
-            # (looked up before, or no key: the whole step, no stop at the update)
+            # Not found: traced whole, looked up at the update where it was not yet.
             keyed = optimizer is not None and gradients_key not in self._gradients
             graph = self._trace(layout, batch, lrs, at_update if keyed else None)
         if graph is not None and description is None and cache.directory is not None:
