@@ -7,7 +7,9 @@
 #     OUT=gpu-out bash benchmarks/gpu_check.sh                       # every step
 #     OUT=gpu-out STEPS="tests overhead" bash benchmarks/gpu_check.sh  # some of them
 #
-# Steps: tests overhead profile decode table (the versions are always printed).
+# Steps: tests overhead profile decode table (the versions are always printed), and
+# memory (not in the default list: about 4 minutes more), the peak host and device
+# memory of two train_step rows against eager's, each in fresh processes.
 # Needs CUDA builds of torch and jax (and transformers) in the python3 it finds; the
 # checkout goes on PYTHONPATH (no install needed). Writes at most 7 files to $OUT:
 # log.txt (everything printed), bench.json (the table's results), traces/*.json.
@@ -49,6 +51,10 @@ fi
 if want decode; then
 timeout 65 python3 -m benchmarks.decode --device cuda --rounds 3 --new-tokens 32 2>&1 \
     | grep -v "^\[decode\]" >>"$log"
+fi
+if want memory; then
+timeout 300 python3 -m benchmarks.memory --device cuda --rows gpt2-train-step,resnet18-train-step \
+    --peers eager,dynajax >>"$log" 2>&1
 fi
 step done
 rm -rf "$tmp"

@@ -17,7 +17,13 @@ glibc is told to map every allocation of 128 KiB or more on its own
 (``MALLOC_MMAP_THRESHOLD_``), so that memory freed returns to the system and the
 resident set follows the memory in use; else the heap keeps the first steps' pages.
 The peers are the rows' own: eager and inductor with torch's fused AdamW, dynajax with
-``dynajax.train_step`` (``benchmarks/training.py``). CPU only.
+``dynajax.train_step`` (``benchmarks/training.py``).
+
+With ``--device cuda`` the rows run on the GPU and each also reports its device peak
+(``device_peak``, over the three steps): PyTorch's allocator's peak
+(``torch.cuda.max_memory_allocated``) plus, for dynajax, JAX's (``peak_bytes_in_use``
+of each GPU: the step's state and programs live there), a bound on the two allocators'
+peak together.
 """
 
 from __future__ import annotations
@@ -63,13 +69,28 @@ def peak_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+def device_peak_bytes(peer: str) -> int:
+    """The GPU memory the process's allocators held at most: PyTorch's, and JAX's where
+    the peer keeps state in JAX (dynajax)."""
+    import torch
+
+    peak = torch.cuda.max_memory_allocated()
+    if peer.startswith("dynajax"):
+        import jax
+
+        for d in jax.devices("gpu"):
+            peak += (d.memory_stats() or {}).get("peak_bytes_in_use", 0)
+    return peak
+
+
 def worker(row: str, peer: str) -> dict[str, int]:
     """Three steps of ``row`` by ``peer`` in this process: the peak resident set up to
     the end of the second step (what the process is built with, compiles included) and
-    during the third (a steady step: what the process holds at its worst moment)."""
+    during the third (a steady step: what the process holds at its worst moment); on a
+    GPU, the device's peak too."""
     import dynajax  # noqa: F401  (first: its process settings, as the benchmark's rows)
     from benchmarks.harness import compile_fn
-    from benchmarks.workloads import WORKLOADS
+    from benchmarks.workloads import WORKLOADS, device
 
     step = WORKLOADS[row].setup(compile_fn(peer))
     step()
@@ -78,7 +99,10 @@ def worker(row: str, peer: str) -> dict[str, int]:
     first = peak_bytes()
     reset_peak()
     step()
-    return {"first": first, "steady": peak_bytes()}
+    out = {"first": first, "steady": peak_bytes()}
+    if device().type == "cuda":
+        out["device_peak"] = device_peak_bytes(peer)
+    return out
 
 
 def measure(row: str, peer: str, cache: str) -> dict[str, Any]:
@@ -108,11 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--docs", action="store_true", help="write docs/memory.json and the table")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="where the rows run (default cpu)")
     p.add_argument("--worker", nargs=2, metavar=("ROW", "PEER"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(*args.worker)))
         return 0
+    if args.device:  # an environment variable: the workers inherit it
+        from benchmarks.workloads import DEVICE_ENV
+
+        os.environ[DEVICE_ENV] = args.device
     rows, peers = args.rows.split(","), args.peers.split(",")
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as cache:
@@ -123,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
                 shown = r.get("error") or (
                     f"first steps {r['first'] / 2**20:8.1f} MiB, "
                     f"steady {r['steady'] / 2**20:8.1f} MiB"
+                    + (
+                        f", device peak {r['device_peak'] / 2**20:8.1f} MiB"
+                        if "device_peak" in r
+                        else ""
+                    )
                 )
                 print(f"{row:<34} {peer:<9} {shown}", flush=True)
     meta = {
@@ -131,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "malloc_mmap_threshold": MMAP_THRESHOLD,
+        "device": args.device or "cpu",
     }
     data = {"meta": meta, "rows": results}
     if args.docs:

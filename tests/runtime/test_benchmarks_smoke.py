@@ -264,3 +264,19 @@ def test_overhead_layers_and_cprofile(capsys, monkeypatch) -> None:
         for fate in ("dropped", "kept"):
             assert sum(ln.startswith(f"{kind}, {fate}") for ln in lines) == 1, (kind, fate)
     assert "freeing the output (dropped - kept)" in printed
+
+
+def test_the_memory_rows_device_peak_adds_jaxs_for_dynajax_only(monkeypatch) -> None:
+    # (the GPU path of benchmarks.memory, on its own: PyTorch's allocator's peak, and
+    # JAX's where the peer keeps its state there)
+    from benchmarks import memory
+
+    class Gpu:
+        def memory_stats(self) -> dict[str, int]:
+            return {"peak_bytes_in_use": 50, "bytes_in_use": 7}
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 100)
+    monkeypatch.setattr(jax, "devices", lambda platform=None: [Gpu(), Gpu()])
+    assert memory.device_peak_bytes("eager") == 100
+    assert memory.device_peak_bytes("inductor") == 100
+    assert memory.device_peak_bytes("dynajax") == 200
