@@ -21,21 +21,6 @@ def _private_compilation_cache(tmp_path_factory):
             os.environ[key] = value
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _default_cost_choices():
-    """Where XLA and a PyTorch kernel are close, the measured choice (option
-    measure_costs) can go either way from run to run: the suite takes the defaults, so
-    that what a test asserts about where an op runs does not depend on the machine's
-    load. tests/capability/test_cost.py measures."""
-    saved = os.environ.get("DYNAJAX_MEASURE_COSTS")
-    os.environ["DYNAJAX_MEASURE_COSTS"] = "0"
-    yield
-    if saved is None:
-        os.environ.pop("DYNAJAX_MEASURE_COSTS", None)
-    else:
-        os.environ["DYNAJAX_MEASURE_COSTS"] = saved
-
-
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Each test compiles from scratch, so compiled state never leaks between tests."""

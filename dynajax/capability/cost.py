@@ -57,6 +57,7 @@ dtypes: ``capability/memo.py``), and the report lists them with the choice
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -64,7 +65,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -129,6 +130,71 @@ class CostChoice:
             f"{self.describe()} (measured at the first compile; measure_costs=False takes "
             "the defaults of dynajax/capability/cost.py); perf_fallbacks=False runs it in JAX"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Unmeasured:
+    """A choice that measuring failed to make: an error while building the stand-in
+    inputs, compiling or timing a candidate (``MeasureFailed``). The node takes the
+    default of the choice; measuring never fails a compile.
+
+    Attributes:
+        op: the op (or ops) measuring was for.
+        node: the node (or nodes).
+        error: the stage that failed and its error.
+        in_pytorch: where the default runs the node.
+        scope: ``"op"`` or ``"graph"``, as ``CostChoice.scope``.
+    """
+
+    op: str
+    node: str
+    error: str
+    in_pytorch: bool
+    scope: str = "op"
+
+    def describe(self) -> str:
+        where = "PyTorch" if self.in_pytorch else "JAX"
+        timed = "its graph" if self.scope == "graph" else "the op"
+        return f"not measured (timing {timed}: {self.error}): runs in {where}, the default"
+
+
+class MeasureFailed(Exception):
+    """A stage of measuring a choice raised (``stage``); the choice takes its default."""
+
+    def __init__(self, stage: str, error: BaseException) -> None:
+        super().__init__(f"{stage} raised {type(error).__name__}: {error}")
+        self.stage = stage
+
+
+@contextlib.contextmanager
+def stage(name: str, passing: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """Any error inside (but ``passing``'s, and a ``MeasureFailed`` already named) is a
+    ``MeasureFailed`` of stage ``name``."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - measuring must not fail the compile
+        if isinstance(e, (MeasureFailed, *passing)):
+            raise
+        raise MeasureFailed(name, e) from e
+
+
+# A test-only seam: (PyTorch's time, XLA's time) that measuring reports in place of the
+# clock's medians, for the tests that assert where a measured op runs. Everything else
+# still runs: the stand-in inputs are built, both paths compiled and called, timed.
+# None (always, outside tests): the clock's medians. ``times_key`` keys remembered times
+# by it too.
+fixed_times: tuple[float, float] | None = None
+
+
+def reported(pytorch_s: float, xla_s: float) -> tuple[float, float]:
+    """The measured medians, or the seam's ``fixed_times``."""
+    return fixed_times if fixed_times is not None else (pytorch_s, xla_s)
+
+
+def times_key() -> tuple[Any, ...]:
+    """What remembered times are keyed by besides the op or graph: the machine (and the
+    test seam's ``fixed_times``)."""
+    return (machine(),) if fixed_times is None else (machine(), fixed_times)
 
 
 def _ms(s: float) -> str:
@@ -301,14 +367,17 @@ def _measure(node: torch.fx.Node, rule: Rule) -> tuple[float, float, float] | No
         return a
 
     try:
-        args, kwargs = concrete(tuple(node.args)), {k: concrete(v) for k, v in node.kwargs.items()}
+        with stage("building the stand-in inputs", passing=(_Symbolic,)):
+            args = concrete(tuple(node.args))
+            kwargs = {k: concrete(v) for k, v in node.kwargs.items()}
     except _Symbolic:
         return None
     target = node.target
     assert callable(target)
-    run, tensors = rule.over(args, kwargs, lambda x: isinstance(x, torch.Tensor))
-    program = jax.jit(run)
-    arrays = [jax.numpy.asarray(np.asarray(t)) for t in tensors]
+    with stage("building XLA's program"):
+        run, tensors = rule.over(args, kwargs, lambda x: isinstance(x, torch.Tensor))
+        program = jax.jit(run)
+        arrays = [jax.numpy.asarray(np.asarray(t)) for t in tensors]
 
     def pytorch() -> None:
         with torch.no_grad():
@@ -317,7 +386,8 @@ def _measure(node: torch.fx.Node, rule: Rule) -> tuple[float, float, float] | No
     def xla() -> None:
         jax.block_until_ready(program(*arrays))
 
-    pytorch_s, xla_s = median_times(pytorch, xla)
+    with stage("compiling and timing both"):
+        pytorch_s, xla_s = reported(*median_times(pytorch, xla))
     return pytorch_s, xla_s, time.perf_counter() - start
 
 

@@ -17,12 +17,15 @@ its inputs, every node's verdict), so a later process builds only the winner.
 
 A graph is not timed in place (an attention or encoder layer is then timed alone,
 ``cost.measure``; convolutions take the default, XLA) where running it on made-up
-inputs is not safe or not possible: an input with a
-symbolic size, or not a CPU tensor or a plain number; inputs over ``MAX_INPUT_BYTES``
-(the random inputs would copy a large model's weights); an op kept in PyTorch that is
-not ATen's own (a user's custom op may have effects); an error on the random inputs.
-PyTorch's random generator is put back as it was, so measuring draws nothing from the
-user's stream.
+inputs is not safe or not possible: an input with a symbolic size, or not a CPU tensor
+or a plain number; inputs over ``MAX_INPUT_BYTES`` (the random inputs would copy a large
+model's weights); an op kept in PyTorch that is not ATen's own (a user's custom op may
+have effects). The stand-in inputs keep the real ones' layouts (an expanded timestep,
+a transposed weight: ``stand_in``). An error in any stage of the timing (building the
+stand-ins, building or compiling either graph, running it on them) is not the
+compile's: every candidate takes its default, and the report names the op and the
+error (``cost.Unmeasured``). PyTorch's random generator is put back as it was, so
+measuring draws nothing from the user's stream.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ class NotTimed(Exception):
 
 def concrete_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     """Random tensors (zeros for integers and booleans) of the example inputs' shapes,
-    strides and dtypes; plain numbers as they are."""
+    strides and dtypes (``stand_in``); plain numbers as they are. Raises NotTimed where
+    the graph must not be run on them."""
     size = 0
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
@@ -76,13 +80,19 @@ def concrete_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     if size > MAX_INPUT_BYTES:
         raise NotTimed(f"its inputs hold {size >> 20} MiB: a copy of them to time it")
     gen = torch.Generator().manual_seed(0)
-    out: list[Any] = []
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
-            x = t.copy_(cost.random_tensor(x.shape, x.dtype, gen))
-        out.append(x)
-    return out
+    return [stand_in(x, gen) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
+def stand_in(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A fresh tensor of ``x``'s shape, strides, storage offset and dtype, its values
+    random (``cost.random_tensor``): a view into new storage, filled whole before the
+    view is taken, so that an expanded (stride 0) or overlapping layout is kept and
+    never written through."""
+    extent = 0
+    if x.numel():
+        extent = 1 + sum((d - 1) * s for d, s in zip(x.shape, x.stride(), strict=True))
+    storage = cost.random_tensor((x.storage_offset() + extent,), x.dtype, gen)
+    return storage.as_strided(x.shape, x.stride(), x.storage_offset())
 
 
 def copy_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[Any, Any]]:
@@ -172,13 +182,14 @@ def choose(
     """Builds ``gm`` with its ``candidates`` in PyTorch and in JAX (``place(node,
     in_pytorch, why)`` on a copy's node sets its verdict), times both unless
     ``remembered`` (keyed by the fingerprint) knows the times, and returns the faster's
-    build, its first candidate carrying the ``CostChoice``. Raises NotTimed where it
-    cannot."""
+    build, its first candidate carrying the ``CostChoice``. Raises NotTimed where the
+    graph must not be timed so, ``cost.MeasureFailed`` where a stage of the timing
+    raised."""
     why = not_timed(gm)
     if why is not None:
         raise NotTimed(why)
-    with _disable_current_modes():  # real tensors, outside the compile's fake mode
-        inputs = concrete_inputs(example_inputs)
+    with cost.stage("building the stand-in inputs", passing=(NotTimed,)), _disable_current_modes():
+        inputs = concrete_inputs(example_inputs)  # real tensors, outside the fake mode
     built: dict[bool, T] = {}
     copies: dict[bool, dict[Any, Any]] = {}
 
@@ -192,15 +203,15 @@ def choose(
 
     def measure() -> tuple[float, float, float]:
         start = time.perf_counter()  # (the builds, their compiles and the timing)
-        runs = [run_of(variant(True)), run_of(variant(False))]
-        try:
+        with cost.stage("building its partitions both ways"):
+            runs = [run_of(variant(True)), run_of(variant(False))]
+        with cost.stage("compiling and timing both builds on the stand-in inputs"):
             (pytorch_s, xla_s), _ = time_both(runs, inputs)
-        except Exception as e:  # noqa: BLE001 - made-up inputs the graph refuses
-            raise NotTimed(f"the graph raised on random inputs: {type(e).__name__}: {e}") from e
-        return pytorch_s, xla_s, time.perf_counter() - start
+        return (*cost.reported(pytorch_s, xla_s), time.perf_counter() - start)
 
-    times = remembered(fingerprint(gm), measure)
-    pytorch_s, xla_s, measure_s = times
+    with cost.stage("remembering the times"):
+        key = fingerprint(gm)
+    pytorch_s, xla_s, measure_s = remembered(key, measure)
     choice = cost.CostChoice(
         ", ".join(sorted({str(n.target) for n in candidates})),
         _names(candidates),
@@ -209,7 +220,8 @@ def choose(
         measure_s,
         scope="graph",
     )
-    result = variant(choice.in_pytorch)
+    with cost.stage("building its partitions"):  # (a build whose times were remembered)
+        result = variant(choice.in_pytorch)
     nodes = [copies[choice.in_pytorch][n] for n in candidates]
     for node in nodes:  # the verdicts the report shows, with the times
         place(node, choice.in_pytorch, choice.why())

@@ -37,6 +37,7 @@ from dynajax.capability.verdict import (
     Verdict,
     source_line,
     target_name,
+    verdict_of,
 )
 from dynajax.lowering.dtypes import TORCH_TO_JAX, eager_on_cuda
 from dynajax.lowering.interpreter import jax_literal
@@ -310,11 +311,18 @@ class CapabilityChecker:
                 user.meta[META_KEY] = self._decide_getitem(user, target_name(user))
 
     def measure_alone(self) -> None:
-        """Places each candidate by timing its op alone (``cost.measure``)."""
+        """Places each candidate whose choice is not made yet by timing its op alone
+        (``cost.measure``)."""
         for c in self.candidates:
-            faster = faster_in_pytorch(c.node, self._measure(c.key, c.rule))
+            if cost.COST_KEY in c.node.meta:
+                continue  # (decided, or its measuring failed: measure_in_graph)
+            try:
+                faster = faster_in_pytorch(c.node, self._measure(c.key, c.rule))
+            except Exception as e:  # noqa: BLE001 - measuring must not fail the compile
+                self._unmeasured([c.node], e, "op")
+                continue
             self.place(c.node, faster is not None, faster or "")
-        self._evaluations.save()
+        self._save()
 
     def measure_in_graph(
         self,
@@ -325,13 +333,14 @@ class CapabilityChecker:
     ) -> T | None:
         """``in_graph.choose`` of the candidates of ``gm`` (annotated): the build of
         ``gm`` with them where its whole graph ran faster; None (``gm`` untouched) where
-        the graph cannot be timed in place."""
+        the graph cannot be timed in place, or where timing it failed (the candidates
+        keep their defaults, each carrying its ``cost.Unmeasured``)."""
         rule = self.candidates[0].rule
 
         def remembered(
             fingerprint: str, timing: Callable[[], tuple[float, float, float]]
         ) -> tuple[float, float, float]:
-            key = ("measured in its graph", cost.machine(), fingerprint)
+            key = ("measured in its graph", cost.times_key(), fingerprint)
             times = self._remembered(key, rule, timing)
             assert times is not None
             return times
@@ -342,14 +351,44 @@ class CapabilityChecker:
         except in_graph.NotTimed as e:
             log.info("cost choice not timed in its graph (%s): the op alone, or the default", e)
             return None
+        except Exception as e:  # noqa: BLE001 - measuring must not fail the compile
+            self._unmeasured(nodes, e, "graph")
+            return None
         finally:
+            self._save()
+
+    def _unmeasured(self, nodes: Sequence[torch.fx.Node], error: Exception, scope: str) -> None:
+        """Measuring ``nodes``' choice raised ``error``: they keep the verdicts of the
+        defaults, and each carries the failure (``cost.Unmeasured``) for the report."""
+        if not isinstance(error, cost.MeasureFailed):
+            error = cost.MeasureFailed("measuring", error)
+        log.warning(
+            "dynajax: measuring where %s runs failed (%s); it takes the default",
+            ", ".join(sorted({str(n.target) for n in nodes})),
+            error,
+        )
+        for node in nodes:
+            node.meta[cost.COST_KEY] = cost.Unmeasured(
+                str(node.target),
+                node.name,
+                str(error),
+                isinstance(verdict_of(node), Unsupported),
+                scope,
+            )
+
+    def _save(self) -> None:
+        """Stores what was measured (best effort: a cache that cannot be written
+        loses only the times)."""
+        try:
             self._evaluations.save()
+        except Exception as e:  # noqa: BLE001 - measuring must not fail the compile
+            log.warning("dynajax: the measured times could not be stored (%s)", e)
 
     def _measure(self, key: Any, rule: Rule) -> Measure:
         """cost.measure of a node with this evaluation key, remembered beside the
         evaluations (per machine)."""
         return lambda node: self._remembered(
-            ("measured", cost.machine(), key), rule, lambda: cost.measure(node, rule)
+            ("measured", cost.times_key(), key), rule, lambda: cost.measure(node, rule)
         )
 
     def _remembered(

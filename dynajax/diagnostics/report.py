@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch.fx
 
 from dynajax.capability import Reason, Unsupported, verdict_of
-from dynajax.capability.cost import COST_KEY, CostChoice
+from dynajax.capability.cost import COST_KEY, CostChoice, Unmeasured
 from dynajax.diagnostics.breaks import GraphBreak, short_location
 from dynajax.diagnostics.profile import GraphTimes
 from dynajax.diagnostics.recompiles import DynamoCompile
@@ -70,7 +70,8 @@ class GraphReport:
             recompile, the guard failures that caused it (``diagnostics/recompiles.py``);
             None when not compiled under Dynamo.
         cost_choices: the nodes whose place (XLA or a PyTorch kernel) was measured on
-            this machine (option ``measure_costs``): both times and the choice.
+            this machine (option ``measure_costs``): both times and the choice; or,
+            where measuring raised, the error and the default taken (``Unmeasured``).
     """
 
     kind: str
@@ -88,7 +89,7 @@ class GraphReport:
     aot: str = "traced"
     times: GraphTimes | None = None
     dynamo: DynamoCompile | None = None
-    cost_choices: list[CostChoice] = dataclasses.field(default_factory=list)
+    cost_choices: list[CostChoice | Unmeasured] = dataclasses.field(default_factory=list)
 
     @property
     def jax_ops(self) -> int:
@@ -192,7 +193,7 @@ def graph_report(
     """Builds the report of one graph from its annotated nodes and stitched module."""
     fallbacks: list[Unsupported] = []
     host: list[Unsupported] = []
-    costs: list[CostChoice] = []
+    costs: list[CostChoice | Unmeasured] = []
     aten_ops = 0
     for node in annotated:
         if node.op != "call_function" or node.target is operator.getitem:
@@ -293,7 +294,7 @@ class Report:
         return [f for g in self.graphs for f in g.fallbacks]
 
     @property
-    def cost_choices(self) -> list[CostChoice]:
+    def cost_choices(self) -> list[CostChoice | Unmeasured]:
         """The choices between XLA and a PyTorch kernel timed at the compiles."""
         return [c for g in self.graphs for c in g.cost_choices]
 

@@ -16,9 +16,10 @@ step first asks ``Watch.look()`` what changed since the last, and takes it up:
       captures (rebound, or written in place)          already compiled is reused)
     hyperparameters                                   read each step (``step.py``)
 
-The look is cheap: tuples of flags over lists made once, and the module tree is walked
-again only after some module anywhere registered a parameter, buffer or submodule
-(torch's global registration hooks count those, ``_registrations``).
+The look is cheap: flags and object identities read off lists made once (about 0.1 ms
+for GPT-2 small's 164 modules). It installs nothing in torch: global registration hooks
+would run inside a compiled model's forward (``ModuleList.__add__`` registers modules),
+where Dynamo traces them and guards on what they count.
 """
 
 from __future__ import annotations
@@ -31,27 +32,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-_REGISTRATIONS = [0]  # parameters, buffers and submodules registered anywhere, counted
-_HOOKED = [False]
-
-
-def _count(*_: Any) -> None:
-    _REGISTRATIONS[0] += 1
-
-
-def _registrations() -> int:
-    """The count of registrations so far; the hooks installed at the first call (not at
-    import: importing dynajax changes nothing of torch's)."""
-    if not _HOOKED[0]:
-        from torch.nn.modules import module
-
-        module.register_module_parameter_registration_hook(_count)
-        module.register_module_buffer_registration_hook(_count)
-        module.register_module_module_registration_hook(_count)
-        _HOOKED[0] = True
-    return _REGISTRATIONS[0]
-
 
 @dataclasses.dataclass
 class Changes:
@@ -97,19 +77,22 @@ class Watch:
         # The step's own tensors and modules are watched apart (a loss function may
         # capture the model itself).
         self.own = {id(t) for t in self.tensors} | {id(m) for m in self.modules}
-        self.seen = _registrations()
         self.members = self._members()
         self.groups = self._groups()
         self.layouts = self._layouts()
         self.flags = self._flags()
 
-    def _members(self) -> tuple[Any, ...]:
-        """The module tree's parameters, buffers and submodules, by name and identity."""
-        return (
-            tuple((n, id(p)) for n, p in self.model.named_parameters()),
-            tuple((n, id(b)) for n, b in self.model.named_buffers()),
-            tuple(id(m) for m in self.model.modules()),
-        )
+    def _members(self) -> list[Any]:
+        """Each watched module's parameters, buffers and submodules, by name and
+        identity (a new submodule shows in its parent's)."""
+        found: list[Any] = []
+        for m in self.modules:
+            found.append(None)  # (where one module's members end)
+            for members in (m._parameters, m._buffers, m._modules):
+                if members:
+                    found += members
+                    found += map(id, members.values())
+        return found
 
     def _groups(self) -> list[list[int]]:
         return [list(map(id, g["params"])) for g in self.optimizer.param_groups]
@@ -131,10 +114,8 @@ class Watch:
             reload = "the optimizer's param groups changed"
         elif self._layouts() != self.layouts:
             reload = "a parameter's or buffer's dtype or shape changed"
-        elif _registrations() != self.seen:
-            self.seen = _REGISTRATIONS[0]
-            if self._members() != self.members:
-                reload = "the module's parameters, buffers or submodules were replaced or added"
+        elif self._members() != self.members:
+            reload = "the module's parameters, buffers or submodules were replaced or added"
         flags = self._flags()
         retrace = None
         if flags != self.flags:
