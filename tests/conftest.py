@@ -5,14 +5,20 @@ import torch
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _private_compilation_cache(tmp_path_factory):
-    """The suite's persistent XLA cache and its signing key live in temporary
-    directories, never in ~/.cache or ~/.config (tests of the cache itself point
-    DYNAJAX_CACHE_DIR elsewhere)."""
-    saved = {k: os.environ.get(k) for k in ("DYNAJAX_CACHE_DIR", "XDG_CONFIG_HOME")}
-    os.environ["DYNAJAX_CACHE_DIR"] = str(tmp_path_factory.mktemp("dynajax-xla-cache"))
-    # The cache's signing key (XDG_CONFIG_HOME/dynajax/cache.key) too.
-    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("dynajax-config"))
+def _private_cache_and_config_homes(tmp_path_factory):
+    """The suite runs every option at its default: the persistent XLA cache is on, in
+    the default place under XDG_CACHE_HOME, and its signing key under XDG_CONFIG_HOME.
+    Both homes are temporary directories of the session, never the user's ~/.cache or
+    ~/.config (tests of the cache itself point DYNAJAX_CACHE_DIR elsewhere). A
+    ``DYNAJAX_*`` variable of the shell that runs the suite is set aside for it."""
+    names = [
+        "XDG_CACHE_HOME",
+        "XDG_CONFIG_HOME",
+        *(k for k in os.environ if k.startswith("DYNAJAX_")),
+    ]
+    saved = {k: os.environ.pop(k, None) for k in names}
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache-home"))
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config-home"))
     yield
     for key, value in saved.items():
         if value is None:

@@ -4,9 +4,11 @@
 and buffers are *released*: each tensor object (the one the optimizer and the user hold)
 is swapped, with ``torch.utils.swap_tensors``, for a meta tensor of the same shape and
 dtype, so the host keeps one copy of the state, not two. The module comes back whole
-by itself when the user reaches it through the module: calling any of its modules,
-``state_dict()``, ``load_state_dict()`` (and the optimizer's ``state_dict()``) sync it
-first; ``step.sync()`` does so explicitly (before reading a parameter directly). An
+by itself when the user reaches it through the module: calling any of its modules
+(eagerly, or compiled: ``torch.compile(model)`` served between steps), ``state_dict()``,
+``load_state_dict()`` (and the optimizer's ``state_dict()``) sync it first;
+``step.sync()`` does so explicitly (before reading a parameter directly, or before a
+compiled function that calls the module: its trace would read the released tensors). An
 in-place edit of a released tensor is refused at the next step, with the advice to
 sync first; an edit of a synced module is taken up at the next step (version counters).
 """
@@ -14,6 +16,7 @@ sync first; an edit of a synced module is taken up at the next step (version cou
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,15 +58,13 @@ class ModuleView:
         self.devices = [t.device for t in self.tensors]
         self._versions = self.versions()
         self._handles: list[Any] = []
+        self._released_handles: list[Any] = []  # the module's own hooks, while released
 
         def sync_first(*_: Any, **__: Any) -> None:
             if self.released and not self.quiet:
                 sync()
 
-        for module in model.modules():
-            self._handles.append(module.register_forward_pre_hook(sync_first))
-            self._handles.append(module.register_state_dict_pre_hook(sync_first))
-            self._handles.append(module.register_load_state_dict_pre_hook(sync_first))
+        self.sync_first = sync_first
         self._handles.append(optimizer.register_state_dict_pre_hook(sync_first))
         self._handles.append(optimizer.register_load_state_dict_pre_hook(sync_first))
 
@@ -72,8 +73,29 @@ class ModuleView:
 
         self._handles.append(optimizer.register_load_state_dict_post_hook(loaded))
 
+    def _hook_module(self) -> None:
+        """What syncs the released module when the user reaches it: a call of it or of
+        any of its modules (``_released``, and a compiled one's wrapper), its
+        ``state_dict()`` and ``load_state_dict()`` (its own hooks). Only while it is
+        released."""
+        hook = self.sync_first
+        for module in self.model.modules():
+            _RELEASED[module] = weakref.ref(self)
+            self._released_handles.append(module.register_state_dict_pre_hook(hook))
+            self._released_handles.append(module.register_load_state_dict_pre_hook(hook))
+        _hook_calls()
+
+    def _unhook_module(self) -> None:
+        for module in self.model.modules():
+            _RELEASED.pop(module, None)
+        for h in self._released_handles:
+            h.remove()
+        self._released_handles.clear()
+        _unhook_calls()
+
     def detach(self) -> None:
         """Removes the hooks (the module must be whole: call after a sync)."""
+        self._unhook_module()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -133,6 +155,7 @@ class ModuleView:
                 if isinstance(value, torch.Tensor) and value.device.type != "meta":
                     state[key] = torch.empty_like(value, device="meta")
         self.released = True
+        self._hook_module()
         self.record()
 
     def restore(self, values: Sequence[torch.Tensor]) -> None:
@@ -149,6 +172,7 @@ class ModuleView:
                 else:
                     t.copy_(v)
         self.released = False
+        self._unhook_module()
         self.record()
 
     @contextlib.contextmanager
@@ -160,6 +184,39 @@ class ModuleView:
             yield
         finally:
             self.quiet -= 1
+
+
+# The released modules (each submodule too), and the view that syncs each.
+_RELEASED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ModuleView]] = (
+    weakref.WeakKeyDictionary()
+)
+_CALL_HOOK: list[Any] = []  # the global forward pre-hook's handle, while one is released
+
+
+def _sync_released(module: nn.Module, args: Any) -> None:
+    """Syncs the released module called (or the module a compiled one wraps:
+    ``torch.compile(model)`` calls this hook with its wrapper before Dynamo's frame,
+    which then reads and guards on whole tensors). Inside a compiled forward it traces
+    to nothing: no guard, no graph break."""
+    if torch.compiler.is_compiling():
+        return
+    ref = _RELEASED.get(getattr(module, "_orig_mod", module))
+    view = ref() if ref is not None else None
+    if view is not None:
+        view.sync_first()
+
+
+def _hook_calls() -> None:
+    """The global forward pre-hook, while a module is released: a compiled module's
+    wrapper is not one of the model's modules, and a hook of the model's own runs
+    inside Dynamo's frame, after its guards read the released tensors."""
+    if not _CALL_HOOK:
+        _CALL_HOOK.append(nn.modules.module.register_module_forward_pre_hook(_sync_released))
+
+
+def _unhook_calls() -> None:
+    if _CALL_HOOK and not _RELEASED:
+        _CALL_HOOK.pop().remove()
 
 
 def _unreleasable(t: torch.Tensor) -> str | None:

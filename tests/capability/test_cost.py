@@ -5,6 +5,8 @@ and shown in the report."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -279,3 +281,153 @@ def test_a_graph_with_large_inputs_is_not_copied_to_be_timed(monkeypatch) -> Non
     report = _compile(*_layer_and_input(), measure_costs=True)
     (choice,) = _choices(report)
     assert choice.scope == "op"
+
+
+def _layouts() -> dict[str, torch.Tensor]:
+    base = torch.arange(40.0)
+    return {
+        "expanded": torch.tensor(5).expand(2),  # diffusers' timestep, t.expand(batch)
+        "expanded rows": torch.randn(1, 8).expand(4, 8),
+        "overlapping": base.as_strided((4, 5), (2, 1)),
+        "transposed": torch.randn(3, 5).t(),
+        "stepped": base[1::3],
+        "offset": base[7:19].view(3, 4),
+        "channels_last": torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last),
+        "zero-size": torch.randn(3, 0, 2),
+        "0-dim": torch.tensor(2.5),
+        "int64": torch.arange(6).expand(2, 6),
+    }
+
+
+@pytest.mark.parametrize("name", list(_layouts()))
+def test_stand_in_inputs_keep_the_real_layout_without_writing_through_it(name: str) -> None:
+    x = _layouts()[name]
+    (stand_in,) = in_graph.concrete_inputs([x])
+    assert (stand_in.shape, stand_in.stride(), stand_in.dtype) == (x.shape, x.stride(), x.dtype)
+    assert stand_in.storage_offset() == x.storage_offset()
+    if x.numel():
+        assert stand_in.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    assert torch.isfinite(stand_in.float()).all()
+
+
+class _Denoiser(nn.Module):
+    """A diffusion model's first blocks: convolutions and a timestep embedding, the
+    timestep passed as diffusers passes it (``t.expand(batch)``, stride 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(4, 32, 3, padding=1)
+        self.c2 = nn.Conv2d(32, 32, 3, padding=1)
+        self.e = nn.Linear(1, 32)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x) + self.e(t.float()[:, None])[:, :, None, None]
+        return self.c2(torch.relu(h))
+
+
+def _denoiser_inputs() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return _Denoiser().eval(), torch.randn(2, 4, 16, 16), torch.tensor(5).expand(2)
+
+
+def test_an_expanded_input_beside_convolutions_is_timed_with_the_default_options() -> None:
+    """``torch.compile(model, backend="dynajax")`` and nothing else: the graph's
+    convolutions are timed in place, on stand-ins laid out as the expanded timestep."""
+    model, x, t = _denoiser_inputs()
+    backend = dynajax.Backend()
+    assert backend.options.measure_costs  # the default
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x, t)
+        assert_same(out, model(x, t))
+    (choice,) = dynajax.Report(list(backend.graphs)).cost_choices
+    assert isinstance(choice, cost.CostChoice) and choice.scope == "graph"
+    assert choice.pytorch_s > 0 and choice.xla_s > 0
+
+
+def _fail(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("planted failure")
+
+
+# Each stage of measuring a graph: (what is replaced by _fail, the stage the report names).
+_GRAPH_STAGES = {
+    "stand-ins": ((cost, "random_tensor"), "building the stand-in inputs"),
+    "copy": ((in_graph, "copy_graph"), "building its partitions both ways"),
+    "build": (("dynajax.backend.Backend", "_partitioned"), "building its partitions both ways"),
+    "compile and time": ((in_graph, "time_both"), "compiling and timing both builds"),
+    "timing": ((cost, "median_times"), "compiling and timing both builds"),
+    "fingerprint": ((in_graph, "fingerprint"), "remembering the times"),
+}
+
+
+def _plant(monkeypatch, where: tuple[object, str]) -> None:  # type: ignore[no-untyped-def]
+    owner, name = where
+    if isinstance(owner, str):  # a class, whose method fails only while measuring
+        from dynajax.backend import Backend
+
+        original = Backend._partitioned
+        calls = []
+
+        def once_fails(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            if len(calls) == 1:
+                _fail()
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Backend, name, once_fails)
+    elif owner is cost and name == "jax":  # jax.jit, as cost.py sees it (JAX's own stays)
+        jax = cost.jax
+        shim = types.SimpleNamespace(
+            jit=_fail, numpy=jax.numpy, block_until_ready=jax.block_until_ready
+        )
+        monkeypatch.setattr(cost, "jax", shim)
+    else:
+        monkeypatch.setattr(owner, name, _fail)
+
+
+@pytest.mark.parametrize("stage", list(_GRAPH_STAGES))
+def test_a_failure_in_any_stage_of_timing_a_graph_takes_the_default(monkeypatch, stage) -> None:  # type: ignore[no-untyped-def]
+    """Measuring never fails a compile: the convolutions take the default (XLA), the
+    answer is eager's, and the report names the op and the error."""
+    where, named = _GRAPH_STAGES[stage]
+    _plant(monkeypatch, where)
+    model, x, t = _denoiser_inputs()
+    backend = dynajax.Backend()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x, t)
+        assert_same(out, model(x, t))
+    report = dynajax.Report(list(backend.graphs))
+    choices = report.cost_choices
+    assert [c.node for c in choices] == ["convolution", "convolution_1"]
+    for c in choices:
+        assert isinstance(c, cost.Unmeasured) and c.scope == "graph" and not c.in_pytorch
+        assert named in c.error and "RuntimeError: planted failure" in c.error
+    assert [f for f in report.fallbacks if f.reason is Reason.PERF] == []
+    assert sum(p.op_count for g in report.graphs for p in g.partitions) == report.aten_ops
+    text = str(report)
+    assert "aten.convolution.default  convolution  not measured (timing its graph:" in text
+    assert "planted failure): runs in JAX, the default" in text
+
+
+_OP_STAGES = {
+    "stand-ins": ((cost, "random_tensor"), "building the stand-in inputs"),
+    "program": ((cost, "jax"), "building XLA's program"),
+    "timing": ((cost, "median_times"), "compiling and timing both"),
+}
+
+
+@pytest.mark.parametrize("stage", list(_OP_STAGES))
+def test_a_failure_in_any_stage_of_timing_an_op_alone_takes_the_default(monkeypatch, stage) -> None:  # type: ignore[no-untyped-def]
+    """Beside a user's op the graph is not timed: the encoder layer is timed alone, and
+    a failure there leaves the layer where the defaults put it (JAX, at this size)."""
+    where, named = _OP_STAGES[stage]
+    layer, x = _layer_and_input()
+    model = _WithUserOp(layer)
+    _plant(monkeypatch, where)
+    report = _compile(model, x)
+    (choice,) = report.cost_choices
+    assert isinstance(choice, cost.Unmeasured) and choice.scope == "op"
+    assert choice.op == "aten._transformer_encoder_layer_fwd.default"
+    assert named in choice.error and "planted failure" in choice.error
+    assert not choice.in_pytorch
+    assert [f for f in report.fallbacks if f.reason is Reason.PERF] == []
+    assert "not measured (timing the op:" in str(report)

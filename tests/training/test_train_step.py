@@ -257,6 +257,49 @@ def test_the_module_syncs_itself_when_the_user_reaches_it() -> None:
     assert our_opt.state_dict()["state"][0]["exp_avg"].device.type == "cpu"  # synced too
 
 
+class _Head(nn.Module):
+    """A model of the user's own class (Dynamo's frame is its forward; the hooks of a
+    torch.nn container like ``nn.Sequential`` run inside the frame instead)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).tanh()
+
+
+@pytest.mark.parametrize("kind", ["sequential", "own class"])
+def test_a_compiled_model_served_between_steps_syncs_and_never_recompiles(kind: str) -> None:
+    """Train, then serve the same module through ``torch.compile``, then train on:
+    the compiled model sees whole tensors (it syncs first), gives the eager twin's
+    answer, and compiles once, whatever the steps do to the module between calls."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    ours = mlp() if kind == "sequential" else _Head()
+    eager = copy.deepcopy(ours)
+    our_opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, eager))
+    step = dynajax.train_step(ours, our_opt, regression)
+    served = torch.compile(ours, backend="dynajax")
+    before = counters["stats"]["unique_graphs"]
+    for epoch in range(3):
+        for x, y in _batches("mlp")[epoch : epoch + 2]:
+            step(x, y)
+            eager_opt.zero_grad()
+            regression(eager, x, y).backward()
+            eager_opt.step()
+        if epoch == 0:  # released by the step (once served, the compiled model holds
+            # the tensors, and the step keeps them whole: step.report() says so)
+            assert next(ours.parameters()).device.type == "meta"
+        with torch.no_grad():
+            for x, _ in _batches("mlp")[:2]:
+                assert_same(served(x), eager(x), model=True)
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 def test_a_state_loaded_into_module_and_optimizer_rewinds_the_run() -> None:
     import copy
 
