@@ -16,6 +16,7 @@ sync first; an edit of a synced module is taken up at the next step (version cou
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -190,7 +191,9 @@ class ModuleView:
 _RELEASED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ModuleView]] = (
     weakref.WeakKeyDictionary()
 )
-_CALL_HOOK: list[Any] = []  # the global forward pre-hook's handle, while one is released
+# The global forward pre-hook's handle and its warnings filter, while one is released.
+_CALL_HOOK: list[Any] = []
+_GLOBAL_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
 def _sync_released(module: nn.Module, args: Any) -> None:
@@ -212,10 +215,17 @@ def _hook_calls() -> None:
     inside Dynamo's frame, after its guards read the released tensors."""
     if not _CALL_HOOK:
         _CALL_HOOK.append(nn.modules.module.register_module_forward_pre_hook(_sync_released))
+        # torch warns at each compiled module's call that global hooks fire for its
+        # wrapper too: that is this hook's purpose, so not the user's concern.
+        warnings.filterwarnings("ignore", _GLOBAL_HOOKS_WARNING, UserWarning)
+        _CALL_HOOK.append(warnings.filters[0])
 
 
 def _unhook_calls() -> None:
     if _CALL_HOOK and not _RELEASED:
+        entry = _CALL_HOOK.pop()
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)  # type: ignore[attr-defined]
         _CALL_HOOK.pop().remove()
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+
 @dataclasses.dataclass
 class Changes:
     """What ``Watch.look`` found.
