@@ -227,7 +227,7 @@ def test_disabled_cache_writes_nothing(tmp_path, monkeypatch) -> None:
 def test_default_directory(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_cache_dir() == tmp_path / "dynajax" / "xla"
-    monkeypatch.delenv("DYNAJAX_CACHE_DIR")
+    monkeypatch.delenv("DYNAJAX_CACHE_DIR", raising=False)
     assert dynajax.Backend().cache.directory == tmp_path / "dynajax" / "xla"
     assert dynajax.Backend(cache_dir=str(tmp_path / "x")).cache.directory == tmp_path / "x"
 
