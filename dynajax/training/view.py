@@ -191,8 +191,9 @@ class ModuleView:
 _RELEASED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ModuleView]] = (
     weakref.WeakKeyDictionary()
 )
-# The global forward pre-hook's handle and its warnings filter, while one is released.
-_CALL_HOOK: list[Any] = []
+# While a module is released: the global forward pre-hook's handle and the warnings
+# filter entry installed with it (one pair, or none).
+_CALL_HOOK: list[tuple[Any, Any]] = []
 _GLOBAL_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
@@ -214,19 +215,19 @@ def _hook_calls() -> None:
     wrapper is not one of the model's modules, and a hook of the model's own runs
     inside Dynamo's frame, after its guards read the released tensors."""
     if not _CALL_HOOK:
-        _CALL_HOOK.append(nn.modules.module.register_module_forward_pre_hook(_sync_released))
+        handle = nn.modules.module.register_module_forward_pre_hook(_sync_released)
         # torch warns at each compiled module's call that global hooks fire for its
         # wrapper too: that is this hook's purpose, so not the user's concern.
         warnings.filterwarnings("ignore", _GLOBAL_HOOKS_WARNING, UserWarning)
-        _CALL_HOOK.append(warnings.filters[0])
+        _CALL_HOOK.append((handle, warnings.filters[0]))
 
 
 def _unhook_calls() -> None:
     if _CALL_HOOK and not _RELEASED:
-        entry = _CALL_HOOK.pop()
+        handle, entry = _CALL_HOOK.pop()
+        handle.remove()
         if entry in warnings.filters:
             warnings.filters.remove(entry)  # type: ignore[attr-defined]
-        _CALL_HOOK.pop().remove()
 
 
 def _unreleasable(t: torch.Tensor) -> str | None:
