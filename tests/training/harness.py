@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import dynajax
-from tests.helpers import param_grads
+from tests.helpers import measured_faster, param_grads
 from tests.tolerances import assert_same
 
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
@@ -68,15 +68,20 @@ def compare_training(
 ) -> tuple[dynajax.Backend, Trace]:
     """Trains an eager and a compiled copy of the same model; asserts they agree.
 
+    The cost choices measured at the first compile come out XLA-faster (the measuring
+    runs, its times are fixed: ``measured_faster``), so that every op's forward and
+    backward rules are trained through on any CPU (``assert_all_in_jax``).
+
     Returns the backend (for its graph reports) and the compiled run's trace."""
     torch.manual_seed(0)
     eager_model = make_model()
     compiled_model = copy.deepcopy(eager_model)
     backend = dynajax.Backend()
     expected = train(eager_model, batches, loss_fn, make_opt)
-    actual = train(
-        compiled_model, batches, loss_fn, make_opt, backend=backend, compile_step=compile_step
-    )
+    with measured_faster("xla"):
+        actual = train(
+            compiled_model, batches, loss_fn, make_opt, backend=backend, compile_step=compile_step
+        )
     for i, (a, e) in enumerate(zip(actual.losses, expected.losses, strict=True)):
         assert_same(a, e, model=True, path=f"loss[step {i}]")
     assert_same(actual.grads, expected.grads, model=True, path="grad")
