@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -29,7 +30,13 @@ def _private_cache_and_config_homes(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    """Each test compiles from scratch, so compiled state never leaks between tests."""
+    """Each test compiles from scratch, so compiled state never leaks between tests;
+    a module a test's ``train_step`` released is collected with the test (a model and
+    its step form a cycle), so its global hook does not outlive the test."""
+    from dynajax.training import view
+
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+    if view._CALL_HOOK:
+        gc.collect()

@@ -78,8 +78,15 @@ _REFUSED = {
 }
 
 # The step that holds each module's state (the last one to run on it): a second step
-# over the same module takes it over, the first one syncing and letting go.
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, TrainStep] = weakref.WeakKeyDictionary()
+# over the same module takes it over, the first one syncing and letting go. Weak both
+# ways: a released module keeps its step alive through the hooks that sync it (its
+# values are the step's), and a module and step the user dropped are collected.
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TrainStep]] = weakref.WeakKeyDictionary()
+
+
+def _owner(model: nn.Module) -> TrainStep | None:
+    ref = _OWNERS.get(model)
+    return ref() if ref is not None else None
 
 
 @contextlib.contextmanager
@@ -180,7 +187,7 @@ class TrainStep:
         self.frozen: list[jax.Array] = []
         self.buffers: list[jax.Array] = []
         self.state: dict[StateKey, jax.Array] = {}
-        owner = _OWNERS.get(model)
+        owner = _owner(model)
         if owner is not None:
             owner._let_go()  # the module whole: its tensors say where the step runs
         self._placement = placement_of(list(model.parameters()), device, mesh, sharding)
@@ -236,12 +243,12 @@ class TrainStep:
         """Makes this step the holder of the module's state: a step that held it
         before syncs and lets go, and this one loads the module's and optimizer's
         current values (their tensors, param groups and values as they are now)."""
-        owner = _OWNERS.get(self.model)
+        owner = _owner(self.model)
         if owner is self and self._view is not None:
             return
         if owner is not None and owner is not self:
             owner._let_go()
-        _OWNERS[self.model] = self
+        _OWNERS[self.model] = weakref.ref(self)
         self._members()
         tensors = [*self._params, *self._frozen, *self._buffers]
         self._view = ModuleView(self.model, self.optimizer, tensors, self.sync, self.release_module)

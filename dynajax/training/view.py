@@ -82,6 +82,9 @@ class ModuleView:
         hook = self.sync_first
         for module in self.model.modules():
             _RELEASED[module] = weakref.ref(self)
+            if module not in _WATCHED:  # (one finalizer per module, not one per step)
+                _WATCHED.add(module)
+                weakref.finalize(module, _unhook_calls).atexit = False
             self._released_handles.append(module.register_state_dict_pre_hook(hook))
             self._released_handles.append(module.register_load_state_dict_pre_hook(hook))
         _hook_calls()
@@ -194,6 +197,9 @@ _RELEASED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ModuleView]] = (
 # While a module is released: the global forward pre-hook's handle and the warnings
 # filter entry installed with it (one pair, or none).
 _CALL_HOOK: list[tuple[Any, Any]] = []
+# The modules ever released, each with a finalizer that takes the global hook away once
+# no released module is left alive (a model dropped with its step, never synced).
+_WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _GLOBAL_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
 
@@ -204,9 +210,15 @@ def _sync_released(module: nn.Module, args: Any) -> None:
     to nothing: no guard, no graph break."""
     if torch.compiler.is_compiling():
         return
-    ref = _RELEASED.get(getattr(module, "_orig_mod", module))
-    view = ref() if ref is not None else None
-    if view is not None:
+    target = getattr(module, "_orig_mod", module)
+    ref = _RELEASED.get(target)
+    if ref is None:
+        return
+    view = ref()
+    if view is None:  # its step is gone: nothing to sync
+        _RELEASED.pop(target, None)
+        _unhook_calls()
+    else:
         view.sync_first()
 
 
@@ -223,7 +235,8 @@ def _hook_calls() -> None:
 
 
 def _unhook_calls() -> None:
-    if _CALL_HOOK and not _RELEASED:
+    """Takes the global hook away once no module is released (alive, with its step)."""
+    if _CALL_HOOK and not any(ref() is not None for ref in _RELEASED.values()):
         handle, entry = _CALL_HOOK.pop()
         handle.remove()
         if entry in warnings.filters:

@@ -300,6 +300,32 @@ def test_a_compiled_model_served_between_steps_syncs_and_never_recompiles(kind: 
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
+def test_a_released_model_dropped_unsynced_leaves_no_global_hook() -> None:
+    """While a module is released, a global forward pre-hook syncs it before a
+    compiled wrapper's frame; once no released module is left (the model and its step
+    dropped without a sync), the hook is gone, and torch.compile no longer warns of
+    global hooks at each compiled module's call, whatever the warnings filters."""
+    import gc
+    import warnings
+
+    from torch.nn.modules.module import _has_any_global_hook
+
+    torch.manual_seed(0)
+    gc.collect()  # (what earlier tests released)
+    assert not _has_any_global_hook()
+    model = mlp()
+    step = dynajax.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), regression)
+    step(*_batches("mlp")[0])
+    assert next(model.parameters()).device.type == "meta" and _has_any_global_hook()
+    del model, step
+    gc.collect()
+    assert not _has_any_global_hook()
+    other = mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a filter dynajax installed would be reset here)
+        torch.compile(other, backend="dynajax")(torch.randn(2, 16))
+
+
 def test_a_state_loaded_into_module_and_optimizer_rewinds_the_run() -> None:
     import copy
 
