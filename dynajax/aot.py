@@ -53,6 +53,10 @@ the correction before calling the decomposition.
 which is 0 for a NaN difference; eager's kernel tests ``x <= -beta`` and ``x >= beta``
 and otherwise returns ``x / beta``, NaN for NaN. The correction follows the kernel.
 
+``nll_loss_backward``'s (and ``nll_loss2d_backward``'s) decomposition multiplies a
+one-hot of the targets by the incoming gradient, so a NaN gradient reaches every class;
+eager's kernel writes only the targets' entries. The correction zeroes the others.
+
 ``huber_loss``'s decomposition promotes its input and target and returns the promoted
 dtype; eager's kernel computes in the promoted dtype (bfloat16 too, with ``delta``
 rounded to it; float16 in float32) but stores each element's loss in the input's dtype before
@@ -122,7 +126,10 @@ FUSED_KERNELS: tuple[torch._ops.OpOverload, ...] = (
 # Ops kept whole (not decomposed) because eager's kernel raises on argument values that
 # the decomposition accepts, and the op's rule checks them (lowering/checks.py):
 # bernoulli(p) decomposes to rand < p, which takes any p; eager requires 0 <= p <= 1.
-CHECKED_KERNELS: tuple[torch._ops.OpOverload, ...] = (aten.bernoulli.default,)
+CHECKED_KERNELS: tuple[torch._ops.OpOverload, ...] = (
+    aten.bernoulli.default,
+    aten.index_add.default,
+)
 
 
 # -- corrections ---------------------------------------------------------------------------
@@ -160,7 +167,7 @@ def _flash_attention_for_cpu_backward(
             s = s.masked_fill(~attn_mask, float("-inf"))
         else:
             s = s + attn_mask.to(compute)
-    p = torch.softmax(s, dim=-1)
+    p = torch._safe_softmax(s, -1)  # a fully masked row: weights 0, as eager's kernel
     grad_v = torch.matmul(p.transpose(-2, -1), g)
     dp = torch.matmul(g, v.transpose(-2, -1))
     ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True))
@@ -255,9 +262,56 @@ def _flash_attention_for_cpu(
     or the JAX rule (``lowering/attention.py``)."""
     if attention.whole(query, key, dropout_p):  # the op is CPU-only
         return NotImplemented
+    if is_causal and attn_mask is None and dropout_p == 0.0:
+        out, weights = causal_math_attention(
+            query, key, value, scale, enable_gqa=query.size(1) != key.size(1)
+        )
+        # (the fused kernel's layout, as PyTorch's decomposition gives it)
+        out = out.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+        return out, weights
     return _decomposition(aten._scaled_dot_product_flash_attention_for_cpu.default)(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
+
+
+def causal_math_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+    *,
+    enable_gqa: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's math attention with ``is_causal=True`` (``_scaled_dot_product_-
+    attention_math``: its scaling, its float32 compute for float16/bfloat16, its safe
+    softmax, op for op, so the same rounding), except that the scores past the causal
+    window are set to -inf where the math kernel adds -inf to them. Eager's fused
+    kernels never read those keys: a NaN or infinite key past a query's window leaves
+    that query's row alone in eager, where ``nan + -inf`` made it NaN. Returns the
+    output and the attention weights (the math kernel's second output)."""
+    dtype = query.dtype
+    upcast = dtype in (torch.float16, torch.bfloat16)
+    if upcast and not torch._C._get_math_sdp_allow_fp16_bf16_reduction():
+        query, key, value = (t.to(torch.float32) for t in (query, key, value))
+    else:
+        upcast = False
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.size(-1))
+    factor = math.sqrt(abs(scale))
+    query = query * (-factor if scale < 0 else factor)
+    if enable_gqa and query.size(-3) != key.size(-3):
+        repeats = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(repeats, dim=-3)
+        value = value.repeat_interleave(repeats, dim=-3)
+    scores = torch.matmul(query, key.transpose(-2, -1) * factor)
+    length, source = query.size(-2), key.size(-2)
+    window = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+    scores = torch.where(window, scores, float("-inf"))
+    weights = torch._safe_softmax(scores, -1)
+    out = torch.matmul(weights, value)
+    if upcast:
+        return out.to(dtype), weights.to(dtype)
+    return out, weights
 
 
 def _gelu_backward(
@@ -298,6 +352,42 @@ def _nll_loss_forward(
     if self.dim() == 1 and reduction == 0:  # 0: Reduction.NONE
         output = torch.where(output == 0, 0.0, output)
     return output, total_weight
+
+
+def _nll_loss_backward_of(op: Any) -> Callable[..., Any]:
+    """PyTorch's decomposition of ``op`` (``nll_loss_backward`` or its 2-D form), which
+    multiplies a one-hot of the targets by the incoming gradient, with eager's zeros
+    off the targets: eager's kernel writes ``-w * grad`` at each sample's target and
+    leaves the rest 0, so a NaN or infinite gradient (``sqrt`` of a negative loss)
+    would reach every class where eager's is NaN at the targets only. The
+    decomposition's scatter stays, and with it the targets' check."""
+
+    def backward(
+        grad_output: torch.Tensor,
+        self: torch.Tensor,
+        target: torch.Tensor,
+        weight: torch.Tensor | None,
+        reduction: int,
+        ignore_index: int,
+        total_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        grad_input = _decomposition(op)(
+            grad_output, self, target, weight, reduction, ignore_index, total_weight
+        )
+        channel_dim = 0 if self.dim() < 2 else 1
+        if self.dim() == 1 and target.dim() > 0:  # the kernel reads target[0] only
+            target = target[0]
+        target = target.unsqueeze(channel_dim)
+        shape = [-1 if d == channel_dim else 1 for d in range(self.dim())]
+        classes = torch.arange(self.shape[channel_dim], device=self.device).reshape(shape)
+        written = (target == classes) & (target != ignore_index)
+        return torch.where(written, grad_input, 0.0)
+
+    return backward
+
+
+_nll_loss_backward = _nll_loss_backward_of(aten.nll_loss_backward.default)
+_nll_loss2d_backward = _nll_loss_backward_of(aten.nll_loss2d_backward.default)
 
 
 def _mixed(x: torch.Tensor, params: Sequence[Any]) -> bool:
@@ -381,6 +471,8 @@ def corrections() -> dict[Any, Callable[..., Any]]:
         aten.huber_loss.default: _huber_loss,
         aten.gelu_backward.default: _gelu_backward,
         aten.nll_loss_forward.default: _nll_loss_forward,
+        aten.nll_loss_backward.default: _nll_loss_backward,
+        aten.nll_loss2d_backward.default: _nll_loss2d_backward,
     }
     if hasattr(aten, "cholesky"):  # removed in torch 2.14 (torch.cholesky is deprecated)
         table[aten.cholesky.default] = _cholesky

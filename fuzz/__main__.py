@@ -14,13 +14,23 @@ aborts the process on some) is a ``crash`` failure, and a new child goes on afte
 
 ``--through train_step`` checks whole training runs instead (``fuzz/training.py``):
 ``dynajax.train_step`` against the eager loop; ``--programs`` counts runs there.
+
+Every option is at its default (the persistent cache on, cost choices measured), with
+the cache and its signing key under temporary ``XDG_CACHE_HOME``/``XDG_CONFIG_HOME``
+directories of the run (its children's too), removed at its end: random programs would
+fill the user's cache with executables no one reuses.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from fuzz import through_jax, training
@@ -74,8 +84,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--state", help=argparse.SUPPRESS)  # a child's summary so far
     args = parser.parse_args(argv)
-    if args.through == "train_step":
-        return _train_step(parser, args)
+    with _temporary_homes(args.state is None):  # (a child runs in its parent's)
+        if args.through == "train_step":
+            return _train_step(parser, args)
+        return _check_programs(parser, args)
+
+
+@contextlib.contextmanager
+def _temporary_homes(make: bool) -> Iterator[None]:
+    """With ``make``, the cache and config homes (``XDG_*``) are temporary directories
+    while the run lasts; children inherit them."""
+    if not make:
+        yield
+        return
+    names = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+    saved = {name: os.environ.get(name) for name in names}
+    root = tempfile.mkdtemp(prefix="dynajax-fuzz-")
+    try:
+        for name in names:
+            os.environ[name] = os.path.join(root, name.lower())
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _check_programs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The backend and ``jax_function`` modes: random programs against eager."""
     backend: Any = {"backend": dynajax_backend, "jax_function": through_jax.BACKEND}[args.through]
     if args.replay:
         return _replay(args.replay, backend)

@@ -34,13 +34,15 @@ from fuzz.check import (
     Backend,
     Mismatch,
     Outcome,
+    _normalize,
     check,
     dynajax_backend,
+    error_text,
     fails_like,
 )
 from fuzz.generate import generate, program_seed
 from fuzz.known_bugs import KNOWN_BUGS
-from fuzz.program import Program
+from fuzz.program import CONTIGUOUS, INPUT, Program
 from fuzz.reproducer import write_reproducer
 from fuzz.shrink import ShrinkStats, shrink
 
@@ -86,6 +88,8 @@ class Summary:
     failures: dict[str, Failure] = dataclasses.field(default_factory=dict)
     warnings: dict[str, int] = dataclasses.field(default_factory=dict)
     out_dir: str = ""
+    features: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    measured: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def new_failures(self) -> list[Failure]:
@@ -115,6 +119,13 @@ class Summary:
         if self.allowances:
             used = ", ".join(f"{k} in {n}" for k, n in sorted(self.allowances.items()))
             out.append(f"  allowances used (programs): {used}")
+        for title, counter in (
+            ("inputs (programs with one)", self.features),
+            ("choices measured at the first compile", self.measured),
+        ):
+            if counter:
+                counts = ", ".join(f"{k} {n}" for k, n in sorted(counter.items()))
+                out.append(f"  {title}: {counts}")
         if self.warnings:
             out.append("  dynajax warnings (not failures; first program of each):")
             out += [f"    {w[:160]}  (program {i})" for w, i in self.warnings.items()]
@@ -144,6 +155,8 @@ class Summary:
             "jax_ops": self.jax_ops,
             "failures": [dataclasses.asdict(f) for f in self.failures.values()],
             "warnings": self.warnings,
+            "features": dict(self.features),
+            "measured": dict(self.measured),
         }
         return json.dumps(data, indent=1, sort_keys=True)
 
@@ -166,6 +179,8 @@ class Summary:
             failures=failures,
             warnings=data["warnings"],
             out_dir=out_dir,
+            features=collections.Counter(data.get("features", {})),
+            measured=collections.Counter(data.get("measured", {})),
         )
 
 
@@ -240,7 +255,10 @@ def run(
         program = generate(program_seed(seed, index), max_ops=max_ops)
         if checking is not None:
             checking.write_text(json.dumps({"index": index, **json.loads(program.to_json())}))
-        outcome = check(program, backend)
+        try:
+            outcome = check(program, backend)
+        except Exception as e:  # the harness itself: a failure to look at, not the run's end
+            outcome = harness_failure(e)
         _record(summary, index, program, outcome, directory, shrink_seconds, backend, log)
         index += 1
         summary.programs = done_before + index - start
@@ -259,6 +277,14 @@ def run(
     if state is None:
         _write_summary(summary, directory)
     return summary
+
+
+def harness_failure(error: Exception) -> Outcome:
+    """The outcome of a check that raised itself (not the program under test): a
+    ``harness`` failure, so that the run records it and goes on."""
+    text = error_text(error)
+    sig = f"harness:{type(error).__name__}:{_normalize(str(error))[:50]}"
+    return Outcome(FAIL, Mismatch("harness", "the checker", "-", text), signature=sig)
 
 
 def _write_summary(summary: Summary, directory: pathlib.Path | None) -> None:
@@ -387,6 +413,22 @@ def _record_death(
     log(f"    reproducer: {path}")
 
 
+def features(program: Program) -> set[str]:
+    """What a program's inputs are, for the summary: their layouts other than
+    contiguous, 0-dim and zero-size ones, out-of-range indices, a module's state."""
+    out = {spec.layout for spec in program.inputs if spec.layout != CONTIGUOUS}
+    for spec in program.inputs:
+        if spec.shape == ():
+            out.add("0-dim")
+        elif 0 in spec.shape:
+            out.add("zero-size")
+        if spec.bad:
+            out.add("index out of range")
+        if spec.role != INPUT:
+            out.add(spec.role)
+    return out
+
+
 def _record(
     summary: Summary,
     index: int,
@@ -400,9 +442,11 @@ def _record(
     summary.statuses[outcome.status] += 1
     for allowance in outcome.accepted:
         summary.allowances[allowance] += 1
+    summary.features.update(features(program))
     if outcome.verdict is not None:
         summary.aten_ops += outcome.verdict.aten_ops
         summary.jax_ops += outcome.verdict.jax_ops
+        summary.measured.update(outcome.verdict.measured)
         for message in outcome.verdict.warnings:
             summary.warnings.setdefault(message, index)
     if outcome.status not in (FAIL, UPSTREAM):
@@ -426,7 +470,7 @@ def _record(
     if directory is None or known:
         return
     small, small_outcome = program, outcome
-    if outcome.status == FAIL and shrink_seconds > 0:
+    if outcome.status == FAIL and shrink_seconds > 0 and outcome.mismatch.kind != "harness":
         small, small_outcome = _shrunk(program, outcome, shrink_seconds, backend, log)
     failure.ops = (len(program.ops), len(small.ops))
     if small_outcome.signature and small_outcome.signature != sig:

@@ -19,6 +19,12 @@ Per value, the generator tracks what keeps the comparison meaningful:
 
 Subnormal floats are flushed to zero by XLA (a documented difference): an op whose
 result on the first call's values holds a subnormal is dropped.
+
+Inputs come in every layout PyTorch hands a compiled graph (``fuzz.program.LAYOUTS``:
+transposed, sliced with steps, expanded and broadcast with stride 0, overlapping,
+channels_last, from a storage offset, ...; index inputs too), and zero-size and 0-dim
+shapes among the others. A quarter of the programs are modules (``P_MODULE``): many of
+their inputs are then the module's parameters and buffers, in those layouts too.
 """
 
 from __future__ import annotations
@@ -34,25 +40,52 @@ import torch.nn.functional as F
 
 from fuzz import ops
 from fuzz.program import (
+    BROADCAST,
+    BUFFER,
+    CHANNELS_LAST,
     CONTIGUOUS,
     EXPANDED,
     FLOAT_DTYPES,
+    INPUT,
     NORMAL,
+    OFFSET,
     OUT_BASE,
+    OVERLAPPING,
+    PARAMETER,
+    PERMUTED,
     SLICED,
+    STEPPED,
     TRANSPOSED,
+    UNIQUE,
     OpRecord,
     Program,
     TensorInput,
     compact,
+    layout_fits,
     make_input,
     name,
 )
 
 P_KEEP_RAISING = 0.1  # how often a proposal that raises is kept as the last op
 P_GRAD = 0.3  # how often a program compares gradients too
+P_MODULE = 0.25  # how often a program is a module (some inputs its state)
+P_STATE = 0.6  # how often an input of a module program is its parameter or buffer
 MAX_NUMEL = 4096  # results larger than this are dropped (keeps programs fast)
-MAX_INPUTS = 12
+MAX_INPUTS = 16  # (the fused encoder layer brings twelve weights)
+
+# How often an input gets each layout (of those its shape can have: ``layout_fits``).
+_LAYOUT_WEIGHTS = {
+    CONTIGUOUS: 0.5,
+    TRANSPOSED: 0.12,
+    SLICED: 0.08,
+    EXPANDED: 0.05,
+    BROADCAST: 0.04,
+    OVERLAPPING: 0.04,
+    CHANNELS_LAST: 0.3,  # (4-D only)
+    OFFSET: 0.06,
+    PERMUTED: 0.05,
+    STEPPED: 0.04,
+}
 
 _DTYPE_WEIGHTS = {
     "float32": 0.38,
@@ -87,9 +120,10 @@ class GenState:
     rng: random.Random
     grad: bool
 
-    def __init__(self, rng: random.Random, grad: bool) -> None:
+    def __init__(self, rng: random.Random, grad: bool, module: bool = False) -> None:
         self.rng = rng
         self.grad = grad
+        self.module = module
         self.inputs: list[TensorInput] = []
         self.ops: list[OpRecord] = []
         self.namespace: dict[str, Any] = {"torch": torch, "F": F}
@@ -150,23 +184,24 @@ class GenState:
         high: int = 0,
         requires_grad: bool | None = None,
         layout: str | None = None,
+        scale: float | None = None,
+        bad: bool = False,
+        specials: bool | None = None,
     ) -> int:
-        """Adds an input of ``shape`` and ``dtype`` (random strides, unless ``layout``
-        is given, and special values for normal ones) and returns its value id."""
+        """Adds an input of ``shape`` and ``dtype`` (a random layout, unless ``layout``
+        is given, and special values for normal ones; in a module program, now and then
+        the module's parameter or buffer) and returns its value id."""
         rng = self.rng
-        if layout is None and kind == NORMAL:
-            layout = CONTIGUOUS
-            r = rng.random()
-            if r < 0.2 and len(shape) >= 2:
-                layout = TRANSPOSED
-            elif r < 0.35 and len(shape) >= 1:
-                layout = SLICED
-            elif r < 0.4 and len(shape) >= 1 and shape[0] > 1:
-                layout = EXPANDED
-        layout = layout or CONTIGUOUS
+        if layout is None:
+            layout = CONTIGUOUS if kind == UNIQUE else random_layout(rng, shape)
         floating = dtype in FLOAT_DTYPES and kind == NORMAL
         if requires_grad is None:
             requires_grad = self.grad and floating and rng.random() < 0.6
+        role = INPUT
+        if self.module and rng.random() < P_STATE:
+            role = PARAMETER if floating and rng.random() < 0.7 else BUFFER
+        if scale is None:
+            scale = rng.choices([2.0, 100.0, 0.05], [0.85, 0.08, 0.07])[0] if floating else 2.0
         spec = TensorInput(
             shape=tuple(shape),
             dtype=dtype,
@@ -174,9 +209,11 @@ class GenState:
             layout=layout,
             kind=kind,
             high=high,
-            specials=floating and rng.random() < 0.1,
-            requires_grad=requires_grad and dtype in FLOAT_DTYPES,
-            scale=rng.choices([2.0, 100.0, 0.05], [0.85, 0.08, 0.07])[0] if floating else 2.0,
+            specials=floating and rng.random() < 0.1 and specials is not False,
+            requires_grad=requires_grad and dtype in FLOAT_DTYPES and role != BUFFER,
+            scale=scale,
+            bad=bad,
+            role=role,
         )
         vid = len(self.inputs)
         self.inputs.append(spec)
@@ -211,13 +248,21 @@ class GenState:
         try:
             exec(line, self.namespace)
         except Exception:
-            if self.rng.random() < P_KEEP_RAISING:
+            # An index out of range (a bad index input): eager's value check, which
+            # dynajax must make too; kept always. Any other error now and then.
+            bad = any(a < OUT_BASE and self.inputs[a].bad for a in args)
+            if bad or self.rng.random() < P_KEEP_RAISING:
                 self.ops.append(rec)
                 self.raised = True
                 return True
             return False
         exact = kind.exact and all(self.exact(a) for a in floats)
         finite = not kind.nonfinite and all(self.finite(a) for a in floats)
+        if kind.writes:  # it wrote args[0] too: its aliases are no longer exact
+            target = self.root(args[0])
+            for v in self.order:
+                if self.info[v].root == target:
+                    self.info[v].exact = False
         if out is None:
             target = self.root(args[0])
             for v in self.order:
@@ -226,7 +271,8 @@ class GenState:
                     self.info[v].finite &= finite
         else:
             t = self.namespace.get(name(out))
-            if not isinstance(t, torch.Tensor) or t.numel() > MAX_NUMEL or _subnormal(t):
+            most = ops.MAX_LARGE if kind.large else MAX_NUMEL
+            if not isinstance(t, torch.Tensor) or t.numel() > most or _subnormal(t):
                 self.namespace.pop(name(out), None)
                 return False
             root = self.root(args[0]) if kind.view and args else out
@@ -246,6 +292,12 @@ def _subnormal(t: torch.Tensor) -> bool:
 
 def _weighted(rng: random.Random, weights: dict[int, float]) -> int:
     return rng.choices(list(weights), list(weights.values()))[0]
+
+
+def random_layout(rng: random.Random, shape: tuple[int, ...]) -> str:
+    """A layout for a tensor of ``shape`` (``_LAYOUT_WEIGHTS``, of those that fit)."""
+    fit = {k: w for k, w in _LAYOUT_WEIGHTS.items() if layout_fits(k, tuple(shape))}
+    return rng.choices(list(fit), list(fit.values()))[0]
 
 
 def _input_shapes(rng: random.Random, n: int) -> list[tuple[int, ...]]:
@@ -290,7 +342,7 @@ def generate(seed: int, *, max_ops: int = 8) -> Program:
 
 def _generate(seed: int, max_ops: int) -> Program:
     rng = random.Random(seed)
-    state = GenState(rng, grad=rng.random() < P_GRAD)
+    state = GenState(rng, grad=rng.random() < P_GRAD, module=rng.random() < P_MODULE)
     for shape in _input_shapes(rng, rng.choice([1, 1, 2, 2, 3])):
         state.new_input(shape, state.random_dtype())
     kinds = [k for k in ops.KINDS.values() if k.weight > 0]

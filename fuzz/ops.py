@@ -19,6 +19,20 @@ becomes a different integer or boolean. Such ops only read exact values.
 ``nonfinite``: may turn finite values into inf or NaN (exp, log, division).
 ``signed``: reads the sign bit of its floating inputs (``copysign``, ``signbit``), which
 for a NaN is unspecified (x86 makes -NaN, XLA +NaN): such ops only read finite values.
+``large``: its result may hold more than ``fuzz.generate.MAX_NUMEL`` elements (the
+large attention, which dynajax keeps whole and measures against PyTorch's kernel).
+``writes``: also writes ``args[0]`` while it defines a value (``F.embedding`` with
+``max_norm`` renormalizes the weight's rows in place).
+
+Besides the elementwise, reduction, view and indexing ops, the catalog holds every op
+whose placement (XLA or PyTorch's kernel) the backend measures at the first compile
+(``dynajax/capability/cost.py``: ``aten.convolution`` and its backward, from
+``F.conv*`` and ``F.conv_transpose*``; a large ``F.scaled_dot_product_attention``,
+which ``dynajax.lowering.attention.whole`` keeps whole; the fused encoder layer,
+``torch._transformer_encoder_layer_fwd``, the one op ``nn.TransformerEncoderLayer``
+runs in eval mode under no_grad) and every op with a value check
+(``dynajax/lowering/checks.py``), whose index inputs are now and then out of range
+(``TensorInput.bad``): then eager's error is the answer.
 
 Excluded on purpose: random ops (JAX's generator is not PyTorch's), ops whose result
 depends on tie-breaking left open by PyTorch (``topk``, ``kthvalue``, ``mode``, unstable
@@ -38,13 +52,18 @@ import torch
 
 from fuzz.program import (
     CONTIGUOUS,
+    EXPANDED,
     FLOAT_DTYPES,
     INDEX,
     INT_DTYPES,
+    OFFSET,
+    PERMUTED,
     PROBABILITY,
     SIGNED_INDEX,
+    STEPPED,
     UNIQUE,
     OpRecord,
+    layout_fits,
     name,
 )
 
@@ -72,6 +91,8 @@ class OpKind:
         signed: reads the sign bit of its floating arguments, which must be finite.
         view: the result aliases ``args[0]`` (a view, or what a view may be).
         inplace: writes ``args[0]`` and defines no value.
+        large: the result may exceed ``fuzz.generate.MAX_NUMEL`` elements.
+        writes: writes ``args[0]`` and defines a value too.
         functional: for an in-place kind, the out-of-place kind with the same
             arguments and parameters (the shrinker's simplification).
     """
@@ -86,13 +107,15 @@ class OpKind:
     signed: bool = False
     view: bool = False
     inplace: bool = False
+    large: bool = False
+    writes: bool = False
     functional: str | None = None
 
 
 KINDS: dict[str, OpKind] = {}
 
 
-_FLAGS = ("exact", "disc", "nonfinite", "signed", "view", "inplace")
+_FLAGS = ("exact", "disc", "nonfinite", "signed", "view", "inplace", "large", "writes")
 
 
 def _add(
@@ -245,8 +268,19 @@ def partner(
     return g.new_input(_broadcast_shape_for(g, shape, into), want)
 
 
+# How often an index input of an op with a value check may hold an index out of range
+# (``TensorInput.bad``; then on 60% of the calls' values).
+P_BAD_INDEX = 0.12
+
+
 def _index_input(g: GenState, high: int, shape: tuple[int, ...], kind: str = INDEX) -> int:
-    return g.new_input(shape, "int64", kind=kind, high=high)
+    bad = g.rng.random() < P_BAD_INDEX
+    return g.new_input(shape, "int64", kind=kind, high=high, bad=bad)
+
+
+def _float_dtype(g: GenState) -> str:
+    """A floating dtype, float32 mostly."""
+    return g.rng.choices(FLOAT_DTYPES, [0.6, 0.15, 0.15, 0.1])[0]
 
 
 def _small_shape(g: GenState, ndim: int | None = None) -> tuple[int, ...]:
@@ -1763,9 +1797,21 @@ _add(
 )
 
 
-def _conv_gen(spatial: int) -> Gen:
+def _conv_input(g: GenState, spatial: int) -> int | None:
+    """A floating value to convolve: an existing one, or (a third of the time, or if
+    none fits) a new input of a batch of images, in a random layout (channels_last
+    among them), now and then with no samples."""
+    v = g.pick(lambda u: g.is_float(u) and g.ndim(u) in (spatial + 1, spatial + 2))
+    if v is None or g.rng.random() < 0.35:
+        n = g.rng.choices([0, 1, 2], [0.05, 0.45, 0.5])[0]
+        shape = (n, g.rng.randint(1, 4), *(g.rng.randint(3, 8) for _ in range(spatial)))
+        v = g.new_input(shape, _float_dtype(g))
+    return v
+
+
+def _conv_gen(spatial: int, transposed: bool = False) -> Gen:
     def gen(g: GenState) -> Proposal:
-        v = g.pick(lambda u: g.is_float(u) and g.ndim(u) in (spatial + 1, spatial + 2))
+        v = _conv_input(g, spatial)
         if v is None:
             return None
         shape = g.shape(v)
@@ -1773,7 +1819,10 @@ def _conv_gen(spatial: int) -> Gen:
         groups = g.rng.choice([1, 1, c]) if c > 0 else 1
         out = groups * g.rng.choice([1, 2])
         kernel = tuple(g.rng.randint(1, max(1, min(3, s))) for s in shape[-spatial:])
-        w = g.new_input((out, c // max(groups, 1), *kernel), g.dtype(v))
+        if transposed:  # (in, out / groups, *kernel)
+            w = g.new_input((c, out // max(groups, 1), *kernel), g.dtype(v))
+        else:
+            w = g.new_input((out, c // max(groups, 1), *kernel), g.dtype(v))
         args = [v, w]
         if g.rng.random() < 0.5:
             args.append(g.new_input((out,), g.dtype(v)))
@@ -1783,6 +1832,8 @@ def _conv_gen(spatial: int) -> Gen:
             "dilation": g.rng.choice([1, 1, 2]),
             "groups": groups,
         }
+        if transposed:
+            params["output_padding"] = g.rng.choice([0, 0, 1])
         return args, params
 
     return gen
@@ -1791,16 +1842,19 @@ def _conv_gen(spatial: int) -> Gen:
 def _conv_render(fn: str) -> Render:
     def rend(a: list[str], p: Params) -> str:
         bias = a[2] if len(a) > 2 else "None"
+        extra = f"output_padding={p['output_padding']}, " if "output_padding" in p else ""
         return (
             f"{fn}({a[0]}, {a[1]}, {bias}, stride={p['stride']}, padding={p['padding']}, "
-            f"dilation={p['dilation']}, groups={p['groups']})"
+            f"{extra}dilation={p['dilation']}, groups={p['groups']})"
         )
 
     return rend
 
 
 _add("F.conv1d", _conv_render("F.conv1d"), _conv_gen(1), 0.3)
-_add("F.conv2d", _conv_render("F.conv2d"), _conv_gen(2), 0.3)
+_add("F.conv2d", _conv_render("F.conv2d"), _conv_gen(2), 0.4)
+_add("F.conv_transpose1d", _conv_render("F.conv_transpose1d"), _conv_gen(1, True), 0.1)
+_add("F.conv_transpose2d", _conv_render("F.conv_transpose2d"), _conv_gen(2, True), 0.15)
 
 
 def _pool_gen(spatial: int, avg: bool) -> Gen:
@@ -1849,6 +1903,308 @@ _add(
     lambda a, p: f"F.adaptive_avg_pool1d({a[0]}, {p['size']})",
     _adaptive_gen,
     0.15,
+)
+
+# ---------------------------------------------------------------------------------
+# Attention and the fused encoder layer
+# ---------------------------------------------------------------------------------
+
+
+def _attention_params(g: GenState) -> Params:
+    params: Params = {"causal": g.rng.random() < 0.3}
+    if g.rng.random() < 0.2:
+        params["scale"] = g.rng.choice([0.125, 1.0])
+    return params
+
+
+def _attention_render(a: list[str], p: Params) -> str:
+    """The attention, where its keys and values have one length (else a 0-dim zero):
+    eager's CPU kernel does not check that, and its backward corrupts the heap on other
+    lengths (``F.scaled_dot_product_attention`` of keys of 1 and values of 256, a shrunk
+    program of seed 105, aborted the process in eager). The shapes are static, so the
+    condition is Python's, not the graph's."""
+    mask = f", attn_mask={a[3]}" if len(a) > 3 else ""
+    return (
+        f"F.scaled_dot_product_attention({a[0]}, {a[1]}, {a[2]}{mask}, "
+        f"is_causal={p['causal']}{_kw(p, 'scale')}) "
+        f"if {a[1]}.shape[-2] == {a[2]}.shape[-2] else torch.zeros(())"
+    )
+
+
+def _attention_gen(g: GenState) -> Proposal:
+    """A small attention (decomposed into JAX ops): queries an existing 3-D or 4-D
+    floating value or a new input, keys and values new inputs; a boolean or additive
+    mask now and then."""
+    q = g.pick(lambda u: g.is_float(u) and g.ndim(u) in (3, 4))
+    if q is None or g.rng.random() < 0.5:
+        shape = (g.rng.choice([1, 2]), g.rng.choice([1, 2]), g.rng.choice([1, 3, 5]))
+        q = g.new_input((*shape, g.rng.choice([2, 4, 8])), _float_dtype(g))
+    *batch, length, e = g.shape(q)
+    source = g.rng.choice([length, 1, 4])
+    k = g.new_input((*batch, source, e), g.dtype(q))
+    v = g.new_input((*batch, source, g.rng.choice([e, 3])), g.dtype(q))
+    args = [q, k, v]
+    params = _attention_params(g)
+    if not params["causal"] and g.rng.random() < 0.3:
+        mask_dtype = "bool" if g.rng.random() < 0.5 else g.dtype(q)
+        args.append(g.new_input((length, source), mask_dtype))
+    return args, params
+
+
+# Shapes (N, H, L, S, E) of a large attention: 4 N H L S E = 2^27 flops in its two
+# products, the least that ``dynajax.lowering.attention.whole`` keeps whole (the backend
+# then measures it against PyTorch's fused kernel at the first compile).
+LARGE_ATTENTION_SHAPES = ((2, 4, 256, 256, 64), (1, 4, 512, 256, 64), (1, 2, 256, 512, 128))
+
+
+# Layouts of a large attention's inputs that PyTorch's dispatch takes to the fused CPU
+# kernel (the last dim's stride 1; others take its math path, decomposed): the heads'
+# transposition, ``(N, L, H, E).transpose(1, 2)``, above all.
+_FUSED_LAYOUTS = (CONTIGUOUS, PERMUTED, PERMUTED, PERMUTED, OFFSET, STEPPED, EXPANDED)
+
+
+def _large_attention_gen(g: GenState) -> Proposal:
+    if any(g.tensor(u).numel() > MAX_LARGE // 4 for u in g.order):
+        return None  # one large attention a program
+    n, h, length, source, e = g.rng.choice(LARGE_ATTENTION_SHAPES)
+    dtype = g.rng.choices(["float32", "float64"], [0.85, 0.15])[0]
+
+    def new(shape: tuple[int, ...], scale: float, specials: bool | None = None) -> int:
+        layout = g.rng.choice(_FUSED_LAYOUTS) if g.rng.random() < 0.85 else None
+        if layout is not None and not layout_fits(layout, shape):
+            layout = CONTIGUOUS
+        return g.new_input(shape, dtype, scale=scale, layout=layout, specials=specials)
+
+    q = new((n, h, length, e), 0.5)
+    k = new((n, h, source, e), 0.5)
+    # No NaN or inf among the values: where the causal mask hides such a row, eager's
+    # answer depends on which of its kernels runs and on its blocks (its math kernel
+    # multiplies every hidden row by 0, NaN for NaN; its fused kernel the rows of the
+    # blocks it computes; fuzz seed 106, program 135), and so does the rule's.
+    v = new((n, h, source, e), 2.0, specials=False)
+    return [q, k, v], _attention_params(g)
+
+
+MAX_LARGE = 1 << 18  # the most elements of a large op's result
+
+
+_add("F.scaled_dot_product_attention", _attention_render, _attention_gen, 0.3)
+_add(
+    "F.scaled_dot_product_attention(large)",
+    _attention_render,
+    _large_attention_gen,
+    0.4,
+    "large",
+)
+
+
+def _encoder_gen(g: GenState) -> Proposal:
+    """The fused encoder layer (``nn.TransformerEncoderLayer``'s fast path in eval mode
+    under no_grad: this one op, over the layer's twelve weights, here inputs, or the
+    module program's parameters) on an existing or new ``(N, L, E)`` value."""
+    if len(g.inputs) > 4:
+        return None  # its twelve weights
+
+    def fits(u: int) -> bool:
+        t = g.tensor(u)
+        return g.dtype(u) in ("float32", "float64") and t.dim() == 3 and not t.requires_grad
+
+    src = g.pick(lambda u: fits(u) and g.shape(u)[-1] in (4, 8, 12))
+    if src is None or g.rng.random() < 0.5:
+        shape = (g.rng.choice([1, 2]), g.rng.choice([1, 3, 5]), g.rng.choice([4, 8]))
+        dtype = g.rng.choices(["float32", "float64"], [0.85, 0.15])[0]
+        src = g.new_input(shape, dtype, requires_grad=False)
+    e, dtype = g.shape(src)[-1], g.dtype(src)
+    ff = g.rng.choice([8, 16])
+    shapes = [
+        (3 * e, e), (3 * e,), (e, e), (e,),  # attention: in and out projections
+        (e,), (e,), (e,), (e,),  # two layer norms
+        (ff, e), (ff,), (e, ff), (e,),  # feed-forward
+    ]  # fmt: skip
+    weights = [g.new_input(s, dtype, requires_grad=False, scale=0.3) for s in shapes]
+    params = {
+        "dim": e,
+        "heads": g.rng.choice([h for h in (2, 4) if e % h == 0]),
+        "gelu": g.rng.random() < 0.5,
+        "norm_first": g.rng.random() < 0.5,
+        "eps": g.rng.choice([1e-5, 1e-3]),
+    }
+    return [src, *weights], params
+
+
+def _encoder_render(a: list[str], p: Params) -> str:
+    w = a[1:]
+    return (
+        f"torch._transformer_encoder_layer_fwd({a[0]}, {p['dim']}, {p['heads']}, "
+        f"{', '.join(w[:4])}, {p['gelu']}, {p['norm_first']}, {p['eps']!r}, "
+        f"{', '.join(w[4:])})"
+    )
+
+
+_add("torch._transformer_encoder_layer_fwd", _encoder_render, _encoder_gen, 0.3)
+
+# ---------------------------------------------------------------------------------
+# More ops with value checks (and the indexing ops above): take, put, index_copy,
+# index_reduce, masked_scatter, embedding_bag, embedding's renorm, nll_loss, histc
+# ---------------------------------------------------------------------------------
+
+
+def _take_gen(g: GenState) -> Proposal:
+    v = g.pick()
+    if v is None:
+        return None
+    return [v, _index_input(g, g.tensor(v).numel(), _small_shape(g), SIGNED_INDEX)], {}
+
+
+_add("torch.take", lambda a, p: f"torch.take({a[0]}, {a[1]})", _take_gen, 0.25, "exact")
+
+
+def _put_gen(g: GenState) -> Proposal:
+    v = g.pick(lambda u: g.tensor(u).numel() > 0)
+    if v is None:
+        return None
+    n = g.tensor(v).numel()
+    accumulate = g.rng.random() < 0.4
+    k = g.rng.randint(0, min(n, 4))
+    kind = INDEX if accumulate else UNIQUE  # distinct where the last write would win
+    idx = _index_input(g, n, (k,), kind)
+    return [v, idx, g.new_input((k,), g.dtype(v))], {"accumulate": accumulate}
+
+
+_add(
+    "Tensor.put",
+    lambda a, p: f"{a[0]}.put({a[1]}, {a[2]}, accumulate={p['accumulate']})",
+    _put_gen,
+    0.2,
+)
+
+
+def _index_copy_gen(g: GenState) -> Proposal:
+    v = g.pick(lambda u: g.ndim(u) >= 1)
+    if v is None:
+        return None
+    shape = g.shape(v)
+    d = _dim(g, v) % len(shape)
+    k = g.rng.randint(0, shape[d])
+    idx = _index_input(g, shape[d], (k,), UNIQUE)
+    src = g.new_input(tuple(k if i == d else s for i, s in enumerate(shape)), g.dtype(v))
+    return [v, idx, src], {"dim": d}
+
+
+_add(
+    "torch.index_copy",
+    lambda a, p: f"torch.index_copy({a[0]}, {p['dim']}, {a[1]}, {a[2]})",
+    _index_copy_gen,
+    0.25,
+    "exact",
+)
+
+
+def _index_reduce_gen(g: GenState) -> Proposal:
+    proposal = _index_add_gen(g)
+    if proposal is None:
+        return None
+    args, params = proposal
+    del params["alpha"]
+    params["reduce"] = g.rng.choice(["prod", "mean", "amax", "amin"])
+    params["include_self"] = g.rng.random() < 0.5
+    return args, params
+
+
+_add(
+    "torch.index_reduce",
+    lambda a, p: (
+        f"torch.index_reduce({a[0]}, {p['dim']}, {a[1]}, {a[2]}, {p['reduce']!r}, "
+        f"include_self={p['include_self']})"
+    ),
+    _index_reduce_gen,
+    0.2,
+)
+
+
+def _masked_scatter_gen(g: GenState) -> Proposal:
+    v = g.pick()
+    if v is None:
+        return None
+    mask = g.new_input(_broadcast_shape_for(g, g.shape(v), True), "bool")
+    n = g.tensor(v).numel()
+    src = g.new_input((g.rng.randint(0, n),), g.dtype(v))  # too few now and then
+    return [v, mask, src], {}
+
+
+_add(
+    "torch.masked_scatter",
+    lambda a, p: f"torch.masked_scatter({a[0]}, {a[1]}, {a[2]})",
+    _masked_scatter_gen,
+    0.2,
+    "exact",
+)
+
+
+def _embedding_bag_gen(g: GenState) -> Proposal:
+    w = g.pick(lambda u: g.ndim(u) == 2 and g.shape(u)[0] > 0 and g.is_float(u))
+    if w is None:
+        return None
+    idx = _index_input(g, g.shape(w)[0], (g.rng.choice([1, 2, 3]), g.rng.choice([1, 2, 4])))
+    return [idx, w], {"mode": g.rng.choice(["sum", "mean", "max"])}
+
+
+_add(
+    "F.embedding_bag",
+    lambda a, p: f"F.embedding_bag({a[0]}, {a[1]}, mode={p['mode']!r})",
+    _embedding_bag_gen,
+    0.2,
+)
+
+
+def _embedding_renorm_gen(g: GenState) -> Proposal:
+    w = g.pick(lambda u: g.ndim(u) == 2 and g.shape(u)[0] > 0 and g.is_float(u))
+    if w is None:
+        return None
+    idx = _index_input(g, g.shape(w)[0], _small_shape(g))
+    return [w, idx], {"max_norm": g.rng.choice([1.0, 3.0])}
+
+
+_add(
+    "F.embedding(max_norm)",
+    lambda a, p: f"F.embedding({a[1]}, {a[0]}, max_norm={p['max_norm']!r})",
+    _embedding_renorm_gen,
+    0.15,
+    "writes",
+)
+
+
+def _nll_loss_gen(g: GenState) -> Proposal:
+    v = g.pick(lambda u: g.is_float(u) and g.ndim(u) in (2, 4) and g.shape(u)[1] > 0)
+    if v is None:
+        return None
+    shape = g.shape(v)
+    target = _index_input(g, shape[1], (shape[0], *shape[2:]))
+    return [v, target], {"reduction": g.rng.choice(["mean", "sum", "none"])}
+
+
+_add(
+    "F.nll_loss",
+    lambda a, p: f"F.nll_loss({a[0]}, {a[1]}, reduction={p['reduction']!r})",
+    _nll_loss_gen,
+    0.2,
+)
+
+
+def _histc_gen(g: GenState) -> Proposal:
+    v = g.pick(lambda u: g.is_float(u) and g.exact(u))
+    if v is None:
+        return None
+    lo, hi = g.rng.choice([(0, 0), (0, 0), (-1.0, 1.0), (-3.0, 2.0)])
+    return [v], {"bins": g.rng.choice([1, 4, 7]), "min": lo, "max": hi}
+
+
+_add(
+    "torch.histc",
+    lambda a, p: f"torch.histc({a[0]}, bins={p['bins']}, min={p['min']!r}, max={p['max']!r})",
+    _histc_gen,
+    0.15,
+    "disc",
 )
 
 # ---------------------------------------------------------------------------------

@@ -5,7 +5,13 @@ A program is a list of op records over named values (``x0, x1, ...`` for the inp
 ops, shrink shapes and simplify dtypes and still get a program it can run; the code is
 rendered from the data (``source``), and the same text is what a reproducer file holds.
 The inputs are described, not stored: ``make_input`` rebuilds the same values from a
-seed, so a program is small, JSON-serializable and independent of the run that made it.
+seed, in the same layout (strides, storage offset, memory shared between elements), so
+a program is small, JSON-serializable and independent of the run that made it.
+
+A program whose inputs include parameters or buffers (``TensorInput.role``) is a
+module (``module_source``): those inputs are its state, the others its forward's
+arguments, as ``torch.compile(model)`` hands a model's parameters and buffers to the
+graph beside its inputs.
 """
 
 from __future__ import annotations
@@ -26,8 +32,40 @@ DTYPES = (*FLOAT_DTYPES, *INT_DTYPES, "bool")
 # How an input's values are drawn (``make_input``).
 NORMAL, PROBABILITY = "normal", "probability"
 INDEX, SIGNED_INDEX, UNIQUE = "index", "signed_index", "unique"
-# How an input's memory is laid out: which strides the program sees.
+# How an input's memory is laid out: which strides the program sees (``TensorInput``).
 CONTIGUOUS, TRANSPOSED, SLICED, EXPANDED = "contiguous", "transposed", "sliced", "expanded"
+BROADCAST, OVERLAPPING, CHANNELS_LAST = "broadcast", "overlapping", "channels_last"
+OFFSET, PERMUTED, STEPPED = "offset", "permuted", "stepped"
+LAYOUTS = (
+    CONTIGUOUS, TRANSPOSED, SLICED, EXPANDED, BROADCAST, OVERLAPPING, CHANNELS_LAST,
+    OFFSET, PERMUTED, STEPPED,
+)  # fmt: skip
+# Layouts in which two elements share memory: nothing may write into them (eager
+# raises), so they are no layouts for a parameter an optimizer updates.
+SHARED_MEMORY = (EXPANDED, BROADCAST, OVERLAPPING)
+# Where an input lives when the program is a module (``module_source``).
+INPUT, PARAMETER, BUFFER = "input", "parameter", "buffer"
+
+
+def layout_fits(layout: str, shape: tuple[int, ...]) -> bool:
+    """Whether ``layout`` is one a tensor of ``shape`` can have (and differs from the
+    contiguous one in some way: a stride or a storage offset)."""
+    n = len(shape)
+    numel = 1
+    for d in shape:
+        numel *= d
+    return {
+        CONTIGUOUS: True,
+        TRANSPOSED: n >= 2,
+        SLICED: n >= 1,
+        EXPANDED: n >= 1 and shape[0] > 1,
+        BROADCAST: n >= 1 and numel > 1,
+        OVERLAPPING: n >= 2 and shape[-1] > 1 and shape[-2] > 1,
+        CHANNELS_LAST: n == 4,
+        OFFSET: True,
+        PERMUTED: n >= 3,
+        STEPPED: n >= 1,
+    }[layout]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +79,26 @@ class TensorInput:
         layout: ``contiguous``; ``transposed`` (the last two dims of a contiguous tensor
             swapped, so strides are not row-major); ``sliced`` (every other element of
             the last dim, from an offset: stride 2 and a storage offset); ``expanded``
-            (dim 0 broadcast from size 1: stride 0, so elements share memory).
-        kind: ``normal`` values; ``index`` (integers in ``[-high, high)``, valid indices
-            of a dim of size ``high``); ``unique`` (distinct indices in ``[0, high)``
-            along the last dim, for ops whose result is undefined with duplicates);
-            ``probability`` (floats in [0, 1]).
+            (dim 0 broadcast from size 1: stride 0, so elements share memory);
+            ``broadcast`` (one value expanded to every dim, all strides 0: diffusers'
+            ``torch.tensor(t).expand(batch)``); ``overlapping`` (``as_strided`` with
+            dim -2's stride half of dim -1's size: rows overlap, as ``unfold``'s);
+            ``channels_last`` (4-D, ``memory_format=torch.channels_last``); ``offset``
+            (contiguous, a view into a larger storage from a storage offset);
+            ``permuted`` (dims 1 and 2 of a contiguous tensor swapped: attention's
+            ``(N, L, H, E).transpose(1, 2)``); ``stepped`` (every other row of dim 0,
+            from an offset). ``layout_fits`` says which apply to a shape.
+        kind: ``normal`` values; ``index`` (integers in ``[0, high)``, valid indices
+            of a dim of size ``high``); ``signed_index`` (in ``[-high, high)``);
+            ``unique`` (distinct indices in ``[0, high)`` along the last dim, for ops
+            whose result is undefined with duplicates); ``probability`` (floats in [0,
+            1]).
         high: the size of the dim the indices address (``index`` and ``unique``).
+        bad: an index input that now and then (on a call's values, drawn from its
+            seed) holds one index out of range (``high``, ``high + 3`` or one below the
+            lowest valid): eager's value check raises, and so must dynajax.
+        role: ``input`` (an argument), or the program's module's ``parameter`` or
+            ``buffer`` (``module_source``).
         specials: a tenth of the floating values are 0, inf, -inf or NaN.
         requires_grad: a leaf that requires grad (floating dtypes only).
         scale: the standard deviation of normal floating values.
@@ -61,6 +113,8 @@ class TensorInput:
     specials: bool = False
     requires_grad: bool = False
     scale: float = 2.0
+    bad: bool = False
+    role: str = INPUT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +160,11 @@ class Program:
         """A copy with ``changes`` (dataclasses.replace)."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def module(self) -> bool:
+        """Whether the program is a module: some inputs are its state (``role``)."""
+        return any(spec.role != INPUT for spec in self.inputs)
+
     def to_json(self) -> str:
         """The program as JSON (``from_json`` reads it back)."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -149,23 +208,41 @@ def name(vid: int) -> str:
 # (``INPUT_SOURCE``), so the reproducer rebuilds the very values the fuzzer used.
 INPUT_SOURCE = '''
 def make_input(shape, dtype, seed, layout="contiguous", kind="normal", high=0,
-               specials=False, requires_grad=False, scale=2.0, upcast=False):
-    """A tensor of ``shape`` and ``dtype`` (a name) with seeded values and strides."""
+               specials=False, requires_grad=False, scale=2.0, bad=False, upcast=False):
+    """A tensor of ``shape`` and ``dtype`` (a name) with seeded values, in ``layout``."""
     dtype = getattr(torch, dtype)
     g = torch.Generator().manual_seed(seed)
     shape = tuple(shape)
+    numel = 1
+    for d in shape:
+        numel *= d
     if layout == "transposed":
         base = (*shape[:-2], shape[-1], shape[-2])
     elif layout == "sliced":
         base = (*shape[:-1], 2 * shape[-1] + 1)
     elif layout == "expanded":
         base = (1, *shape[1:])
+    elif layout == "broadcast":
+        base = ()
+    elif layout == "stepped":
+        base = (2 * shape[0] + 1, *shape[1:])
+    elif layout == "permuted":
+        base = (shape[0], shape[2], shape[1], *shape[3:])
+    elif layout == "offset":
+        base = (numel + 5,)
+    elif layout == "overlapping":  # rows overlap: dim -2's stride is half a row
+        strides = [1] * len(shape)
+        strides[-2] = max(1, shape[-1] // 2)
+        for d in range(len(shape) - 3, -1, -1):
+            strides[d] = 1 + sum((shape[k] - 1) * strides[k] for k in range(d + 1, len(shape)))
+        base = (1 + sum((n - 1) * s for n, s in zip(shape, strides)) if numel else 0,)
     else:
         base = shape
     if kind in ("index", "signed_index"):
         low = -high if kind == "signed_index" else 0
         t = torch.randint(low, max(high, low + 1), base, generator=g)
     elif kind == "unique":
+        low = 0
         t = torch.rand((*base[:-1], high), generator=g).argsort(-1)[..., : base[-1]]
     elif kind == "probability":
         t = torch.rand(base, generator=g, dtype=torch.float64)
@@ -181,6 +258,9 @@ def make_input(shape, dtype, seed, layout="contiguous", kind="normal", high=0,
         t = torch.randint(0, 2, base, generator=g).bool()
     else:
         t = torch.randint(-8, 9, base, generator=g)
+    if bad and t.numel() and bool(torch.rand((), generator=g) < 0.6):
+        wrong = (high, high + 3, low - 1)[int(torch.randint(0, 3, (), generator=g))]
+        t.view(-1)[int(torch.randint(0, t.numel(), (), generator=g))] = wrong
     t = t.to(dtype)
     if upcast and dtype.is_floating_point:
         t = t.to(torch.float64)
@@ -188,8 +268,18 @@ def make_input(shape, dtype, seed, layout="contiguous", kind="normal", high=0,
         t = t.transpose(-1, -2)
     elif layout == "sliced":
         t = t[..., 1::2]
-    elif layout == "expanded":
+    elif layout in ("expanded", "broadcast"):
         t = t.expand(shape)
+    elif layout == "stepped":
+        t = t[1::2]
+    elif layout == "permuted":
+        t = t.transpose(1, 2)
+    elif layout == "offset":
+        t = t[3 : 3 + numel].view(shape)
+    elif layout == "overlapping":
+        t = t.as_strided(shape, strides)
+    elif layout == "channels_last":
+        t = t.contiguous(memory_format=torch.channels_last)
     if requires_grad:
         t = t.detach().requires_grad_(True)
     return t
@@ -208,7 +298,7 @@ def input_call(spec: TensorInput) -> str:
     (a variable of the code it goes into), as source."""
     seed = f"{spec.seed} + {CALL_STRIDE} * call"
     args = [repr(spec.shape), repr(spec.dtype), seed]
-    for field in ("layout", "kind", "high", "specials", "requires_grad", "scale"):
+    for field in ("layout", "kind", "high", "specials", "requires_grad", "scale", "bad"):
         value = getattr(spec, field)
         if value != TensorInput.__dataclass_fields__[field].default:
             args.append(f"{field}={value!r}")
@@ -228,6 +318,7 @@ def make_input(spec: TensorInput, call: int = 0, upcast: bool = False) -> torch.
         specials=spec.specials,
         requires_grad=spec.requires_grad,
         scale=spec.scale,
+        bad=spec.bad,
         upcast=upcast,
     )
 
@@ -260,9 +351,107 @@ def source(program: Program, *, fn_name: str = "program", upcast: bool = False) 
     return "\n".join(lines) + "\n"
 
 
+def module_source(program: Program) -> str:
+    """The class ``Module`` of a module program (``Program.module``), over ``source``'s
+    ``program``: its parameters and buffers are the inputs of those roles, which each
+    call's values are loaded into (``load``: ``.data``, so the module's tensors take the
+    values' layouts, as ``module.weight.data = w`` does), and its ``forward`` takes the
+    other inputs and calls ``program`` with them all."""
+    state = tuple((i, spec.role) for i, spec in enumerate(program.inputs) if spec.role != INPUT)
+    forward_args = [name(i) for i, spec in enumerate(program.inputs) if spec.role == INPUT]
+    call_args = [
+        f"self.{name(i)}" if spec.role != INPUT else name(i)
+        for i, spec in enumerate(program.inputs)
+    ]
+    lines = [
+        "class Module(torch.nn.Module):",
+        '    """The program as a module: the inputs in ``STATE`` its parameters and buffers."""',
+        "",
+        f"    STATE = {state!r}",
+        "",
+        "    def __init__(self):",
+        "        super().__init__()",
+    ]
+    for i, role in state:
+        if role == PARAMETER:
+            lines.append(f"        self.{name(i)} = torch.nn.Parameter(torch.empty(0))")
+        else:
+            lines.append(f'        self.register_buffer("{name(i)}", torch.empty(0))')
+    lines += [
+        "",
+        "    def load(self, xs):",
+        '        """``xs`` (all the program\'s inputs) with the state\'s replaced by this',
+        '        module\'s tensors, which now hold their values in their layouts."""',
+        "        xs = list(xs)",
+        "        for i, role in self.STATE:",
+        '            t = getattr(self, f"x{i}")',
+        "            if not t.is_leaf:  # written in place by a value that requires grad",
+        '                t = torch.nn.Parameter(t.detach()) if role == "parameter" else t.detach()',
+        '                setattr(self, f"x{i}", t)',
+        "            t.data = xs[i].detach()",
+        '            if role == "parameter":',
+        "                t.requires_grad_(xs[i].requires_grad)",
+        "            xs[i] = t",
+        "        return xs",
+        "",
+        f"    def forward({', '.join(['self', *forward_args])}):",
+        f"        return program({', '.join(call_args)})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def op_index(line: int) -> int:
     """The index of the op on line ``line`` (1-based) of ``source(program)``."""
     return line - 2
+
+
+class ModuleProgram:
+    """A module program (``module_source``) as a function of all of its inputs, which
+    ``to_function`` returns for one: ``load`` puts a call's state values into
+    ``module`` (and returns the inputs with the module's tensors in their places), and
+    a call runs ``target`` (the module itself, or what runs it: ``torch.compile``'s
+    module, ``jax_function``'s) on ``forward``'s inputs, or with ``every`` on them all.
+
+    Attributes:
+        module: the ``Module`` holding the state.
+        target: what a call runs.
+        function: the program's function over every input (its code names the file
+            the source was compiled under).
+        every: ``target`` takes every input, not only ``forward``'s.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        target: Callable[..., Any],
+        function: Callable[..., Any],
+        *,
+        every: bool = False,
+    ) -> None:
+        self.module, self.target, self.function, self.every = module, target, function, every
+        state = {i for i, _ in module.STATE}  # type: ignore[attr-defined]
+        self.arguments = [i for i in range(function.__code__.co_argcount) if i not in state]
+
+    def load(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        loaded: list[torch.Tensor] = self.module.load(inputs)  # type: ignore[operator]
+        return loaded
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        if self.every:
+            return self.target(*inputs)
+        return self.target(*[inputs[i] for i in self.arguments])
+
+    def with_target(
+        self, make: Callable[[torch.nn.Module], Callable[..., Any]], *, every: bool = False
+    ) -> ModuleProgram:
+        """The same program over a new module, run by ``make(module)``."""
+        module = type(self.module)()
+        return ModuleProgram(module, make(module), self.function, every=every)
+
+
+def function_of(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The program's Python function behind ``fn`` (a ``ModuleProgram``'s ``function``)."""
+    return fn.function if isinstance(fn, ModuleProgram) else fn
 
 
 _counter = 0
@@ -270,18 +459,24 @@ _counter = 0
 
 def to_function(program: Program, *, upcast: bool = False) -> Callable[..., Any]:
     """The program as a Python function, compiled from ``source`` under a file name of
-    its own that ``linecache`` knows (Dynamo and dynajax's report read source lines).
+    its own that ``linecache`` knows (Dynamo and dynajax's report read source lines);
+    for a module program, a ``ModuleProgram`` over a new ``Module``.
 
     Each call makes a new code object, so Dynamo never reuses another program's guards.
     """
     global _counter
     _counter += 1
     text = source(program, upcast=upcast)
+    if program.module:
+        text += "\n\n" + module_source(program)
     filename = f"<fuzz program {_counter}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace: dict[str, Any] = {"torch": torch, "F": F}
     exec(compile(text, filename, "exec"), namespace)
     fn: Callable[..., Any] = namespace["program"]
+    if program.module:
+        module = namespace["Module"]()
+        return ModuleProgram(module, module, fn)
     return fn
 
 
@@ -295,6 +490,7 @@ def forget_function(fn: Callable[..., Any]) -> None:
     alive, and a 30-minute run ran out of memory maps (``LLVM compilation error:
     Cannot allocate memory`` after 5,500 programs, about 12 maps each).
     """
+    fn = function_of(fn)
     linecache.cache.pop(fn.__code__.co_filename, None)
     namespace = fn.__globals__
     for key in namespace:

@@ -6,7 +6,10 @@ updates), so its file runs from the repository's root.
 
 The comparison in the file is the tolerance table's (``tests/tolerances.py``, copied
 in), without the fuzzer's allowances: a reproducer is only written for a difference
-that no allowance accepted, so the plain comparison shows it.
+that no allowance accepted, so the plain comparison shows it. It compares what the
+fuzzer compares: outputs, inputs after the call and the elements of their storage
+outside their views, gradients; a module program is a ``Module`` (its parameters and
+buffers loaded with each call's values) compiled as ``torch.compile(model)``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pathlib
 import textwrap
 
 from fuzz.check import CALLS, Outcome
-from fuzz.program import INPUT_SOURCE, Program, input_call, source
+from fuzz.program import INPUT, INPUT_SOURCE, Program, input_call, module_source, source
 from tests.tolerances import TOLERANCES
 
 _TEMPLATE = '''"""dynajax fuzz failure: {signature}
@@ -37,6 +40,7 @@ import dynajax
 {program_source}
 
 GRAD = {grad}
+ARGS = {args}  # the inputs a call passes (a module's parameters and buffers: load)
 TOLERANCES = {{{tolerances}}}  # tests/tolerances.py
 
 
@@ -46,11 +50,32 @@ def inputs(call):
     ]
 
 
-def run(fn, call):
-    """(error, outputs, inputs after the call, input gradients)."""
+def outside(t):
+    """The elements of ``t``'s storage outside its view (in-place writes leave them)."""
+    t = t.detach()
+    size = t.untyped_storage().nbytes() // t.element_size()
+    inside = torch.zeros(size, dtype=torch.bool)
+    if t.numel():
+        positions = torch.arange(size).as_strided(t.shape, t.stride(), t.storage_offset())
+        inside[positions.reshape(-1)] = True
+    return t.as_strided((size,), (1,), 0)[~inside].clone()
+
+
+def same_outside(a, e):
+    a, e = outside(a), outside(e)
+    if a.is_floating_point():
+        return bool(((a == e) | (a.isnan() & e.isnan())).all())
+    return torch.equal(a, e)
+
+
+def run(fn, call, module=None):
+    """(error, outputs, inputs after the call, input gradients); a module's state
+    loaded with the call's values first."""
     xs = inputs(call)
+    if module is not None:
+        xs = module.load(xs)
     try:
-        out = fn(*xs)
+        out = fn(*[xs[i] for i in ARGS])
         grads = None
         if GRAD:
             leaves = [x for x in xs if x.requires_grad]
@@ -82,10 +107,10 @@ def same(actual, expected, what):
 
 
 def main():
-    compiled = torch.compile(program, backend=dynajax.Backend(cache_dir=""))
+{setup}
     for call in {calls}:
-        e_err, e_out, e_in, e_grads = run(program, call)
-        c_err, c_out, c_in, c_grads = run(compiled, call)
+        e_err, e_out, e_in, e_grads = run(eager, call, eager_module)
+        c_err, c_out, c_in, c_grads = run(compiled, call, compiled_module)
         if e_err is not None:
             assert isinstance(c_err, type(e_err)), (
                 f"call {{call}}: eager raised {{e_err!r}}, dynajax {{c_err!r}}"
@@ -97,6 +122,7 @@ def main():
             same(a, e, f"call {{call}}: out[{{i}}]")
         for i, (a, e) in enumerate(zip(c_in, e_in)):
             same(a, e, f"call {{call}}: inputs[{{i}}]")
+            assert same_outside(a, e), f"call {{call}}: storage[{{i}}] outside the view changed"
         assert (c_grads is None) == (e_grads is None), f"call {{call}}: gradients"
         for i, (a, e) in enumerate(zip(c_grads or (), e_grads or ())):
             same(a, e, f"call {{call}}: grad[{{i}}]")
@@ -134,6 +160,20 @@ def reproducer_source(
         for d, (rtol, atol) in TOLERANCES.items()
     )
     detail = textwrap.indent("\n".join(m.detail.strip().splitlines()[:12]), "    ")
+    program_text = source(program).strip()
+    backend = '"dynajax"'
+    if program.module:
+        program_text += "\n\n\n" + module_source(program).strip()
+        setup = (
+            "    eager_module, compiled_module = Module(), Module()\n"
+            f"    eager, compiled = eager_module, torch.compile(compiled_module, backend={backend})"
+        )
+    else:
+        setup = (
+            "    eager_module = compiled_module = None\n"
+            f"    eager, compiled = program, torch.compile(program, backend={backend})"
+        )
+    args = [i for i, spec in enumerate(program.inputs) if spec.role == INPUT]
     text = _TEMPLATE.format(
         signature=outcome.signature or m.key,
         origin=origin,
@@ -143,8 +183,10 @@ def reproducer_source(
         detail=detail.replace('"""', "'''").replace("\\", "\\\\"),
         filename=filename,
         input_source=INPUT_SOURCE.strip(),
-        program_source=source(program).strip(),
+        program_source=program_text,
         grad=program.grad,
+        args=repr(args),
+        setup=setup,
         tolerances=tolerances,
         inputs="\n".join(f"        {input_call(s)}," for s in program.inputs),
         calls=repr(CALLS),

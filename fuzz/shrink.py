@@ -11,7 +11,8 @@ or the budget is spent. In the order tried:
 3. drop an output;
 4. an in-place op becomes its out-of-place kind (later reads see the new value);
 5. no gradients, then one input at a time not requiring grad;
-6. inputs contiguous and without special values;
+6. inputs contiguous, without special values or out-of-range indices, and arguments
+   rather than a module's parameters or buffers;
 7. simpler dtypes: float32 for floating inputs and dtype parameters, int64 for int32;
 8. smaller inputs: each dim to 1, then to half its size.
 
@@ -29,6 +30,7 @@ from fuzz import ops
 from fuzz.program import (
     CONTIGUOUS,
     FLOAT_DTYPES,
+    INPUT,
     NORMAL,
     OpRecord,
     Program,
@@ -153,6 +155,8 @@ def _plain_inputs(program: Program) -> list[Program]:
         return [
             dataclasses.replace(spec, layout=CONTIGUOUS),
             dataclasses.replace(spec, specials=False),
+            dataclasses.replace(spec, bad=False),
+            dataclasses.replace(spec, role=INPUT),
         ]
 
     return _input_variants(program, change)

@@ -320,10 +320,21 @@ def _candidates(case: Case, where: str) -> Iterator[Case]:
         "autocast": False,
         "dict_batch": False,
         "last_batch": None,
+        "layout": "contiguous",
+        "channels_last": False,
     }
     for key, value in plain.items():
-        if case.options.get(key) != value:
+        if key in case.options and case.options[key] != value:
             yield case.replace(options={**case.options, key: value})
+    if case.model["family"] == "program":  # inputs contiguous, buffers batch inputs
+        program = case.model["program"]
+        for i, spec in enumerate(program["inputs"]):
+            if spec["layout"] != "contiguous":
+                inputs = copy.deepcopy(program["inputs"])
+                inputs[i]["layout"] = "contiguous"
+                yield case.replace(model={**case.model, "program": {**program, "inputs": inputs}})
+        if case.model.get("buffers"):
+            yield case.replace(model={**case.model, "buffers": []})
     opt = case.optimizer
     if len(opt["groups"]) > 1:
         merged = [{"attrs": [a for g in opt["groups"] for a in g["attrs"]], "options": {}}]

@@ -11,7 +11,12 @@ loaded back (``save``, ``rewind``), a checkpoint saved and restored (``checkpoin
 the loss's captured class weights changed (``reweight``); and, optional
 (``OPTIONAL_KINDS``), freezing and unfreezing and a param group added (``freeze``),
 dict batches (``dict_batch``), bad batches (``bad_batch``). Options: clipping,
-accumulation, bfloat16 autocast, a smaller last batch, several param groups.
+accumulation, bfloat16 autocast, a smaller last batch, several param groups, the
+batch's inputs in another layout (``layout``: transposed, sliced, from a storage
+offset, ..., ``fuzz.program.LAYOUTS`` that keep every value) and a CNN's model and
+batches channels_last (``channels_last``). A program model's parameters, buffers and
+batch inputs come in the layouts its program's inputs have (a parameter never in one
+whose elements share memory, which no optimizer can write).
 
 Case ``i`` of seed ``s`` is ``generate_case(s, i)``: deterministic, and JSON
 (``Case.to_json``), so a reproducer replays it without the generator.
@@ -43,7 +48,18 @@ from typing import Any
 
 from fuzz import ops
 from fuzz.generate import generate
-from fuzz.program import NORMAL
+from fuzz.program import (
+    CHANNELS_LAST,
+    CONTIGUOUS,
+    INPUT,
+    NORMAL,
+    OFFSET,
+    PERMUTED,
+    SHARED_MEMORY,
+    SLICED,
+    STEPPED,
+    TRANSPOSED,
+)
 
 # Event kinds that train_step is gaining now (``--optional-events``): on by default.
 OPTIONAL_KINDS = ("freeze", "dict_batch", "bad_batch")
@@ -69,7 +85,9 @@ class Case:
             per-group options) and a layer held out of it (frozen) if any.
         options: ``clip`` and ``accumulate`` (train_step's), ``scheduler``,
             ``autocast``, ``dict_batch``, ``train_mode``, ``batch`` (the batch size),
-            ``last_batch`` (a smaller last batch).
+            ``last_batch`` (a smaller last batch), ``layout`` (the batch input's:
+            ``relayout`` in the case's source), ``channels_last`` (a CNN's model and
+            batches).
         steps: the number of training steps.
         events: what happens between steps, each ``{"at": k, "kind": ..., ...}``: before
             step ``k`` (``k == steps``: after the last).
@@ -267,31 +285,38 @@ _FLOAT32_ONLY = {"float32", "int64", "int32", "bool"}
 
 def _program_model(rng: random.Random, steps: int) -> dict[str, Any] | None:
     """A program of ``fuzz.generate`` as a model, its float32 inputs of normal values
-    (some of them) its parameters and the others its batch, or None if no program of
-    40 tried qualifies (module docstring)."""
+    (some of them) its parameters, now and then others its buffers, and the rest its
+    batch, each in its input's layout (a parameter's made contiguous where elements
+    share memory), or None if no program of 40 tried qualifies (module docstring)."""
     for _ in range(40):
         program = generate(rng.getrandbits(48), max_ops=6)
         names = {spec.dtype for spec in program.inputs}
         names |= {v for r in program.ops for k, v in r.params if k == "dtype"}
         if not names <= _FLOAT32_ONLY or len(program.ops) < 2:
             continue
-        if any(ops.KINDS[r.kind].disc for r in program.ops):
+        if any(ops.KINDS[r.kind].disc or ops.KINDS[r.kind].large for r in program.ops):
             continue
-        inputs = tuple(
-            dataclasses.replace(s, specials=False, requires_grad=False, layout="contiguous")
+        inputs = [
+            dataclasses.replace(s, specials=False, requires_grad=False, bad=False, role=INPUT)
             for s in program.inputs
-        )
-        program = program.replace(inputs=inputs, grad=False)
+        ]
         floats = [i for i, s in enumerate(inputs) if s.dtype == "float32" and s.kind == NORMAL]
         if not floats:
             continue
         # Not all of them, mostly: the batch's values then reach the loss too.
         most = len(floats) - 1 if len(floats) > 1 and rng.random() < 0.8 else len(floats)
         params = sorted(rng.sample(floats, rng.randint(1, most)))
+        for i in params:
+            if inputs[i].layout in SHARED_MEMORY:
+                inputs[i] = dataclasses.replace(inputs[i], layout=CONTIGUOUS)
+        rest = [i for i in range(len(inputs)) if i not in params]
+        buffers = sorted(i for i in rest if rng.random() < 0.25)[: max(len(rest) - 1, 0)]
+        program = program.replace(inputs=tuple(inputs), grad=False)
         spec = {
             "family": "program",
             "program": json.loads(program.to_json()),
             "params": params,
+            "buffers": buffers,
             "loss_outputs": [],
         }
         trains = _program_trains(spec, steps)
@@ -302,8 +327,9 @@ def _program_model(rng: random.Random, steps: int) -> dict[str, Any] | None:
 
 
 def _has_batch(model: dict[str, Any]) -> bool:
-    """Whether a program model takes a batch (not every input a parameter)."""
-    return len(model["params"]) < len(model["program"]["inputs"])
+    """Whether a program model takes a batch (not every input a parameter or buffer)."""
+    state = len(model["params"]) + len(model.get("buffers", []))
+    return state < len(model["program"]["inputs"])
 
 
 def _program_trains(spec: dict[str, Any], steps: int) -> list[int]:
@@ -622,8 +648,27 @@ def generate_case(seed: int, index: int, *, optional: tuple[str, ...] = OPTIONAL
         half = batch // 2
         if all(half % a == 0 for a in used_accumulations):
             options["last_batch"] = half
+    if not program:
+        options["layout"] = _batch_layout(rng, family)
+        options["channels_last"] = family == "cnn" and rng.random() < 0.3
     case = Case(seed, index, rng.getrandbits(31), model, optimizer, options, steps, events)
     return without_kinds(case, [k for k in OPTIONAL_KINDS if k not in optional])
+
+
+# The layouts of a batch's input, by model family (its dims): those that keep every
+# value (``relayout``); contiguous the rest of the time.
+_BATCH_LAYOUTS = {
+    "mlp": (TRANSPOSED, SLICED, OFFSET, STEPPED),
+    "cnn": (CHANNELS_LAST, CHANNELS_LAST, TRANSPOSED, SLICED, OFFSET, PERMUTED, STEPPED),
+    "seq": (TRANSPOSED, PERMUTED, SLICED, OFFSET, STEPPED),
+    "embed": (TRANSPOSED, SLICED, OFFSET, STEPPED),
+    "gru": (TRANSPOSED, PERMUTED, SLICED, OFFSET, STEPPED),
+}
+
+
+def _batch_layout(rng: random.Random, family: str) -> str:
+    layouts = _BATCH_LAYOUTS.get(family, ())
+    return rng.choice(layouts) if layouts and rng.random() < 0.5 else CONTIGUOUS
 
 
 def without_kinds(case: Case, kinds: list[str]) -> Case:
@@ -651,7 +696,15 @@ def event_kinds(case: Case) -> list[str]:
     for key in ("clip", "scheduler", "last_batch"):
         if o.get(key) is not None:
             kinds.add(key)
-    kinds |= {key for key in ("autocast", "dict_batch") if o.get(key)}
+    kinds |= {key for key in ("autocast", "dict_batch", "channels_last") if o.get(key)}
+    if o.get("layout", CONTIGUOUS) != CONTIGUOUS:
+        kinds.add(f"layout:{o['layout']}")
+    if case.model["family"] == "program":
+        program = case.model["program"]
+        if any(s["layout"] != CONTIGUOUS for s in program["inputs"]):
+            kinds.add("layout:program")
+        if case.model.get("buffers"):
+            kinds.add("buffers")
     if o.get("accumulate", 1) > 1:
         kinds.add("accumulate")
     if case.optimizer.get("held_out"):

@@ -104,8 +104,17 @@ def _program(model: dict[str, Any]) -> Program:
 
 
 def _batch_inputs(model: dict[str, Any]) -> list[int]:
-    """The inputs of a program model that come with each batch (the others: parameters)."""
-    return [i for i in range(len(model["program"]["inputs"])) if i not in model["params"]]
+    """The inputs of a program model that come with each batch (the others: its
+    parameters and buffers)."""
+    state = set(model["params"]) | set(model.get("buffers", []))
+    return [i for i in range(len(model["program"]["inputs"])) if i not in state]
+
+
+def _state_name(model: dict[str, Any], i: int) -> str:
+    """Input ``i`` of a program model, as its forward reads it."""
+    if i in model["params"]:
+        return f"self.p{i}"
+    return f"self.b{i}" if i in model.get("buffers", []) else f"x{i}"
 
 
 def _model_source(case: Case) -> str:
@@ -114,12 +123,14 @@ def _model_source(case: Case) -> str:
         program = _program(model)
         inputs = _batch_inputs(model)
         first = f"self.p{model['params'][0]}"
-        args = ", ".join(
-            f"self.p{i}" if i in model["params"] else f"x{i}" for i in range(len(program.inputs))
-        )
+        args = ", ".join(_state_name(model, i) for i in range(len(program.inputs)))
         init = [
             f"        self.p{i} = nn.Parameter({input_call(program.inputs[i])})"
             for i in model["params"]
+        ]
+        init += [
+            f'        self.register_buffer("b{i}", {input_call(program.inputs[i])})'
+            for i in model.get("buffers", [])
         ]
         return "\n".join(
             [
@@ -133,7 +144,7 @@ def _model_source(case: Case) -> str:
                 "",
                 "",
                 "class Model(nn.Module):",
-                '    """The program as a module: some of its inputs parameters."""',
+                '    """The program as a module: some of its inputs parameters or buffers."""',
                 "",
                 "    def __init__(self):",
                 "        super().__init__()",
@@ -211,6 +222,10 @@ def _data_source(case: Case) -> str:
     else:
         shape = ", ".join(str(d) for d in data["shape"])
         x = [f"    x = torch.randn(size, {shape}, generator=g)"]
+    if o.get("layout", "contiguous") != "contiguous":
+        x.append(f"    x = relayout(x, {o['layout']!r})")
+    if o.get("channels_last"):
+        x.append("    x = x.contiguous(memory_format=torch.channels_last)")
     kind, out = loss["kind"], loss["out"]
     if kind == "ce":
         y = f"torch.randint(0, {out}, (size,), generator=g)"
@@ -413,6 +428,29 @@ def _scheduler_source(case: Case) -> str | None:
     return f"{sched}.ExponentialLR(optimizer, gamma={s['gamma']})"
 
 
+RELAYOUT_SOURCE = '''def relayout(t, layout):
+    """``t``\'s values in ``layout`` (one of fuzz.program.LAYOUTS that keep them all)."""
+    if layout == "transposed":
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "permuted":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "channels_last":
+        return t.contiguous(memory_format=torch.channels_last)
+    if layout == "sliced":  # every other element of a wider last dim
+        base = t.new_zeros((*t.shape[:-1], 2 * t.shape[-1] + 1))
+        base[..., 1::2] = t
+        return base[..., 1::2]
+    if layout == "stepped":  # every other row of a longer dim 0
+        base = t.new_zeros((2 * t.shape[0] + 1, *t.shape[1:]))
+        base[1::2] = t
+        return base[1::2]
+    if layout == "offset":  # a view into a larger storage
+        base = t.new_zeros(t.numel() + 5)
+        base[3 : 3 + t.numel()] = t.reshape(-1)
+        return base[3 : 3 + t.numel()].view(t.shape)
+    return t'''
+
+
 def _event_lines(case: Case, e: dict[str, Any]) -> list[str]:
     kind, k = e["kind"], e["at"]
     if kind == "lr":
@@ -515,9 +553,13 @@ def case_source(case: Case, *, training: bool = True) -> str:
         dtype = "bfloat16" if o["autocast"] else "float32"
         parts.append(f"NUDGE = torch.finfo(torch.{dtype}).eps  # nudged(): one ulp")
     blocks = ["\n".join(parts), _model_source(case)]
+    layout = "" if not o.get("channels_last") else ".to(memory_format=torch.channels_last)"
     blocks.append(
-        "def make_model():\n    torch.manual_seed(VALUES)\n    return Model().train(TRAIN_MODE)"
+        "def make_model():\n    torch.manual_seed(VALUES)\n"
+        f"    return Model(){layout}.train(TRAIN_MODE)"
     )
+    if o.get("layout", "contiguous") != "contiguous":
+        blocks.append(RELAYOUT_SOURCE)
     blocks.append(_data_source(case))
     if training:
         if case.optimizer["name"] in CUSTOM_SOURCE:

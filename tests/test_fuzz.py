@@ -4,6 +4,7 @@ with eager, and the machinery (generation, shrinking, reproducers) does what it 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import runpy
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fuzz.check
+import fuzz.program
 from fuzz import generate, program_seed, run, source, through_jax
 from fuzz.campaign import supervise
 from fuzz.check import FAIL, OK, UPSTREAM, Mismatch, Outcome, Verdict, check, execute, fails_like
@@ -40,6 +42,12 @@ def test_seeded_run_agrees_with_eager(tmp_path: pathlib.Path) -> None:
     assert summary.statuses[OK] > CI_PROGRAMS // 2, summary.lines()
     new = [f"{f.signature}: {f.detail}\n  {f.reproducer}" for f in summary.new_failures]
     assert not new, "dynajax differs from eager:\n" + "\n".join(new)
+    # ... inputs in every layout, modules' parameters and buffers, indices out of range,
+    # and convolutions measured at the first compile among them
+    layouts = set(fuzz.program.LAYOUTS) - {"contiguous"}
+    wanted = layouts | {"parameter", "buffer", "index out of range", "0-dim", "zero-size"}
+    assert wanted <= set(summary.features), summary.lines()
+    assert any(m.startswith("convolution:") for m in summary.measured), summary.lines()
 
 
 def test_seeded_run_through_jax_function_agrees_with_eager(tmp_path: pathlib.Path) -> None:
@@ -59,6 +67,9 @@ def test_seeded_run_through_jax_function_agrees_with_eager(tmp_path: pathlib.Pat
     assert summary.statuses[OK] > 45, summary.lines()
     new = [f"{f.signature}: {f.detail}\n  {f.reproducer}" for f in summary.new_failures]
     assert not new, "jax_function differs from eager:\n" + "\n".join(new)
+    # ... inputs in other layouts and modules' parameters and buffers among them
+    wanted = {"parameter", "buffer", "transposed", "sliced", "channels_last", "offset"}
+    assert wanted <= set(summary.features), summary.lines()
 
 
 def test_programs_are_deterministic_and_round_trip() -> None:
@@ -413,3 +424,255 @@ def test_python_m_fuzz_checks_in_a_child_process(tmp_path: pathlib.Path) -> None
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"dynajax fuzz: seed {CI_SEED}, 3 programs" in result.stdout
+
+
+# ---------------------------------------------------------------------------------
+# Inputs in every layout PyTorch hands a compiled graph
+# ---------------------------------------------------------------------------------
+
+
+def test_every_layout_is_rebuilt_from_its_description() -> None:
+    """Each layout gives the shape asked for, the strides and storage it names, the
+    same tensor again from the same description (so a reproducer's ``make_input``
+    call rebuilds it), and survives the program's JSON."""
+    from fuzz.program import INPUT_SOURCE, LAYOUTS, input_call, layout_fits, make_input
+
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(INPUT_SOURCE, namespace)
+    for layout in LAYOUTS:
+        candidates = [(), (3,), (2, 3), (2, 3, 4), (2, 3, 4, 5), (0, 3)]
+        shapes = [s for s in candidates if layout_fits(layout, s)]
+        assert shapes, layout
+        for shape in shapes:
+            spec = TensorInput(shape, "float32", seed=3, layout=layout)
+            t = make_input(spec)
+            assert t.shape == shape
+            again = eval(input_call(spec), {**namespace, "call": 0})
+            assert torch.equal(t, again) and t.stride() == again.stride(), layout
+            assert t.storage_offset() == again.storage_offset()
+    t = make_input(TensorInput((2, 3, 4, 5), "float32", 1, layout="channels_last"))
+    assert t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+    assert make_input(TensorInput((4, 3), "float32", 1, layout="broadcast")).stride() == (0, 0)
+    overlapping = make_input(TensorInput((3, 4), "float32", 1, layout="overlapping"))
+    assert overlapping.untyped_storage().nbytes() // 4 < overlapping.numel()
+    assert make_input(TensorInput((3, 4), "float32", 1, layout="offset")).storage_offset() > 0
+    inputs = (
+        TensorInput((4, 3), "float32", 1, layout="overlapping", role="parameter"),
+        TensorInput((2,), "int64", 2, kind="index", high=3, bad=True, role="buffer"),
+    )
+    program = Program(inputs, (OpRecord("torch.take", (0, 1), (), OUT_BASE),), (OUT_BASE,))
+    assert Program.from_json(program.to_json()) == program and program.module
+
+
+def test_an_index_out_of_range_is_drawn_now_and_then() -> None:
+    """A ``bad`` index input holds one index out of range on some calls' values (each
+    call draws its own), and eager's check raises there."""
+    from fuzz.program import make_input
+
+    spec = TensorInput((5,), "int64", seed=0, kind="index", high=3, bad=True)
+    out_of_range = [
+        bool(((t < 0) | (t >= 3)).any())
+        for t in (make_input(dataclasses.replace(spec, seed=s)) for s in range(40))
+    ]
+    assert 10 < sum(out_of_range) < 35, out_of_range
+
+
+def _bad_index(high: int) -> TensorInput:
+    """An index input out of range on the first call's values."""
+    from fuzz.program import make_input
+
+    for seed in range(100):
+        spec = TensorInput((3,), "int64", seed=seed, kind="index", high=high, bad=True)
+        t = make_input(spec)
+        if bool(((t < 0) | (t >= high)).any()):
+            return spec
+    raise AssertionError("no seed draws an index out of range")
+
+
+def test_a_missing_value_check_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An index out of range into ``index_select``: eager raises, and dynajax raises
+    eager's error (``raised``); with the rule's bounds check planted away, dynajax
+    returns numbers where eager raises, a failure."""
+    from dynajax.lowering import checks
+
+    x0 = TensorInput((4, 3), "float32", seed=1, layout="transposed")
+    ops = (OpRecord("torch.index_select", (0, 1), (("dim", 0),), OUT_BASE),)
+    program = Program((x0, _bad_index(4)), ops, (OUT_BASE,))
+    assert check(program, classify=False).status == fuzz.check.RAISED
+    # (with the persistent cache off: the program compiled above would be loaded)
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", "")
+    monkeypatch.setattr(checks, "fail_if_out_of_bounds", lambda *args, **kwargs: None)
+    outcome = check(program, classify=False)
+    assert outcome.status == FAIL and outcome.mismatch is not None, outcome
+    assert outcome.mismatch.kind == "raises", outcome
+
+
+def test_a_write_outside_an_inputs_view_is_found() -> None:
+    """The elements of an input's storage outside its view (a sliced input, one from a
+    storage offset) must be left as eager leaves them: a backend that writes there
+    after the call is caught (``storage[i]``), and aot_eager is not."""
+    x0 = TensorInput((4, 3), "float32", seed=1, layout="sliced")
+    x1 = TensorInput((4, 3), "float32", seed=2, layout="offset")
+    ops = (OpRecord("Tensor.add_", (0, 1), (), None), OpRecord("torch.sin", (0,), (), OUT_BASE))
+    program = Program((x0, x1), ops, (OUT_BASE,))
+
+    def clobbering() -> Any:
+        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            def run(*args: Any) -> Any:
+                out = gm(*args)
+                for a in args:
+                    if isinstance(a, torch.Tensor) and a.storage_offset() > 0:
+                        a.as_strided((1,), (1,), 0).fill_(7.0)  # the element before it
+                return out
+
+            return run
+
+        return backend
+
+    assert check(program, "aot_eager", classify=False).status == OK
+    outcome = check(program, clobbering, classify=False)
+    assert outcome.status == FAIL and outcome.mismatch is not None, outcome
+    assert outcome.mismatch.where.startswith("storage["), outcome
+
+
+def test_a_module_program_compiles_its_state_as_parameters_and_buffers(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program whose inputs are a module's parameter (transposed, requiring grad)
+    and buffer (expanded, written in place) runs as ``torch.compile(model)``: it agrees
+    with eager, gradients of the parameter included; its reproducer (a ``Module``)
+    passes standalone; and a wrong rule on the parameter's op is found."""
+    from dynajax.lowering import registry
+    from fuzz.program import ModuleProgram
+
+    x0 = TensorInput(
+        (4, 3), "float32", 1, layout="transposed", requires_grad=True, role="parameter"
+    )
+    x1 = TensorInput((4, 3), "float32", 2, layout="broadcast")
+    x2 = TensorInput((4, 3), "float32", 3, layout="offset", role="buffer")
+    v = [OUT_BASE + i for i in range(2)]
+    ops = (
+        OpRecord("torch.add", (0, 1), (), v[0]),
+        OpRecord("Tensor.mul_", (2, 1), (), None),
+        OpRecord("torch.mul", (v[0], 2), (), v[1]),
+    )
+    program = Program((x0, x1, x2), ops, (v[1],), grad=True)
+    assert isinstance(fuzz.program.to_function(program), ModuleProgram)
+    assert check(program, classify=False).status == OK
+    assert check(program, through_jax.BACKEND, classify=False).status == OK
+    outcome = Outcome(FAIL, Mismatch("value", "out[0]", "float32", "example"))
+    path = write_reproducer(tmp_path, "module", program, outcome, "An example.")
+    assert "class Module(torch.nn.Module)" in path.read_text()
+    runpy.run_path(str(path), run_name="__main__")
+    assert "dynajax agrees with eager" in capsys.readouterr().out
+    op = torch.ops.aten.add.Tensor
+    monkeypatch.setenv("DYNAJAX_CACHE_DIR", "")  # (else the program compiled above loads)
+    monkeypatch.setitem(registry._TABLE, op, registry.Rule(op, lambda x, y, alpha=1: x - y))
+    wrong = check(program, classify=False)
+    assert wrong.status == FAIL, wrong
+
+
+def test_shrinker_makes_layouts_and_state_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted failure that needs only a cumsum shrinks to a contiguous argument:
+    no layout, no module state, no index out of range."""
+
+    def planted(program: Program, backend: object = None) -> Verdict:
+        if any(r.kind == "torch.cumsum" for r in program.ops):
+            return Verdict(FAIL, Mismatch("value", "out[0]", "float32", "planted"))
+        return Verdict(OK)
+
+    monkeypatch.setattr(fuzz.check, "run_check", planted)
+    x0 = TensorInput((4, 6), "float32", 1, layout="overlapping", role="parameter")
+    x1 = TensorInput((2,), "int64", 2, kind="index", high=4, layout="broadcast", bad=True)
+    ops = (
+        OpRecord("torch.index_select", (0, 1), (("dim", 0),), OUT_BASE),
+        OpRecord("torch.cumsum", (0,), (("dim", 1),), OUT_BASE + 1),
+    )
+    program = Program((x0, x1), ops, (OUT_BASE, OUT_BASE + 1))
+    outcome = check(program, classify=False)
+    assert outcome.mismatch is not None
+    small = shrink(program, fails_like(outcome.mismatch))
+    assert [r.kind for r in small.ops] == ["torch.cumsum"], source(small)
+    (x,) = small.inputs
+    assert (x.layout, x.role, x.bad) == ("contiguous", "input", False), x
+
+
+# Programs of seed 0 past the CI run's with every layout and every measured op: every op
+# whose placement the backend measures at the first compile (convolutions over a
+# channels_last batch and their backward, a transposed one, a large attention kept
+# whole, the fused encoder layer), module programs whose parameters and buffers are
+# transposed, broadcast or overlapping, indices out of range into ops with value checks.
+LAYOUT_PROGRAMS = (125, 141, 144, 173, 176, 181, 200)
+
+
+def test_programs_with_layouts_and_measured_ops_agree_with_eager() -> None:
+    """Each program of ``LAYOUT_PROGRAMS`` agrees with eager (or raises eager's error,
+    or is torch.compile's own); between them they hold every layout, a module's state
+    and indices out of range, and the backend measured each kind of op it measures.
+    If the generator changed, pick the programs again (``fuzz.campaign.features``, the
+    ops)."""
+    import fuzz.campaign
+
+    seen: set[str] = set()
+    measured: set[str] = set()
+    statuses = []
+    for index in LAYOUT_PROGRAMS:
+        program = generate(program_seed(CI_SEED, index))
+        outcome = check(program)
+        assert outcome.status != FAIL or outcome.signature in KNOWN_BUGS, (index, outcome)
+        assert outcome.verdict is not None
+        seen |= fuzz.campaign.features(program)
+        measured |= {m.split(":")[0] for m in outcome.verdict.measured}
+        statuses.append(outcome.status)
+    wanted = {"parameter", "buffer", "channels_last", "permuted", "transposed"}
+    assert wanted | {"index out of range"} <= seen, seen
+    assert seen & {"expanded", "broadcast", "overlapping"}, seen  # memory shared
+    ops = {"convolution", "_transformer_encoder_layer_fwd"}
+    assert ops | {"_scaled_dot_product_flash_attention_for_cpu"} <= measured, measured
+    assert fuzz.check.RAISED in statuses, statuses
+
+
+def test_a_parameter_written_by_a_value_that_requires_grad_is_loaded_again() -> None:
+    """Was (seed 104, program 469): a parameter that requires no grad, written in place
+    by one that does, is no longer a leaf after the call, and loading the next call's
+    values into it raised in the harness, which ended the run."""
+    x0 = TensorInput((2,), "float32", 1)
+    x1 = TensorInput((2,), "float32", 2, requires_grad=True, role="parameter")
+    x2 = TensorInput((2,), "float32", 3, layout="sliced", role="parameter")
+    program = Program((x0, x1, x2), (OpRecord("Tensor.add_", (2, 1), (), None),), (0,))
+    assert check(program).status == OK
+
+
+def test_a_check_that_raises_is_a_harness_failure_and_the_run_goes_on(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fuzz.campaign
+
+    calls: list[int] = []
+
+    def breaks_once(program: Program, *args: object, **kwargs: object) -> Outcome:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the checker broke")
+        return Outcome(OK)
+
+    monkeypatch.setattr(fuzz.campaign, "check", breaks_once)
+    summary = run(CI_SEED, programs=3, out_dir=tmp_path, log=lambda _: None)
+    assert summary.programs == 3 and summary.statuses[OK] == 2
+    (failure,) = summary.failures.values()
+    assert failure.signature == "harness:RuntimeError:the checker broke", failure
+    assert failure.reproducer is not None
+
+
+def test_writing_a_stride_0_input_back_is_torch_compiles_own() -> None:
+    """``x.zero_()`` of a broadcast (stride 0) input: eager fills it; torch.compile
+    writes the functionalized result back with ``copy_``, which refuses memory shared
+    between elements: ``aot_eager`` raises when it compiles, dynajax when the call
+    writes the input back (seed 107, program 192). The same error at another stage is
+    classified upstream."""
+    x0 = TensorInput((3,), "float32", 1, layout="broadcast")
+    ops = (OpRecord("Tensor.zero_", (0,), (), None), OpRecord("torch.sin", (0,), (), OUT_BASE))
+    program = Program((x0,), ops, (OUT_BASE,))
+    outcome = check(program)
+    assert outcome.status == UPSTREAM, outcome
+    assert outcome.mismatch is not None and "single memory location" in outcome.mismatch.detail

@@ -51,6 +51,8 @@ def test_seeded_training_runs_agree_with_eager(tmp_path: pathlib.Path) -> None:
     assert len([k for k in features if k.startswith("opt:")]) >= 6, features
     assert len([k for k in features if k.startswith("model:")]) >= 4, features
     assert len([k for k in features if k.startswith("event:")]) >= 10, features
+    # ... batches, parameters and buffers in other layouts among them
+    assert any(k.startswith("event:layout") for k in features), features
 
 
 def test_cases_are_deterministic_and_round_trip() -> None:
@@ -327,3 +329,65 @@ def test_python_m_fuzz_through_train_step(tmp_path: pathlib.Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dynajax train_step fuzz: seed 1, 1 runs" in result.stdout
     assert "ok 1," in result.stdout
+
+
+def test_parameters_buffers_and_batches_in_other_layouts_agree_with_eager() -> None:
+    """Layouts PyTorch hands a compiled step: a program model whose
+    parameter is transposed, whose buffer is one value broadcast (stride 0) and whose
+    batch input is a view from a storage offset; and a CNN whose model and batches are
+    channels_last. train_step agrees with eager on both."""
+    from fuzz.program import OUT_BASE, OpRecord, Program, TensorInput
+
+    inputs = (
+        TensorInput((4, 3), "float32", 1, layout="transposed"),
+        TensorInput((4, 3), "float32", 2, layout="broadcast"),
+        TensorInput((4, 3), "float32", 3, layout="offset"),
+    )
+    ops = (
+        OpRecord("torch.mul", (0, 1), (), OUT_BASE),
+        OpRecord("torch.add", (OUT_BASE, 2), (), OUT_BASE + 1),
+        OpRecord("torch.tanh", (OUT_BASE + 1,), (), OUT_BASE + 2),
+    )
+    program = Program(inputs, ops, (OUT_BASE + 2,))
+    model = {
+        "family": "program",
+        "program": json.loads(program.to_json()),
+        "params": [0],
+        "buffers": [1],
+        "loss_outputs": [0],
+    }
+    optimizer = {
+        "name": "Adam",
+        "options": {"lr": 0.01},
+        "groups": [{"attrs": ["p0"], "options": {}}],
+        "held_out": None,
+    }
+    case = _case(model=model, optimizer=optimizer, steps=3, events=[])
+    source = case_source(case)
+    assert 'layout="transposed"' in source.replace("'", '"'), source
+    assert check_case(case).status == OK
+    cnn = _case(
+        model={
+            "family": "cnn",
+            "input": {"kind": "float", "shape": [3, 6, 6]},
+            "layers": [
+                {"kind": "conv", "in": 3, "out": 4, "stride": 1, "bias": True},
+                {"kind": "relu"},
+                {"kind": "gap"},
+                {"kind": "linear", "in": 4, "out": 3, "bias": True},
+            ],
+            "loss": {"kind": "ce", "out": 3},
+        },
+        optimizer={
+            "name": "SGD",
+            "options": {"lr": 0.1, "momentum": 0.9},
+            "groups": [{"attrs": ["l0", "l3"], "options": {}}],
+            "held_out": None,
+        },
+        steps=3,
+        events=[{"at": 2, "kind": "validate", "size": 3}],
+    )
+    cnn.options.update(channels_last=True, layout="sliced")
+    source = case_source(cnn)
+    assert "channels_last" in source and 'relayout(x, "sliced")' in source.replace("'", '"')
+    assert check_case(cnn).status == OK

@@ -15,7 +15,7 @@ the loop a library wraps around it, and compares the loop's result with eager's:
 Why: each default option, ``measure_costs`` above all (at a graph's first compile it
 times the graph with its convolutions in PyTorch and in JAX, on stand-in inputs of the
 graph's layouts, and keeps the faster), runs here on the programs users compile. A
-pipeline with an expanded timestep crashed at that measuring (issue 59) while every
+pipeline with an expanded timestep crashed at that measuring while every
 test, run with ``measure_costs`` off, passed. The DDIM and RT-DETR tests check that
 the measuring ran (``measured``), and every test that the loop compiled its graphs once.
 
@@ -134,7 +134,7 @@ def test_diffusers_ddim_loop_with_an_expanded_timestep_matches_eager(
     torch.testing.assert_close(actual, expected, rtol=DDIM_RTOL, atol=DDIM_ATOL)
     assert _graphs() - graphs == 1, "the UNet compiled again within the loop"
     # The convolutions' choice was timed, the expanded timestep's layout among the
-    # stand-ins (the crash of issue 59 was there).
+    # stand-ins (an expanded input once crashed there).
     assert measured, "measure_costs timed nothing"
     assert any(isinstance(x, torch.Tensor) and 0 in x.stride() for x in measured[0])
 

@@ -404,9 +404,20 @@ class JaxFunction:
             isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((dict(state), args, key))
         )
         direct = self.checks and not traced
+        run = self._run_raising_eagers_errors(state, args, key, check=direct)
+        if run.checked is not None:
+            run.checked.throw()
+        return run
+
+    def _run_raising_eagers_errors(
+        self, state: Mapping[str, Any], args: tuple[Any, ...], key: Any, *, check: bool
+    ) -> _Run:
+        """``_run``, raising eager's own exception where an op run in eager PyTorch (a
+        host callback) raised during the call, not JAX's wrapper of it (``fn`` and
+        ``fn.checked`` alike)."""
         forget_host_error()
         try:
-            run = self._run(state, args, key, check=direct)
+            return self._run(state, args, key, check=check)
         except jax.errors.JaxRuntimeError as e:
             # (Under an eager transformation, jax.vjp without jit, the op runs during
             # this call too; under jit, callbacks run after tracing, outside it.)
@@ -415,9 +426,6 @@ class JaxFunction:
                 raise
             # An op run in eager PyTorch raised: its own error, as eager gives it.
             raise original from e
-        if run.checked is not None:
-            run.checked.throw()
-        return run
 
     def load_into(self, model: nn.Module, state: Mapping[str, Any], *, copy: bool = True) -> None:
         """Writes ``state`` (the function's state dict, trained in JAX, say) into the
@@ -721,7 +729,9 @@ class CheckedJaxFunction:
     """A ``JaxFunction`` that returns its value checks as a value (``fn.checked``).
 
     Each call returns the plain form's result with a ``ValueCheckResult`` last; it
-    never raises for a failed check, so it works under every JAX transformation.
+    never raises for a failed check, so it works under every JAX transformation. An op
+    run in eager PyTorch (a host callback) that raises during the call raises eager's
+    own exception, as ``fn`` does.
     """
 
     def __init__(self, fn: JaxFunction) -> None:
@@ -735,7 +745,7 @@ class CheckedJaxFunction:
         """``(outputs, err)``; drops buffer and input updates, warning once as ``fn``."""
         self.fn._warn_buffers_dropped()
         self.fn._warn_inputs_dropped()
-        run = self.fn._run(state, args, key, check=True)
+        run = self.fn._run_raising_eagers_errors(state, args, key, check=True)
         assert run.checked is not None
         return run.outputs, run.checked
 
@@ -743,7 +753,7 @@ class CheckedJaxFunction:
         self, state: Mapping[str, Any], *args: Any, key: Any = None
     ) -> tuple[Any, State, ValueCheckResult]:
         """``(outputs, new_state, err)``, as ``JaxFunction.with_state``."""
-        run = self.fn._run(state, args, key, check=True)
+        run = self.fn._run_raising_eagers_errors(state, args, key, check=True)
         assert run.checked is not None
         return run.outputs, _new_state(state, run.updates), run.checked
 
@@ -751,7 +761,7 @@ class CheckedJaxFunction:
         self, state: Mapping[str, Any], *args: Any, key: Any = None
     ) -> tuple[Any, State, tuple[Any, ...], ValueCheckResult]:
         """``(outputs, new_state, new_args, err)``, as ``JaxFunction.with_updates``."""
-        run = self.fn._run(state, args, key, check=True)
+        run = self.fn._run_raising_eagers_errors(state, args, key, check=True)
         assert run.checked is not None
         return run.outputs, _new_state(state, run.updates), run.new_args, run.checked
 

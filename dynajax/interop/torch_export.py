@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-from dynajax.aot import decompositions, eager_aware
+from dynajax.aot import causal_math_attention, decompositions, eager_aware
 from dynajax.interop import kv_caches as caches
 from dynajax.lowering import attention
 
@@ -84,7 +84,8 @@ def _sdpa_as_exported(
     GPT-2 and LLaMA of ``transformers`` hit it). Here the math kernel computes the
     values (PyTorch's decomposition of the fused kernel does the same) and, where eager
     picks the fused kernel (``_fused_cpu_kernel``), a copy gives them its layout, so
-    every recorded view stays valid; XLA sees the copy as a transpose pair. A boolean
+    every recorded view stays valid, and a causal one is masked as that kernel masks
+    (``aot.causal_math_attention``); XLA sees the copy as a transpose pair. A boolean
     mask becomes the additive one the kernels take (0 where kept, -inf elsewhere, in
     the query's dtype), as the op's own kernel does before dispatching. A large fused
     one (``attention.whole``) stays the fused op, for its rule (the ``attention-512``
@@ -102,9 +103,20 @@ def _sdpa_as_exported(
         return aten._scaled_dot_product_flash_attention_for_cpu.default(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
         )[0]
-    out = aten._scaled_dot_product_attention_math.default(
-        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-    )[0]
+    if fused and is_causal and attn_mask is None and dropout_p == 0.0:
+        out = causal_math_attention(query, key, value, scale, enable_gqa=enable_gqa)[0]
+    else:
+        out = aten._scaled_dot_product_attention_math.default(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            None,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )[0]
     if fused:
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
     return out

@@ -12,7 +12,7 @@ runtime runs each batched product on one thread, and the decomposition's softmax
 several passes over the (N, H, L, S) scores for its fully-masked-row handling and its
 eager-order sums. The rule computes the attention one (batch, head) at a time, in a
 loop per CPU, with one softmax pass, a causal one in blocks of queries over the keys
-each block sees, and handles fully masked rows only where a mask is given. PyTorch's
+each block sees, and gives a row whose scores are all -inf (fully masked) zeros. PyTorch's
 own kernel is still faster on the CPU (1.5-2x at that size), so the backend keeps
 large ones there by default
 (``capability/cost.py``, reason PERF); the rule is what ``perf_fallbacks=False``,
@@ -248,13 +248,14 @@ def _attention(q, k, v, mask, is_causal, scale, offset=0):
             scores = jnp.where(mask, scores, -jnp.inf)
         else:
             scores = scores + mask.astype(scores.dtype)
+    # A row whose every score is -inf (every key masked, or the keys it sees infinite:
+    # is_causal alone, or no mask at all) gives zeros and a log-sum-exp of 0, as eager's
+    # kernel does: max 0, weights 0, total 1 (fuzz seed 104, program 298).
     top = jnp.max(scores, axis=-1, keepdims=True)
-    if mask is not None:  # a row with every key masked: max 0, weights 0, total 1
-        top = jnp.where(top == -jnp.inf, 0.0, top)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
     weights = jnp.exp(scores - top)
     total = jnp.sum(weights, axis=-1, keepdims=True)
-    if mask is not None:  # so its output is 0 and its log-sum-exp 0 + log(1)
-        total = jnp.where(total == 0, 1.0, total)
+    total = jnp.where(total == 0, 1.0, total)  # so its output is 0, its lse 0 + log(1)
     out = jnp.einsum("nhls,nhse->nhle", weights, v) / total
     lse = top + jnp.log(total)
     return out.astype(q.dtype), lse[..., 0].astype(q.dtype)

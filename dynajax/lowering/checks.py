@@ -24,7 +24,7 @@ nothing and rules skip computing their conditions (``checking()``).
 
 Bounds checks of indices go through ``fail_if_out_of_bounds``, so that ops which
 PyTorch's decompositions turn into a checked op (``take`` into ``index``,
-``index_add`` into ``index_put``, ``nll_loss_forward`` into ``gather``) raise eager's
+``index_copy`` into ``index_put``, ``nll_loss_forward`` into ``gather``) raise eager's
 own error for the op the user called: the interpreter tells the collector each node's
 ``original_aten`` and ``ORIGINS`` maps it to eager's error and index range.
 """
@@ -100,10 +100,6 @@ class Origin:
         message: eager's message; fields ``value``, ``size`` and those the checking
             rule passes (``dim``, ``axis``).
         negative: whether eager's kernel accepts indices in ``[-size, 0)``.
-        vector: eager's error instead when the indexed tensor has at most one dim
-            (``index_add`` of a 0- or 1-dim self takes another path of its kernel).
-        unchecked_if_empty: whether eager checks nothing when the indexed tensor has
-            no elements (``index_add`` of a self of 2 dims or more returns early).
         empty_dim: eager's error, whatever the index values, when the indexed dim has
             size 0, the index is not empty and the other dims are not (``index_fill``'s
             kernel views self with the index's size along that dim, and the view's
@@ -113,8 +109,6 @@ class Origin:
     error: type[Exception]
     message: str
     negative: bool
-    vector: Origin | None = None
-    unchecked_if_empty: bool = False
     empty_dim: Origin | None = None
 
 
@@ -141,13 +135,6 @@ _ORIGINS: dict[Any, Origin | None] = {
         IndexError,
         "out of range: tried to access index {value} on a tensor of {size} elements.",
         True,
-    ),
-    aten.index_add.default: Origin(
-        RuntimeError,
-        "index {value} is out of bounds for dimension {axis} with size {size}",
-        False,
-        vector=Origin(IndexError, "index out of range in self", False),
-        unchecked_if_empty=True,
     ),
     aten.index_copy.default: Origin(
         IndexError,
@@ -348,7 +335,7 @@ def fail_if_out_of_bounds(
             (the failing index), ``size`` and the names of ``payload``.
         negative: whether the op accepts indices in ``[-size, 0)`` (Python wraps).
         shape: the indexed tensor's shape, for origins whose check depends on it
-            (``Origin.vector``, ``Origin.unchecked_if_empty``, ``Origin.empty_dim``).
+            (``Origin.empty_dim``).
         itemsize: the indexed tensor's element size in bytes (``Origin.empty_dim``).
         **payload: more message fields (``dim``, ``axis``).
     """
@@ -359,17 +346,13 @@ def fail_if_out_of_bounds(
         origin = ORIGINS[collector.origin]
         if origin is None:
             return
-        if shape is not None and origin.vector is not None and len(shape) <= 1:
-            origin = origin.vector
-        elif shape is not None and origin.empty_dim is not None and math.prod(shape) == 0:
+        if shape is not None and origin.empty_dim is not None and math.prod(shape) == 0:
             axis = int(np.asarray(payload["axis"]).reshape(-1)[0])
             rest = math.prod(n for d, n in enumerate(shape) if d != axis)
             if shape[axis] == 0 and jnp.size(index) > 0 and rest > 0 and itemsize:
                 empty = origin.empty_dim
                 message = _restrided(empty.message, shape, axis, jnp.size(index), itemsize)
                 fail_if(True, empty.error, message)
-            return
-        elif shape is not None and origin.unchecked_if_empty and math.prod(shape) == 0:
             return
         error, message, negative = origin.error, origin.message, origin.negative
     fail_if(

@@ -76,6 +76,46 @@ def _index_put(x, indices, values, accumulate=False):
     return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
 
 
+@lower(aten.index_add.default)
+def _index_add(x, dim, index, source, *, alpha=1):
+    """``index_add`` whole (``aot.CHECKED_KERNELS``), for eager's two checks of its
+    indices: a self of two dims or more, added along its first or last dim with alpha
+    1, an int64 index and a source of self's sizes apart from that dim, goes through
+    scatter_add (a RuntimeError naming the index); any other call through a loop
+    (IndexError "index out of range in self"). A self of two dims or more with no
+    elements, or an empty index, is not checked. The sum is PyTorch's decomposition's:
+    ``index_put`` with ``accumulate=True`` of ``source * alpha``."""
+    d = dim % max(x.ndim, 1)
+    if x.ndim > 1:
+        if index.size and x.size:
+            scatter = (
+                d in (0, x.ndim - 1)
+                and alpha == 1
+                and index.dtype == np.int64
+                and source.ndim == x.ndim
+                and all(source.shape[i] == n for i, n in enumerate(x.shape) if i != d)
+            )
+            if scatter:
+                _check_along(x, d, index)
+            else:
+                checks.fail_if_out_of_bounds(
+                    index, x.shape[d], IndexError, _IN_SELF_MESSAGE, negative=False
+                )
+    else:
+        checks.fail_if_out_of_bounds(index, x.size, IndexError, _IN_SELF_MESSAGE, negative=False)
+    if alpha != 1:
+        source = source * alpha
+    x1 = x.reshape(1) if x.ndim == 0 else x
+    if source.ndim != x1.ndim:  # a 0-dim source of a vector or 0-dim self
+        source = source.reshape(tuple(-1 if i == d else n for i, n in enumerate(x1.shape)))
+    idx = (slice(None),) * d + (index.reshape(-1),)
+    if x.dtype == np.bool_:  # bool addition is logical or
+        out = x1.astype(np.int32).at[idx].add(source.astype(np.int32)) != 0
+    else:
+        out = x1.at[idx].add(source.astype(x.dtype))
+    return out.reshape(x.shape)
+
+
 def _index_select_check(x, dim, index):
     if x.ndim > 1 and x.size == 0 and x.shape[dim % x.ndim] == 0 and index.size > 0:
         return "index_select along an empty dim of an empty tensor (PyTorch raises)"

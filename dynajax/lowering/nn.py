@@ -390,14 +390,24 @@ def _embedding_bag(
         return jnp.concatenate([v, jnp.zeros((bag_size_len - num_bags,), itype)])
 
     if mode == _MODE_MAX:
+        # The kernel keeps a running maximum from each bag's first entry, updated where
+        # an entry is greater (">"): a NaN is skipped, unless it is the first, which
+        # then stays (fuzz seed 110, program 244). So: the maximum of the entries that
+        # are not NaN, or NaN where the first is.
         lowest = jnp.asarray(-jnp.inf, rows.dtype)
-        masked = jnp.where(valid[:, None], rows, lowest)
+        masked = jnp.where(valid[:, None] & ~jnp.isnan(rows), rows, lowest)
         out = jax.ops.segment_max(masked, bag, num_segments=num_bags)
+        at = jnp.arange(n)
+        start = jax.ops.segment_min(jnp.where(valid, at, n), bag, num_segments=num_bags)
+        start = jnp.minimum(start, max(n - 1, 0))  # (a bag with no entries: counts 0)
+        first_nan = jnp.isnan(rows[start]) if n else jnp.zeros_like(out, bool)
+        out = jnp.where(first_nan, rows[start] if n else out, out)
         out = jnp.where(counts[:, None] > 0, out, 0).astype(weight.dtype)
         # The first entry of each bag holding the maximum (the kernel updates on ">").
         hit = valid[:, None] & (rows == out[bag])
-        pos = jnp.where(hit, jnp.arange(n)[:, None], n)
+        pos = jnp.where(hit, at[:, None], n)
         first = jax.ops.segment_min(pos, bag, num_segments=num_bags)
+        first = jnp.where(first_nan, start[:, None], first)
         max_indices = jnp.where(counts[:, None] > 0, indices[jnp.minimum(first, n - 1)], 0)
         return out, bag.astype(itype), pad(counts), max_indices.astype(itype)
     fast_path = weight.dtype in (np.float32, np.float16) and padding_idx < 0

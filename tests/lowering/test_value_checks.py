@@ -238,6 +238,12 @@ CASES: list[ValueCase] = [
         lambda: (_x(), _ints(0, 9), randn(3, 2)),
     ),
     ValueCase(
+        "index_add-loop",
+        lambda x, i, s: x.index_add(1, i, s),
+        lambda: (randn(2, 4, 3), _ints(0, 4), randn(2, 2, 3)),
+        lambda: (randn(2, 4, 3), _ints(0, 3), randn(2, 2, 3)),
+    ),
+    ValueCase(
         "index_add-vector",
         lambda x, i, s: x.index_add(0, i, s),
         lambda: (randn(10), _ints(0, 12), randn(2)),
