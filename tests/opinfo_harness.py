@@ -37,6 +37,7 @@ import torch
 import torch._dynamo
 
 import dynajax
+from tests.helpers import measured_faster
 from tests.opinfo_accuracy import accept_difference, input_tensors
 from tests.tolerances import assert_same, assert_same_layout
 
@@ -242,8 +243,9 @@ def _unseeded_random_ops() -> Iterator[None]:
 
 
 def run_sample(op: Any, sample: Any) -> Outcome:
-    """Compiles one OpInfo sample with dynajax, runs it, and compares it with eager."""
-    with _quiet(), _unseeded_random_ops():
+    """Compiles one OpInfo sample with dynajax, runs it, and compares it with eager
+    (the measured cost choices come out XLA-faster: the sample is about the rule)."""
+    with _quiet(), _unseeded_random_ops(), measured_faster("xla"):
         return _run_sample(op, sample)
 
 
@@ -258,7 +260,7 @@ def run_samples(op: Any, batch: list[Any]) -> list[Outcome]:
     is its outcome. Otherwise each sample runs again on its own, so that every
     fallback reason and failure is the one of that sample alone.
     """
-    with _quiet(), _unseeded_random_ops():
+    with _quiet(), _unseeded_random_ops(), measured_faster("xla"):
         eager = [_eager_reference(op, s) for s in batch]
         clean = [i for i, e in enumerate(eager) if e[1] is None]
         outcomes: dict[int, Outcome] = {}
