@@ -252,14 +252,19 @@ def run(
         if checking is not None:  # generating runs the program's ops eagerly
             checking.parent.mkdir(parents=True, exist_ok=True)
             checking.write_text(json.dumps({"index": index}))
-        program = generate(program_seed(seed, index), max_ops=max_ops)
-        if checking is not None:
-            checking.write_text(json.dumps({"index": index, **json.loads(program.to_json())}))
         try:
-            outcome = check(program, backend)
-        except Exception as e:  # the harness itself: a failure to look at, not the run's end
-            outcome = harness_failure(e)
-        _record(summary, index, program, outcome, directory, shrink_seconds, backend, log)
+            program = generate(program_seed(seed, index), max_ops=max_ops)
+        except Exception as e:  # the generator's own bug: recorded, and the run goes on
+            _record_generator_error(summary, index, e, log)
+            program = None
+        if program is not None:
+            if checking is not None:
+                checking.write_text(json.dumps({"index": index, **json.loads(program.to_json())}))
+            try:
+                outcome = check(program, backend)
+            except Exception as e:  # the harness itself: a failure to look at, not the end
+                outcome = harness_failure(e)
+            _record(summary, index, program, outcome, directory, shrink_seconds, backend, log)
         index += 1
         summary.programs = done_before + index - start
         summary.seconds = seconds_before + time.monotonic() - began
@@ -277,6 +282,21 @@ def run(
     if state is None:
         _write_summary(summary, directory)
     return summary
+
+
+def _record_generator_error(summary: Summary, index: int, error: Exception, log: Log) -> None:
+    """A program the generator raised on: a ``harness`` failure (no program, so no
+    reproducer; ``fuzz.generate(fuzz.program_seed(seed, index))`` raises it again)."""
+    sig = f"harness:generate:{type(error).__name__}:{_normalize(str(error))[:50]}"
+    summary.statuses[FAIL] += 1
+    if sig in summary.failures:
+        summary.failures[sig].count += 1
+        return
+    detail = (
+        f"fuzz.generate(fuzz.program_seed({summary.seed}, {index})) raised: {error_text(error)}"
+    )
+    summary.failures[sig] = Failure(sig, FAIL, index, known=KNOWN_BUGS.get(sig), detail=detail)
+    log(f"  program {index}: [NEW] {sig}")
 
 
 def harness_failure(error: Exception) -> Outcome:

@@ -216,8 +216,9 @@ class GenState:
             role=role,
         )
         vid = len(self.inputs)
+        value = make_input(spec)  # (first: a layout that does not fit raises before it is added)
         self.inputs.append(spec)
-        self.namespace[name(vid)] = make_input(spec)
+        self.namespace[name(vid)] = value
         self.info[vid] = ValueInfo(exact=True, finite=not spec.specials, root=vid)
         self.order.append(vid)
         return vid

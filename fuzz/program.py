@@ -260,6 +260,7 @@ def make_input(shape, dtype, seed, layout="contiguous", kind="normal", high=0,
         t = torch.randint(-8, 9, base, generator=g)
     if bad and t.numel() and bool(torch.rand((), generator=g) < 0.6):
         wrong = (high, high + 3, low - 1)[int(torch.randint(0, 3, (), generator=g))]
+        t = t.contiguous()  # (unique indices are a slice of a permutation)
         t.view(-1)[int(torch.randint(0, t.numel(), (), generator=g))] = wrong
     t = t.to(dtype)
     if upcast and dtype.is_floating_point:

@@ -676,3 +676,38 @@ def test_writing_a_stride_0_input_back_is_torch_compiles_own() -> None:
     outcome = check(program)
     assert outcome.status == UPSTREAM, outcome
     assert outcome.mismatch is not None and "single memory location" in outcome.mismatch.detail
+
+
+def test_unique_indices_out_of_range_are_drawn() -> None:
+    """Was (seed 120, program 1034): a ``unique`` index input (a slice of a permutation,
+    not contiguous) drawn out of range raised in ``make_input``, and the generator's
+    rollback then raised KeyError, which ended the run."""
+    from fuzz.program import make_input
+
+    spec = TensorInput((2, 2), "int64", seed=897838375, kind="unique", high=4, bad=True)
+    t = make_input(spec)
+    assert t.shape == (2, 2) and bool(((t < 0) | (t >= 4)).any()), t
+    assert generate(program_seed(120, 1034)).ops
+
+
+def test_a_program_the_generator_raises_on_is_a_harness_failure_and_the_run_goes_on(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fuzz.campaign
+
+    original = fuzz.campaign.generate
+    calls: list[int] = []
+
+    def breaks_once(seed: int, **kwargs: Any) -> Program:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("x1")
+        return original(seed, **kwargs)
+
+    monkeypatch.setattr(fuzz.campaign, "generate", breaks_once)
+    summary = run(CI_SEED, programs=3, out_dir=tmp_path, log=lambda _: None)
+    assert summary.programs == 3 and sum(summary.statuses.values()) == 3
+    (failure,) = [f for f in summary.failures.values() if f.signature.startswith("harness")]
+    assert failure.signature.startswith("harness:generate:KeyError"), failure
+    assert "KeyError: 'x1'" in failure.detail, failure
+    assert failure in summary.new_failures
