@@ -168,6 +168,8 @@ def _flash_attention_for_cpu_backward(
         else:
             s = s + attn_mask.to(compute)
     p = torch._safe_softmax(s, -1)  # a fully masked row: weights 0, as eager's kernel
+    if is_causal:  # past the window: weights 0 even in a row with a NaN score
+        p = torch.where(keep, p, 0.0)
     grad_v = torch.matmul(p.transpose(-2, -1), g)
     dp = torch.matmul(g, v.transpose(-2, -1))
     ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True))
@@ -291,7 +293,8 @@ def causal_math_attention(
     output and the attention weights (the math kernel's second output)."""
     dtype = query.dtype
     upcast = dtype in (torch.float16, torch.bfloat16)
-    if upcast and not torch._C._get_math_sdp_allow_fp16_bf16_reduction():
+    reduced = getattr(torch._C, "_get_math_sdp_allow_fp16_bf16_reduction", lambda: False)
+    if upcast and not reduced():
         query, key, value = (t.to(torch.float32) for t in (query, key, value))
     else:
         upcast = False
@@ -307,7 +310,9 @@ def causal_math_attention(
     length, source = query.size(-2), key.size(-2)
     window = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
     scores = torch.where(window, scores, float("-inf"))
-    weights = torch._safe_softmax(scores, -1)
+    # weights past the window exactly 0, as never computed (a NaN score in the row
+    # leaves them NaN in a softmax): the values' gradient there is 0, as eager's
+    weights = torch.where(window, torch._safe_softmax(scores, -1), 0.0)
     out = torch.matmul(weights, value)
     if upcast:
         return out.to(dtype), weights.to(dtype)

@@ -1262,3 +1262,68 @@ def test_half_variance_is_computed_in_float32_and_rounded_once(
 
     _jax_function_agrees_with_eager(f, x)
     compare_with_eager(f, x)
+
+
+# Found by seed 120 (program 1521): ``index_put`` into a tensor with no elements, an
+# index out of range along a dim of size 1: eager's kernel visits no element and checks
+# nothing; dynajax raised IndexError. Eager refuses any index into a dim of size 0 at its
+# setup, with a message of its own, even where the result is empty.
+@pytest.mark.parametrize(
+    "fn, args",
+    [
+        (lambda x, i, v: torch.index_put(x, (i,), v), ((1, 1, 0, 1), [2], (1, 1, 1, 1))),
+        (lambda x, i, v: x.index_put((i,), v, accumulate=True), ((1, 1, 0, 1), [2], (1,))),
+        (lambda x, i: x[i], ((1, 1, 0, 1), [2])),
+        (lambda x, i: x[i], ((2, 0), [5])),
+        (lambda x, i: x[i], ((0, 0), [0])),
+        (lambda x, i: x[:, i], ((1, 0), [0])),
+        (lambda x, i, v: x.index_put((i,), v, accumulate=True), ((0, 3), [1], (3,))),
+        (lambda x, i, v: torch.index_put(x, (i,), v), ((1, 3), [2], (3,))),
+    ],
+    ids=[
+        "put",
+        "put-accumulate",
+        "index",
+        "index-empty-rest",
+        "index-dim-0",
+        "index-cols-0",
+        "put-dim-0",
+        "put-nonempty",
+    ],
+)
+def test_indexing_a_tensor_with_no_elements_checks_as_eager(fn: Any, args: Any) -> None:
+    tensors = [torch.tensor(a) if isinstance(a, list) else torch.ones(a) for a in args]
+    try:
+        expected = fn(*tensors)
+    except IndexError as e:
+        with pytest.raises(IndexError) as compiled:
+            torch.compile(fn, backend="dynajax")(*tensors)
+        assert str(compiled.value).split("\n")[0] == str(e)
+    else:
+        assert_same(torch.compile(fn, backend="dynajax")(*tensors), expected)
+
+
+# Found by seed 120 (program 2064): a causal attention whose query holds a NaN: the
+# query's row is NaN, and eager's kernel never computes the weights past its window,
+# so the values' gradient is NaN at the keys the query sees and 0 past them; the
+# decomposition's softmax spread the row's NaN to every weight, so every value's
+# gradient was NaN.
+def test_causal_attention_of_a_nan_query_leaves_the_values_past_the_window_a_zero_gradient() -> (
+    None
+):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 2, 8, generator=g)
+    q[0, 0, 0, 3] = NAN
+    k = torch.randn(1, 2, 6, 8, generator=g)
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="dynajax")):
+        v = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(1))
+        v.requires_grad_()
+        fn(q, k, v).sum().backward()
+        grads.append(v.grad)
+    assert bool(grads[0][0, 0, 2:].eq(0).all()) and bool(grads[0][0, 0, 0].isnan().all())
+    assert_same(grads[1], grads[0])

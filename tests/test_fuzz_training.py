@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+import dynajax
 import fuzz.training
 from fuzz.check import FAIL, OK, UPSTREAM
 from fuzz.known_bugs import KNOWN_TRAINING_BUGS
@@ -391,3 +392,34 @@ def test_parameters_buffers_and_batches_in_other_layouts_agree_with_eager() -> N
     source = case_source(cnn)
     assert "channels_last" in source and 'relayout(x, "sliced")' in source.replace("'", '"')
     assert check_case(cnn).status == OK
+
+
+# Found by seed 122 (run 151): ``torch.take`` of a parameter by a 0-d index tensor (a
+# batch) in the loss. Eager trains; train_step's trace raises "Pending unbacked symbols
+# {u0} not in returned outputs" (its own make_fx of the step: the index is read as a
+# value). Open (fuzz.known_bugs.KNOWN_TRAINING_BUGS).
+@pytest.mark.xfail(strict=True, reason="train_step cannot trace take of a 0-d index tensor")
+def test_take_of_a_0d_index_trains_as_eager() -> None:
+    class Take(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.arange(6.0).reshape(3, 2))
+
+        def forward(self, i: torch.Tensor) -> torch.Tensor:
+            return torch.take(self.p, i)
+
+    model = Take()
+    eager = copy.deepcopy(model)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    step = dynajax.train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, i: m(i).square().sum()
+    )
+    for i in (4, 1, 4):
+        loss = step(torch.tensor(i))
+        eager_opt.zero_grad()
+        expected = eager(torch.tensor(i)).square().sum()
+        expected.backward()
+        eager_opt.step()
+        torch.testing.assert_close(loss, expected.detach())
+    step.sync()
+    torch.testing.assert_close(model.p.detach(), eager.p.detach())

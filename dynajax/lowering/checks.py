@@ -311,6 +311,13 @@ def out_of_bounds(index: Any, size: Any, *, negative: bool) -> jax.Array:
     return (index < low) | (index >= size)
 
 
+def for_another_op() -> bool:
+    """Whether the current node's checks report the errors of another op, the one a
+    decomposition came from (``ORIGINS``), not its own."""
+    collector = _ACTIVE.get()
+    return collector is not None and collector.origin in ORIGINS
+
+
 def fail_if_out_of_bounds(
     index: Any,
     size: Any,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +45,14 @@ def _check_indices(x, indices):
     if not found:
         return
     shape = jnp.broadcast_shapes(*(i.shape for _, i in found))
+    if not checks.for_another_op():  # (a decomposition's: that op's own rules apply)
+        if math.prod(shape) and any(x.shape[axis] == 0 for axis, _ in found):
+            # eager's setup refuses any index into a dim of size 0
+            checks.fail_if(True, IndexError, "index is out of bounds for dimension with size 0")
+            return
+        rest = math.prod(n for d, n in enumerate(x.shape) if d not in dict(found))
+        if math.prod(shape) * rest == 0:  # eager's kernel visits no element: no check
+            return
     values = jnp.stack([jnp.broadcast_to(i, shape).astype(np.int64) for _, i in found], -1)
     checks.fail_if_out_of_bounds(
         values,
