@@ -80,10 +80,16 @@ def _index(x, indices):
 def _index_put(x, indices, values, accumulate=False):
     _check_indices(x, indices)
     idx = _index_tuple(x, indices)
-    if accumulate and x.dtype == np.bool_:  # bool addition is logical or
+    if accumulate:
+        return _add_at(x, idx, values)
+    return x.at[idx].set(values.astype(x.dtype))
+
+
+def _add_at(x, idx, values):
+    """``x`` with ``values`` added at ``idx`` in x's dtype (bool addition: logical or)."""
+    if x.dtype == np.bool_:
         return x.astype(np.int32).at[idx].add(values.astype(np.int32)) != 0
-    values = values.astype(x.dtype)
-    return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
+    return x.at[idx].add(values.astype(x.dtype))
 
 
 @lower(aten.index_add.default)
@@ -119,11 +125,7 @@ def _index_add(x, dim, index, source, *, alpha=1):
     if source.ndim != x1.ndim:  # a 0-dim source of a vector or 0-dim self
         source = source.reshape(tuple(-1 if i == d else n for i, n in enumerate(x1.shape)))
     idx = (slice(None),) * d + (index.reshape(-1),)
-    if x.dtype == np.bool_:  # bool addition is logical or
-        out = x1.astype(np.int32).at[idx].add(source.astype(np.int32)) != 0
-    else:
-        out = x1.at[idx].add(source.astype(x.dtype))
-    return out.reshape(x.shape)
+    return _add_at(x1, idx, source).reshape(x.shape)
 
 
 def _index_select_check(x, dim, index):
