@@ -190,6 +190,13 @@ def _cholesky(a: torch.Tensor, upper: bool = False) -> torch.Tensor:
     return factor
 
 
+def _take(self: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``take`` as one gather (PyTorch's decomposition indexes with ``index`` in
+    Python, which reads a 0-d index as a number: a data-dependent ``item()`` that no
+    trace of a whole program can hold)."""
+    return aten.index.Tensor(self.reshape(-1), [index])
+
+
 def _addcmul(
     self: torch.Tensor, tensor1: torch.Tensor, tensor2: torch.Tensor, *, value: Any = 1
 ) -> torch.Tensor:
@@ -472,6 +479,7 @@ def corrections() -> dict[Any, Callable[..., Any]]:
             _flash_attention_for_cpu_backward
         ),
         aten.addcmul.default: _addcmul,
+        aten.take.default: _take,
         aten.smooth_l1_loss_backward.default: _smooth_l1_loss_backward,
         aten.huber_loss.default: _huber_loss,
         aten.gelu_backward.default: _gelu_backward,

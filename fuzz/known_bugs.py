@@ -14,10 +14,4 @@ KNOWN_BUGS: dict[str, str] = {}
 # ``python -m fuzz --through train_step`` (``fuzz/training.py``): train_step's
 # failures against the eager training loop, by signature pattern (``fnmatch``: ``*``
 # any text). Empty when train_step agrees with eager on every case.
-KNOWN_TRAINING_BUGS: dict[str, str] = {
-    "error:TrainStepError:trace:PendingUnbackedSymbolNotFound*": (
-        "torch.take of a 0-d index tensor in the loss: train_step's trace fails with an "
-        "unbacked symbol where eager trains (tests/test_fuzz_training.py::"
-        "test_take_of_a_0d_index_trains_as_eager; seed 122, run 151)"
-    ),
-}
+KNOWN_TRAINING_BUGS: dict[str, str] = {}

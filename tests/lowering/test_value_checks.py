@@ -220,6 +220,12 @@ CASES: list[ValueCase] = [
         lambda: (_x(), L([[0, 29], [-30, 0]])),
     ),
     ValueCase(
+        "take-0d-index",
+        lambda x, i: torch.take(x, i),
+        lambda: (_x(), L(-31)),
+        lambda: (_x(), L(-30)),
+    ),
+    ValueCase(
         "put",
         lambda x, i, v: x.put(i, v),
         lambda: (_x(), _ints(0, 40, -50), L([1.0, 2.0, 3.0])),
