@@ -101,8 +101,8 @@ OK, RAISED, FAIL, UPSTREAM = "ok", "raised", "fail", "upstream"
 REFUSED = "refused"
 _REFUSAL = "cannot be part of a JAX function"
 # The same limit where torch.export meets it first, in a decomposition that reads a
-# value (``take`` of a 0-d index tensor: seed 108, program 11), before dynajax sees the
-# graph to name the op: torch's own errors for a guard or size on a tensor's value.
+# value, before dynajax sees the graph to name the op: torch's own errors for a guard or
+# size on a tensor's value.
 _DATA_DEPENDENT = (
     "GuardOnDataDependentSymNode",
     "PendingUnbackedSymbolNotFound",

@@ -19,6 +19,7 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from dynajax.aot import causal_math_attention, decompositions, eager_aware
+from dynajax.errors import JaxFunctionError
 from dynajax.interop import kv_caches as caches
 from dynajax.lowering import attention
 
@@ -153,5 +154,21 @@ def export(
     """The core ATen ``ExportedProgram`` of a module (in its current mode) or function."""
     caches.register()
     module = module_or_fn if isinstance(module_or_fn, nn.Module) else _FunctionModule(module_or_fn)
-    ep = torch.export.export(module, example_args, dynamic_shapes=dynamic_shapes, strict=False)
-    return caches.run_decompositions(ep, export_decompositions())
+    try:
+        ep = torch.export.export(module, example_args, dynamic_shapes=dynamic_shapes, strict=False)
+        return caches.run_decompositions(ep, export_decompositions())
+    except _DATA_DEPENDENT as e:
+        raise JaxFunctionError(
+            "torch.export cannot trace the model: it reads a tensor's value as a number "
+            f"({type(e).__name__}: {str(e).splitlines()[0]}). A JAX function is traced "
+            "once for every value, so pass such a number as a Python int, or compute "
+            "with the tensor (torch.where, index_select) instead of reading it."
+        ) from e
+
+
+# torch's errors for a size or a branch that depends on a tensor's value.
+_DATA_DEPENDENT = (
+    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+    torch.fx.experimental.symbolic_shapes.PendingUnbackedSymbolNotFound,
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+)

@@ -231,6 +231,26 @@ def test_dynamic_batch_and_sequence_of_a_decoder() -> None:
         jitted(state, models.tokens(2, 65).numpy())
 
 
+def test_a_size_read_from_a_tensor_is_refused_with_what_to_do() -> None:
+    # torch.export fails in its own trace (an unbacked size it cannot place): the error
+    # names the limit and the way out, with torch's error as its cause.
+    with pytest.raises(JaxFunctionError, match="reads a tensor's value as a number") as info:
+        dynajax.jax_function(lambda x, i: x.narrow(0, i, 2), torch.randn(5), torch.tensor(2))
+    assert "PendingUnbackedSymbolNotFound" in str(info.value)
+    assert isinstance(
+        info.value.__cause__, torch.fx.experimental.symbolic_shapes.PendingUnbackedSymbolNotFound
+    )
+
+
+def test_take_by_a_0d_index_is_a_jax_function() -> None:
+    x = torch.randn(3, 4)
+    fn, _ = dynajax.jax_function(lambda x, i: torch.take(x, i), x, torch.tensor(5))
+    for i in (5, -1, 0):
+        assert_same(
+            to_torch(jax.jit(fn)({}, x.numpy(), np.int64(i))), torch.take(x, torch.tensor(i))
+        )
+
+
 # ---------------------------------------------------------------------------------
 # vmap and scan
 # ---------------------------------------------------------------------------------
