@@ -912,6 +912,48 @@ def _runtime_wrapper_plan(n_graph_inputs: int, example_inputs: Sequence[Any]) ->
     return mutated
 
 
+def _traced_metadata() -> Any:
+    """aot_autograd's metadata of the graph it is compiling (its ``ViewAndMutationMeta``),
+    or None outside its compile."""
+    return getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+
+
+def _mutated_inputs(meta: Any, n_inputs: int) -> list[int]:
+    """The positions, among Dynamo's ``n_inputs`` inputs, of those whose data the graph
+    described by aot_autograd's ``meta`` writes (its inputs may begin with parameters it
+    prepended: not Dynamo's)."""
+    if meta is None:
+        return []
+    first = len(meta.input_info) - n_inputs
+    return [i - first for i, info in enumerate(meta.input_info) if info.mutates_data and i >= first]
+
+
+def _eager_where_overlapping(
+    compiled: Callable[..., Any], gm: torch.fx.GraphModule, mutated: Sequence[int]
+) -> Callable[..., Any]:
+    """``compiled``, except that a call where an input at a ``mutated`` position has
+    internal overlap (several elements at one address: ``expand``) runs Dynamo's graph
+    ``gm`` in eager PyTorch. Eager decides per op: most in-place kernels refuse such a
+    tensor ("unsupported operation: more than one element of the written-to tensor
+    refers to a single memory location"), before any other check of theirs, where
+    ``fill_``, ``zero_`` and ``index_put_`` write it; a compiled graph computes new
+    values and copies them back, which the copy refuses only after the program ran."""
+    if not mutated:
+        return compiled
+    positions = tuple(mutated)
+    overlap = torch._debug_has_internal_overlap
+    YES = 1  # (torch's MemOverlap::Yes)
+
+    def call(*args: Any) -> Any:
+        for i in positions:
+            x = args[i]
+            if isinstance(x, torch.Tensor) and not x.is_contiguous() and overlap(x) == YES:
+                return gm(*args)
+        return compiled(*args)
+
+    return functools.wraps(compiled)(call)
+
+
 def _in_aot_convention(compiled: Callable[..., Any], writes: list[Write]) -> Callable[..., Any]:
     """``compiled`` as aot_autograd's runtime wrapper calls it (a graph's first call, or
     every call where dynajax does not bypass the wrapper): the mutated inputs' whole new
@@ -953,17 +995,38 @@ def aot_compile(
     while aot_autograd traces it, and a later process rebuilds aot_autograd's
     autograd.Function around its two loaded graphs with aot_autograd's own code. An
     entry that cannot be rebuilt (another torch's structures) is traced and replaced.
+
+    A call whose input the graph writes in place has internal overlap (an expanded
+    tensor) runs Dynamo's graph in eager PyTorch (``_eager_where_overlapping``).
     """
+    mutated: list[int] = []
+    compiled = _aot_compiled(gm, example_inputs, compile_aten_graph, cache, mutated)
+    return _eager_where_overlapping(compiled, gm, mutated)
+
+
+def _aot_compiled(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    compile_aten_graph: GraphCompiler,
+    cache: BlobStore | None,
+    mutated: list[int],
+) -> Callable[..., Any]:
+    """``aot_compile``'s callable; sets ``mutated`` to the positions of the inputs the
+    graph writes in place."""
     entry = aot_cache.lookup(cache, gm, example_inputs)
     found = entry.load()
     if found is not None and found.kind == "inference":
         assert found.graph is not None
+        mutated[:] = found.plan
         writes = rewrite_writes(found.graph, found.plan)
         compiled = compile_aten_graph(found.graph, example_inputs, kind="inference", aot=entry)
         unboxed: Callable[..., Any] = compiled.unboxed  # type: ignore[attr-defined]
         return unboxed(None, writing_back(writes))
     if found is not None:
         try:
+            mutated[:] = _mutated_inputs(
+                aot_rebuild.runtime_metadata(found.record), len(example_inputs)
+            )
             return aot_rebuild.rebuild(
                 found.record,
                 example_inputs,
@@ -978,6 +1041,7 @@ def aot_compile(
     inference: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
 
     def compile_inference(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
+        mutated[:] = _mutated_inputs(_traced_metadata(), len(example_inputs))
         plan = _runtime_wrapper_plan(len(inputs), example_inputs)
         if plan is None:
             entry.not_stored("aot_autograd's runtime wrapper has work to do for it")
@@ -995,6 +1059,8 @@ def aot_compile(
 
     def compile_training(kind: str) -> GraphCompiler:
         def compile(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
+            if kind == "forward":
+                mutated[:] = _mutated_inputs(_traced_metadata(), len(example_inputs))
             if kind == "forward" and entry.key is not None:
                 recorder.training = True
                 try:

@@ -262,6 +262,11 @@ class _LazyBackwardModule:
         self.deserialize = load
 
 
+def runtime_metadata(record: TrainingRecord) -> Any:
+    """aot_autograd's ``ViewAndMutationMeta`` of the recorded training graph."""
+    return pickle.loads(record.structures)[0]
+
+
 def rebuild(
     record: TrainingRecord,
     example_inputs: Sequence[Any],

@@ -110,6 +110,35 @@ def test_loaded_wrappers_write_mutations_back_and_regenerate_aliases(tmp_path, a
     assert _aot(backend) == [("forward", LOADED), ("backward", LOADED)]
 
 
+def _filled(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    scale.fill_(2.0)
+    return ((x @ w) * scale).sum()
+
+
+def test_a_loaded_graph_writes_an_overlapping_input_as_eager(tmp_path, aot_runs) -> None:
+    # The input written in place is an expanded tensor (one element at five places):
+    # eager's fill_ writes it, where copying the graph's new value back cannot; the call
+    # runs eagerly, traced or loaded (the mutated inputs read from the loaded structures).
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    want = []
+    for shared in (False, True):
+        scale = torch.zeros(1).expand(5) if shared else torch.zeros(5)
+        w_ = w.clone().requires_grad_(True)
+        loss = _filled(x, w_, scale)
+        loss.backward()
+        want.append((loss, w_.grad, scale.clone()))
+    for status in (STORED, LOADED):
+        fn, backend = _compile(tmp_path, _filled)
+        for k, shared in enumerate((False, True)):
+            scale = torch.zeros(1).expand(5) if shared else torch.zeros(5)
+            w_ = w.clone().requires_grad_(True)
+            loss = fn(x, w_, scale)
+            loss.backward()
+            assert_same((loss, w_.grad, scale.clone()), want[k])
+        assert _aot(backend)[:2] == [("forward", status), ("backward", status)]
+    assert aot_runs[0] == 2  # (a graph for each stride of scale, both loaded the second time)
+
+
 def _dropout_mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.dropout((x @ w).relu(), p=0.5, training=True).sum(-1)
 
