@@ -13,7 +13,9 @@ sets of input values, through the same compiled function (the second call runs t
 cached executables).
 
 A floating value that differs beyond the table is still accepted in three cases, the
-differences the README documents and their consequences:
+differences the README documents and their consequences (and an integer output that
+is a float's bits, ``Tensor.view(torch.int32)``, where both are NaNs: ``nan bits``, a
+NaN's sign and payload, which eager's own kernels set by an element's position):
 
 ``subnormal``
     It equals eager's value computed with subnormals flushed to zero
@@ -45,8 +47,7 @@ Every other difference is a failure. A failure is classified ``upstream``, not d
 when its program differs from eager the same way under ``backend="aot_eager"`` (no
 dynajax: Dynamo and aot_autograd only), so it belongs to ``torch.compile``, or its
 gradient differs where ``aot_eager`` raises in the backward (aot_autograd's backward
-graph, which dynajax compiles, is broken there), or dynajax raises the error
-``aot_eager`` raises at another stage (writing a stride-0 input back); or when
+graph, which dynajax compiles, is broken there); or when
 eager's own answer changes if the same input values come contiguous and dynajax's
 answer is eager's on those contiguous copies: then a PyTorch kernel misreads its
 input's strides (``median`` along a dim of stride 0 reads past the element); or when
@@ -113,6 +114,7 @@ _AUTOGRAD_REFUSALS = (
     "is a view and is being modified inplace",
 )
 SUBNORMAL, FLOAT64, AMPLIFIED = "subnormal", "float64", "amplified"
+NAN_BITS = "nan bits"
 CALLS = (0, 1)
 
 Backend = Callable[[], Any] | str
@@ -737,12 +739,32 @@ def compare(
             message = _close(a, e)
             if message is None:
                 continue
-            allowance = _accept(a, e, refs, group, i) if e.is_floating_point() else None
+            if e.is_floating_point():
+                allowance = _accept(a, e, refs, group, i)
+            else:
+                allowance = NAN_BITS if _nan_bits_only(a, e) else None
             if allowance is None:
                 kind = "value" if group == "out" else group
                 return Mismatch(kind, where, dtype, message, call), accepted
             accepted.append(allowance)
     return None, accepted
+
+
+_FLOAT_OF_BITS = {torch.int32: torch.float32, torch.int64: torch.float64}
+
+
+def _nan_bits_only(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Integers that are floats' bits (``Tensor.view(torch.int32)``) and differ only
+    where both are NaNs: in a NaN's sign and payload, which eager's own kernels set by
+    an element's position (floor division of -inf: 0xffc00000 in the scalar tail of the
+    loop, 0x7fffffff in its vectorized body)."""
+    float_dtype = _FLOAT_OF_BITS.get(expected.dtype)
+    if float_dtype is None or actual.dtype != expected.dtype:
+        return False
+    a = actual.detach().contiguous().view(float_dtype)
+    e = expected.detach().contiguous().view(float_dtype)
+    differ = actual != expected
+    return bool(differ.any()) and bool((a.isnan() & e.isnan())[differ].all())
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -904,19 +926,6 @@ def _backward_broken(control: Mismatch, mismatch: Mismatch) -> bool:
     return control.kind == "crash" and control.where == "backward" and mismatch.kind == "grad"
 
 
-def _same_error_elsewhere(control: Mismatch, mismatch: Mismatch) -> bool:
-    """Whether dynajax's crash is the error ``aot_eager`` raised too, at another stage
-    or call: ``x.zero_()`` of a stride-0 input, which eager allows, is written back by
-    ``copy_`` into the input (aot_autograd's functionalization): ``aot_eager`` raises
-    "more than one element of the written-to tensor refers to a single memory
-    location" when it compiles, dynajax when the call writes it back (seed 107,
-    program 192)."""
-    if mismatch.kind != "crash" or control.kind not in ("crash", "raises"):
-        return False
-    message = _normalize(mismatch.detail.split(": ", 1)[-1]).removeprefix("unsupported operation: ")
-    return len(message) >= 20 and message[:60] in _normalize(control.detail)
-
-
 def eager_misreads_strides(program: Program, call: int, backend: Backend | str) -> bool:
     """Whether eager's answer to ``program`` (call ``call``) changes when its inputs
     come as contiguous copies of the same values, and dynajax's answer on the original
@@ -1037,8 +1046,6 @@ def check(
     if control is not None and (control.kind, control.dtype) == (mismatch.kind, mismatch.dtype):
         status = UPSTREAM  # the same kind, dtype or exception types; messages may differ
     elif control is not None and _backward_broken(control, mismatch):
-        status = UPSTREAM
-    elif control is not None and _same_error_elsewhere(control, mismatch):
         status = UPSTREAM
     elif mismatch.kind in ("value", "inputs", "grad") and (
         eager_misreads_strides(program, mismatch.call, backend)
