@@ -583,7 +583,7 @@ def functionalized(joint: torch.fx.GraphModule, examples: Sequence[Any]) -> torc
     return gm
 
 
-class _Held:
+class Held:
     """A process-wide change held while any block, in any thread, is inside: made by
     the first block to enter and undone by the last to leave (a save/restore per block
     would let two overlapping threads restore each other's values and leave the change
@@ -621,7 +621,7 @@ def _silence_fake_tensor_log() -> Callable[[], None]:
 # FakeTensor's error log off: where an op fails on fake tensors it logs the traceback at
 # ERROR level before raising, and the caller's own error (which names the op's message)
 # is then the only thing the user should see.
-_quiet_fake_tensors = _Held(_silence_fake_tensor_log)
+_quiet_fake_tensors = Held(_silence_fake_tensor_log)
 
 
 def _set_compiling_flag() -> Callable[[], None]:
@@ -634,7 +634,7 @@ def _set_compiling_flag() -> Callable[[], None]:
     return undo
 
 
-_compiling = _Held(_set_compiling_flag)
+_compiling = Held(_set_compiling_flag)
 
 
 def compiling() -> contextlib.AbstractContextManager[None]:

@@ -38,7 +38,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
+import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -48,11 +51,15 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode, get_proxy_slot
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.optim.optimizer import (
+    _get_value,
+    _global_optimizer_post_hooks,
+    _global_optimizer_pre_hooks,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dynajax.aot import compiling, functionalized, joint_graph
+from dynajax.aot import Held, compiling, functionalized, joint_graph
 from dynajax.errors import TrainStepError
 from dynajax.program.replay import ReplayedRandom
 
@@ -161,6 +168,12 @@ class _TensorScalars(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = dict(kwargs or {})
+        if _in_place(func) and _is_scalar(args[0]) and args[0].dtype != torch.float64:
+            # A 0-d state tensor (NAdam's mu_product) updated by a value eager holds as
+            # a Python double (``mu_product *= mu``): eager casts the number to the
+            # tensor's dtype first (a wrapped number), where the float64 tensor would
+            # promote the product to float64 and round it once.
+            args = (args[0], *[_to(a, args[0].dtype) for a in args[1:]])
         if func in (torch.Tensor.add_, torch.Tensor.sub_) and isinstance(
             kwargs.get("alpha"), torch.Tensor
         ):
@@ -184,6 +197,101 @@ class _TensorScalars(TorchFunctionMode):
             self_, mask, value = args
             return self_.copy_(torch.where(mask, value, self_))
         return func(*args, **kwargs)
+
+
+def _install_double_reads() -> Callable[[], None]:
+    """Replaces ``torch.optim``'s ``_get_value`` in each optimizer module that calls it
+    by ``_read_as_double``, and the functional updates of ``_CAPTURABLE`` by
+    ``_in_double``'s; returns the undo."""
+    original = _get_value
+    undo: list[Callable[[], None]] = []
+
+    def replace(module: Any, name: str, new: Any) -> None:
+        old = getattr(module, name)
+        setattr(module, name, new)
+        undo.append(lambda: setattr(module, name, old))
+
+    for module in list(sys.modules.values()):
+        # (torch's optimizers, and a user's that imported torch's helper)
+        if getattr(module, "_get_value", None) is original:
+            replace(module, "_get_value", _read_as_double)
+    for module, name, lists in _SCALAR_STATE:
+        replace(module, name, _in_double(getattr(module, name), lists))
+
+    def undo_all() -> None:
+        for u in reversed(undo):
+            u()
+
+    return undo_all
+
+
+def _read_as_double(x: Any) -> Any:
+    """``torch.optim``'s ``_get_value`` where the step is traced: a floating 0-d state
+    tensor (a step count, NAdam's ``mu_product``) in float64. Eager reads it with
+    ``.item()``, a Python double, and computes its bias corrections, step sizes and
+    decays from it in double precision; the tensor in its own dtype (float32, what
+    ``_get_value`` returns under ``torch.compile``) would compute them in float32
+    (``1 - 0.999 ** step`` keeps four digits). Elsewhere, ``_get_value``."""
+    if isinstance(x, torch.Tensor) and get_proxy_mode() is not None:
+        return x.to(torch.float64) if x.is_floating_point() else x
+    return _get_value(x)
+
+
+# The capturable forms (``_CAPTURABLE``) compute with their 0-d state tensors (step
+# counts, ASGD's eta and mu) as tensors, where eager's reads them as Python doubles:
+# (module, functional update, its arguments that list such tensors).
+_SCALAR_STATE = (
+    (sys.modules[torch.optim.RAdam.__module__], "radam", ("state_steps",)),
+    (sys.modules[torch.optim.ASGD.__module__], "asgd", ("state_steps", "mus", "etas")),
+)
+
+
+def _in_double(update: Callable[..., Any], lists: Sequence[str]) -> Callable[..., Any]:
+    """``update`` (an optimizer's functional form) run, where the step is traced, on
+    float64 copies of the 0-d state tensors its arguments ``lists`` hold, each written
+    back into its tensor after it (rounded to the tensor's dtype, as eager's
+    ``copy_`` of a double rounds it)."""
+    signature = inspect.signature(update)
+
+    @functools.wraps(update)
+    def in_double(*args: Any, **kwargs: Any) -> Any:
+        if get_proxy_mode() is None:
+            return update(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        written: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name in lists:
+            originals = bound.arguments[name]
+            copies = [t.to(torch.float64) for t in originals]
+            bound.arguments[name] = copies
+            written += zip(originals, copies, strict=True)
+        out = update(*bound.args, **bound.kwargs)
+        for original, copy in written:
+            original.copy_(copy)
+        return out
+
+    return in_double
+
+
+# Held while any trace runs an optimizer's step (the patch is process-wide, as the
+# compiling flag is).
+_double_reads = Held(_install_double_reads)
+
+
+def _in_place(func: Any) -> bool:
+    """Whether ``func`` is a Tensor method that writes its tensor (``mul_``, ``__imul__``)."""
+    name = getattr(func, "__name__", "")
+    writes = (name.endswith("_") and not name.startswith("_")) or name.startswith("__i")
+    return writes and getattr(torch.Tensor, name, None) is func
+
+
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point()
+
+
+def _to(x: Any, dtype: torch.dtype) -> Any:
+    """``x`` in ``dtype`` where it is a 0-d float64 tensor (a number eager holds as a
+    Python double), else ``x``."""
+    return x.to(dtype) if _is_scalar(x) and x.dtype == torch.float64 else x
 
 
 def _is_mask(x: Any, key: Any) -> bool:
@@ -228,7 +336,8 @@ def optimizer_on(
                 group["foreach"] = False
             if "fused" in group:
                 group["fused"] = None
-        yield new_state
+        with _double_reads():
+            yield new_state
     finally:
         optimizer.state = saved_state
         for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
