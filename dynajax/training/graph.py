@@ -90,12 +90,20 @@ class StepGraph:
     examples: list[torch.Tensor] = dataclasses.field(default_factory=list, repr=False)
 
     what: tuple[str, str] = ("", "")  # (the optimizer's class, the loss's name), for errors
+    # What loss_fn returned beside the loss (``(loss, aux)``): its pytree structure, or
+    # None where it returned the loss alone; its tensors are the graph's last outputs.
+    aux: pytree.TreeSpec | None = None
 
     @property
     def state_at(self) -> int:
         """Where the optimizer's state starts among the graph's outputs: after the
         loss, the parameters, the buffers and the frozen parameters it writes."""
         return 1 + self.n_params + self.n_buffers + len(self.frozen_out)
+
+    @property
+    def aux_at(self) -> int:
+        """Where ``aux``'s tensors start among the graph's outputs: after the state."""
+        return self.state_at + len(self.state_out)
 
     def functional(self) -> torch.fx.GraphModule:
         """The step as one functional ATen graph, decomposed: the in-place updates of
@@ -436,6 +444,7 @@ def trace_step(
     wanted = [p.requires_grad for p in params]  # the others get no gradient, as in eager
     state_out: list[StateKey] = []
     frozen_out: list[int] = []
+    aux_spec: list[pytree.TreeSpec | None] = [None]
 
     def step(*flat: torch.Tensor) -> tuple[Any, ...]:
         ps = list(flat[:n_params])
@@ -457,6 +466,7 @@ def trace_step(
         if accumulate > 1:
             micro = [tuple(x.chunk(accumulate)[i] for x in xs) for i in range(accumulate)]
         loss: torch.Tensor | None = None
+        auxes: list[list[torch.Tensor]] = []  # each micro-batch's
         grads: list[torch.Tensor | None] = [None] * n_params
         differentiated = [p for p, w in zip(ps, wanted, strict=True) if w]
         replayed = ReplayedRandom()  # one for every micro-batch: each draws its own
@@ -469,8 +479,10 @@ def trace_step(
                     replayed,
                 ):
                     args = layout.rebuild(part) if layout is not None else part
-                    part_loss = wrapper(*args)
-                    _check_loss(part_loss)
+                    part_loss, aux = _loss_and_aux(wrapper(*args))
+                    if aux is not None:
+                        leaves, aux_spec[0] = pytree.tree_flatten(aux)
+                        auxes.append([t.detach() for t in leaves])
                     if accumulate > 1:
                         part_loss = part_loss / accumulate
                     found = iter(
@@ -487,6 +499,10 @@ def trace_step(
         finally:
             replayed.restore()
         assert loss is not None
+        # aux as loss_fn returned it; with micro-batches each one's, stacked (dim 0)
+        aux_out = (
+            auxes[0] if len(auxes) == 1 else [torch.stack(ts) for ts in zip(*auxes, strict=True)]
+        )
         with torch.no_grad():
             for p, g in zip(ps, grads, strict=True):
                 p.grad = _as_accumulated(g, p)
@@ -496,12 +512,20 @@ def trace_step(
                 read = [p.grad for p in ps]
                 written = [i for i, f in enumerate(fixed) if f._version != versions[i]]
                 so_far = _traced_so_far(
-                    [loss, *[g for g in read if g is not None], *bufs, *[fixed[i] for i in written]]
+                    [
+                        loss,
+                        *aux_out,
+                        *[g for g in read if g is not None],
+                        *bufs,
+                        *[fixed[i] for i in written],
+                    ]
                 )
                 # (outside the trace's modes: what it does with tensors, a constant's
                 # digest, is not part of the step)
                 with _disable_current_modes():
-                    stop = at_update(so_far, [g is not None for g in read], written)
+                    stop = at_update(
+                        so_far, [g is not None for g in read], written, aux_text(aux_spec[0])
+                    )
                 if stop:
                     raise _Stopped
             with optimizer_on(optimizer, ps, st, group_lrs) as new_state, _TensorScalars():
@@ -522,7 +546,7 @@ def trace_step(
         # A frozen parameter written in place (F.embedding's max_norm renormalizes the
         # rows it reads): returned, so that the next step reads it as eager would.
         frozen_out[:] = [i for i, f in enumerate(fixed) if f._version != versions[i]]
-        return (loss.detach(), *ps, *bufs, *[fixed[i] for i in frozen_out], *out)
+        return (loss.detach(), *ps, *bufs, *[fixed[i] for i in frozen_out], *out, *aux_out)
 
     examples = [
         *[p.detach().requires_grad_(p.requires_grad) for p in params],
@@ -538,7 +562,9 @@ def trace_step(
             joint = joint_graph(step, examples)
     except _Stopped:
         return None
-    return StepGraph(joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what)
+    return StepGraph(
+        joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what, aux_spec[0]
+    )
 
 
 class _Stopped(BaseException):
@@ -547,8 +573,14 @@ class _Stopped(BaseException):
 
 
 # Called where the trace reaches the optimizer's update: (the graph so far, which
-# parameters have a gradient, which frozen parameters were written) -> stop there.
-AtUpdate = Callable[[torch.fx.GraphModule, list[bool], list[int]], bool]
+# parameters have a gradient, which frozen parameters were written, the structure of
+# loss_fn's aux as text) -> stop there.
+AtUpdate = Callable[[torch.fx.GraphModule, list[bool], list[int], str], bool]
+
+
+def aux_text(spec: pytree.TreeSpec | None) -> str:
+    """``aux``'s structure as text (a program's key: its dict keys are outputs' names)."""
+    return "" if spec is None else pytree.treespec_dumps(spec)
 
 
 def _traced_so_far(outputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
@@ -646,6 +678,24 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _loss_and_aux(out: Any) -> tuple[torch.Tensor, Any]:
+    """What loss_fn returned, as (the loss, aux or None): the loss alone, or ``(loss,
+    aux)`` with aux any pytree of tensors (as ``jax.value_and_grad(has_aux=True)``)."""
+    aux = None
+    if isinstance(out, tuple) and len(out) == 2:
+        out, aux = out
+        leaves = pytree.tree_leaves(aux)
+        wrong = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+        if wrong:
+            raise TrainStepError(
+                f"loss_fn returned (loss, aux) with aux holding a {wrong[0]}: aux must be "
+                "a pytree of tensors (a Python number is a constant of the program: "
+                "return it as a tensor, or compute it outside the step)."
+            )
+    _check_loss(out)
+    return out, aux
+
+
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         what = (
@@ -654,6 +704,7 @@ def _check_loss(loss: Any) -> None:
             else type(loss).__name__
         )
         raise TrainStepError(
-            f"loss_fn must return the loss as a floating tensor of one element, got {what} "
-            "(reduce it, e.g. with .mean(), as loss.backward() would need)."
+            f"loss_fn must return the loss as a floating tensor of one element, or "
+            f"(loss, aux), got {what} (reduce it, e.g. with .mean(), as loss.backward() "
+            "would need)."
         )

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from dynajax.capability import Reason
@@ -63,6 +64,7 @@ from dynajax.training.graph import (
     BatchLayout,
     StateKey,
     StepGraph,
+    aux_text,
     describe_optimizer,
     trace_step,
 )
@@ -127,6 +129,7 @@ class _Program:
     random: bool  # whether it draws random numbers (then each step draws a seed)
     checks: list[Check]  # eager's value checks the program computes (its trace fills it)
     boundary: FlatBoundary | None = None  # the state arrays that cross it flat (one CPU)
+    aux: pytree.TreeSpec | None = None  # the structure of loss_fn's aux (None: none)
 
 
 class TrainStep:
@@ -172,7 +175,7 @@ class TrainStep:
         self._programs: dict[Any, _Program] = {}
         # Per batch signature and settings, the trace up to the optimizer's update as
         # the cache keys it (``_compile``).
-        self._gradients: dict[Any, tuple[str | None, list[int], list[bool], bool]] = {}
+        self._gradients: dict[Any, tuple[str | None, list[int], list[bool], bool, str]] = {}
         # Programs persist as the backend's executables do (DYNAJAX_CACHE_DIR,
         # DYNAJAX_CACHE_MAX_BYTES): keyed by the step's first trace, a hit skips the rest.
         options = Options.resolve({})
@@ -251,7 +254,9 @@ class TrainStep:
         _OWNERS[self.model] = weakref.ref(self)
         self._members()
         tensors = [*self._params, *self._frozen, *self._buffers]
-        self._view = ModuleView(self.model, self.optimizer, tensors, self.sync, self.release_module)
+        self._view = ModuleView(
+            self.model, self.optimizer, tensors, len(self._params), self.sync, self.release_module
+        )
         self._watch = Watch(self.model, self.optimizer, self.loss_fn, self._params, tensors)
         self._load_from_torch()
 
@@ -307,6 +312,7 @@ class TrainStep:
                         self.state[(i, key)] = self.layout.put(value, sharding)
         assert self._view is not None
         self._view.optimizer_loaded = False
+        self._view.record_optimizer(current=True)
 
     def reload(self) -> None:
         """Takes up the module's and the optimizer's current state, replacing the
@@ -335,6 +341,7 @@ class TrainStep:
         self._sync_module()
         for (i, key), a in self.state.items():
             self.optimizer.state[self._params[i]][key] = gather_to_torch(a).clone()
+        self._view.record_optimizer(current=True)
 
     def _sync_module(self) -> None:
         assert self._view is not None
@@ -454,11 +461,14 @@ class TrainStep:
 
     # -- the step -----------------------------------------------------------------
 
-    def __call__(self, *batch: Any) -> jax.Array:
+    def __call__(self, *batch: Any) -> jax.Array | tuple[jax.Array, Any]:
         """Runs one step on ``batch`` (a pytree of tensors: tensors, tuples, lists,
         dicts; its other leaves are constants of the program), returns the loss as a
         ``jax.Array`` (reading it, ``float(loss)``, waits for the step; not reading it
-        does not, unless the program computes eager's value checks)."""
+        does not, unless the program computes eager's value checks). Where ``loss_fn``
+        returns ``(loss, aux)``, returns ``(loss, aux)``: aux's tensors as ``jax.Array``s
+        in its structure, computed in the same program (with ``accumulate=k``, each
+        micro-batch's stacked along a new first dim)."""
         settings = self._take_up()
         view = self._view
         assert view is not None
@@ -499,19 +509,21 @@ class TrainStep:
     def _take_up_edits(self) -> None:
         """Loads what the user wrote into the module's tensors (``load_state_dict``, an
         assignment under ``no_grad``: the optimizer's state stays the step's, as in
-        eager) and into the optimizer (``load_state_dict``) since the step last
-        looked; a write into a released tensor is refused (``ModuleView``)."""
+        eager) and into the optimizer's state (``load_state_dict``, an eager
+        ``optimizer.step()``, an entry edited, replaced, added or removed) since the
+        step last looked; a write into a released tensor, or into the optimizer's state
+        while the step held it, is refused (``ModuleView``)."""
         view = self._view
         assert view is not None
         edited = view.check_not_edited(self._state_names)
         if edited:
             self._load_module(edited)
-        if view.optimizer_loaded:
+        if view.optimizer_loaded or view.optimizer_edited(self._param_names):
             self._load_optimizer()
 
     def _step(
         self, layout: BatchLayout, batch: Sequence[torch.Tensor], settings: tuple[Any, ...]
-    ) -> jax.Array:
+    ) -> jax.Array | tuple[jax.Array, Any]:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         xs = [self.layout.put_batch(x) for x in batch]
         program = self._program(layout, batch, xs, lrs, settings)
@@ -524,7 +536,7 @@ class TrainStep:
             taken = boundary.stored(taken)
         forget_host_error()
         try:
-            loss, params, buffers, state, err, frozen = program.run(
+            (loss, aux), params, buffers, state, err, frozen = program.run(
                 tuple(taken),
                 self.frozen,
                 [np.float64(lr) for lr in lrs],
@@ -560,6 +572,8 @@ class TrainStep:
             raise _eager_error(program.checks, err)
         self.state = new_state
         self.steps += 1
+        if program.aux is not None:
+            return loss, pytree.tree_unflatten(list(aux), program.aux)
         return loss
 
     def _program(
@@ -684,16 +698,16 @@ class TrainStep:
         found: tuple[Any, Any] | str | None = None  # the cache's answer (a miss: why)
 
         def look_up(
-            digest: str | None, frozen_out: list[int], graded: list[bool], cuda: bool
+            digest: str | None, frozen_out: list[int], graded: list[bool], cuda: bool, aux: str
         ) -> bool:
             """Looks for the program keyed by the trace up to the update (its digest)
             and the optimizer's configuration; True where it is found."""
             nonlocal description, found
-            self._gradients[gradients_key] = (digest, frozen_out, graded, cuda)
+            self._gradients[gradients_key] = (digest, frozen_out, graded, cuda, aux)
             if digest is None:
                 return False
             description = self._describe(
-                f"up to the update {digest}\n{optimizer}\ngraded={graded!r}",
+                f"up to the update {digest}\n{optimizer}\ngraded={graded!r}\naux={aux}",
                 (state_in, frozen_out),
                 args,
                 self._out_shardings(frozen_out),
@@ -702,11 +716,13 @@ class TrainStep:
             found = cache.load_traced(description, self.compile_stats, name=name, event=event)
             return not isinstance(found, str)
 
-        def at_update(so_far: torch.fx.GraphModule, graded: list[bool], written: list[int]) -> bool:
+        def at_update(
+            so_far: torch.fx.GraphModule, graded: list[bool], written: list[int], aux: str
+        ) -> bool:
             text = describe_graph(so_far, "train_step")
             # (kept as its digest: the text of a large model's graph is MBs)
             digest = text and hashlib.sha256(text.encode()).hexdigest()
-            return look_up(digest, written, graded, on_cuda(so_far))
+            return look_up(digest, written, graded, on_cuda(so_far), aux)
 
         graph: StepGraph | None = None
         if optimizer is not None and gradients_key in self._gradients:
@@ -719,7 +735,8 @@ class TrainStep:
         if graph is not None and description is None and cache.directory is not None:
             text = describe_graph(graph.joint, "train_step")
             if text is not None:
-                state_shapes = _output_shapes(graph.joint)[graph.state_at :]
+                text += f"\naux={aux_text(graph.aux)}"
+                state_shapes = _output_shapes(graph.joint)[graph.state_at : graph.aux_at]
                 description = self._describe(
                     text,
                     (state_in, graph.state_out, graph.frozen_out),
@@ -734,7 +751,7 @@ class TrainStep:
             step = graph
             assert step is not None
             # (the first trace's outputs: the same values as the functional graph's)
-            state_shapes = _output_shapes(step.joint)[step.state_at :]
+            state_shapes = _output_shapes(step.joint)[step.state_at : step.aux_at]
             boundary = self._boundary(step.state_in, state_shapes) if flat else None
             policy = Policy(
                 TrainStepError,
@@ -759,6 +776,7 @@ class TrainStep:
                 state_out=step.state_out,
                 state_shapes=state_shapes,
                 frozen_out=step.frozen_out,
+                aux=aux_text(step.aux),
             )
             fn = _step_function(program, step, checks, self.checks, boundary)
             out_shardings = self._out_shardings(step.frozen_out, step.state_out, state_shapes)
@@ -783,14 +801,19 @@ class TrainStep:
                     traced["state_out"],
                     traced["state_shapes"],
                     traced["frozen_out"],
+                    traced["aux"],
                 ),
                 event=event,
                 missed=found,
             )
         if stored is not None:  # loaded without tracing: what its trace recorded
-            checks[:], random, state_out, state_shapes, frozen_out = stored
+            checks[:], random, state_out, state_shapes, frozen_out, aux = stored
             traced.update(
-                random=random, state_out=state_out, state_shapes=state_shapes, frozen_out=frozen_out
+                random=random,
+                state_out=state_out,
+                state_shapes=state_shapes,
+                frozen_out=frozen_out,
+                aux=aux,
             )
         return _Program(
             state_in,
@@ -800,6 +823,7 @@ class TrainStep:
             traced["random"],
             checks,
             self._boundary(state_in, traced["state_shapes"]) if flat else None,
+            pytree.treespec_loads(traced["aux"]) if traced["aux"] else None,
         )
 
     def _boundary(
@@ -899,11 +923,11 @@ def _step_function(
         loss = out[0]
         new_params, new_buffers = out[1 : 1 + n], out[1 + n : 1 + n + b]
         new_frozen = out[1 + n + b : after]
-        new_state = out[after:]
+        new_state = out[after : graph.aux_at]
         leaving = [list(new_params), list(new_buffers), list(new_state)]
         if boundary:
             leaving = boundary.leaving(leaving)
-        return loss, *leaving, err, list(new_frozen)
+        return (loss, list(out[graph.aux_at :])), *leaving, err, list(new_frozen)
 
     return step
 

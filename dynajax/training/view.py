@@ -16,6 +16,7 @@ sync first; an edit of a synced module is taken up at the next step (version cou
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +36,7 @@ class ModuleView:
         optimizer: its optimizer.
         tensors: the step's parameters, frozen parameters, then buffers (the tensor
             objects it holds).
+        n_params: how many of ``tensors`` are the optimizer's parameters (the first).
         sync: the step's ``sync``, which the hooks call. They hold the step (the module
             keeps it alive while the state lives there).
         release: whether tensors are released between syncs (``release_module=``).
@@ -45,12 +47,19 @@ class ModuleView:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         tensors: Sequence[torch.Tensor],
+        n_params: int,
         sync: Callable[[], None],
         release: bool,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.tensors = list(tensors)
+        self.params = self.tensors[:n_params]
+        # The optimizer's state of each parameter as the step last wrote or read it:
+        # each entry's object and version (``record_optimizer``); and whether those
+        # hold the state's values (a load or a sync since the last step).
+        self._optimizer_seen: _StateSeen | None = None
+        self.optimizer_current = True
         self.release_enabled = release
         self.released = False
         self.quiet = 0  # > 0 while the step itself runs the module (tracing): no hooks
@@ -136,12 +145,47 @@ class ModuleView:
             )
         return edited
 
+    # -- the optimizer's state -------------------------------------------------------
+
+    def record_optimizer(self, current: bool) -> None:
+        """Records the optimizer's state as the step leaves it (``current``: holding the
+        state's values, after a load or a sync; else meta stand-ins or older values)."""
+        self._optimizer_seen = _StateSeen(self.optimizer.state)
+        self.optimizer_current = current
+
+    def optimizer_edited(self, names: Sequence[str]) -> bool:
+        """Whether the user changed the optimizer's state since the step recorded it:
+        an entry written in place (an eager ``optimizer.step()``, ``exp_avg.zero_()``),
+        replaced, added or removed. True where the edit is to be taken up (the state
+        held the step's values); raises where it held none (a step ran since: the
+        edit would be lost), with what to do."""
+        seen = self._optimizer_seen
+        if seen is None or not seen.changed(self.optimizer.state):
+            return False
+        state = self.optimizer.state
+        edited = [i for i, p in enumerate(self.params) if seen.changed_for(p, state)]
+        if not edited:  # (entries of the same parameters in another order)
+            self.record_optimizer(self.optimizer_current)
+            return False
+        if self.optimizer_current:
+            return True
+        shown = ", ".join(repr(names[i]) for i in edited[:3])
+        self.record_optimizer(current=False)
+        raise TrainStepError(
+            f"the optimizer's state of {shown} was changed while train_step held it (it "
+            "lives in the step's arrays between syncs: the optimizer's tensors hold no "
+            "values, or older ones), so the change had no effect. Call step.sync() "
+            "before editing the optimizer's state; the next step takes the edit up. "
+            "The training state is unchanged."
+        )
+
     # -- release and restore -----------------------------------------------------------
 
     def release(self) -> None:
         """Swaps each tensor for a meta stand-in, freeing its memory (its values live
         in the step's arrays); the optimizer's state tensors likewise."""
         if not self.release_enabled or self.released:
+            self.optimizer_current = False  # (a step ran: its arrays hold the state)
             return
         for i, t in enumerate(self.tensors):
             if i in self.kept:
@@ -158,6 +202,7 @@ class ModuleView:
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor) and value.device.type != "meta":
                     state[key] = torch.empty_like(value, device="meta")
+        self.record_optimizer(current=False)
         self.released = True
         self._hook_module()
         self.record()
@@ -201,6 +246,62 @@ _CALL_HOOK: list[tuple[Any, Any]] = []
 # no released module is left alive (a model dropped with its step, never synced).
 _WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _GLOBAL_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _versions(values: list[Any]) -> list[int]:
+    """Each tensor's version counter (0 for a value that is not a tensor)."""
+    try:
+        return list(map(_VERSION, values))
+    except AttributeError:
+        return [getattr(v, "_version", 0) for v in values]
+
+
+class _StateSeen:
+    """An optimizer's state (``optimizer.state``: parameter -> entries) as recorded:
+    its dict, each parameter's entries' names, objects and versions. ``changed`` looks
+    without hashing a parameter: one pass over the dicts' values, whose cost is
+    reading each entry's version (docs/training.md gives it per step)."""
+
+    def __init__(self, state: dict[Any, dict[str, Any]]) -> None:
+        self.state = state
+        self.per_param = {
+            id(p): {k: (v, getattr(v, "_version", 0)) for k, v in entries.items()}
+            for p, entries in state.items()
+        }
+        self.dicts = list(state.values())
+        self.keys = [k for d in self.dicts for k in d]
+        self.values = [v for d in self.dicts for v in d.values()]
+        self.versions = _versions(self.values)
+
+    def changed(self, state: dict[Any, dict[str, Any]]) -> bool:
+        """Whether anything in ``state`` differs from the record (conservatively: an
+        entry removed and added back counts)."""
+        if state is not self.state or len(state) != len(self.dicts):
+            return True
+        dicts = list(state.values())
+        if not all(map(operator.is_, dicts, self.dicts)):
+            return True
+        values = [v for d in dicts for v in d.values()]
+        return (
+            len(values) != len(self.values)
+            or not all(map(operator.is_, values, self.values))
+            or [k for d in dicts for k in d] != self.keys
+            or _versions(values) != self.versions
+        )
+
+    def changed_for(self, param: torch.Tensor, state: dict[Any, dict[str, Any]]) -> bool:
+        """Whether ``param``'s entries in ``state`` differ from the record."""
+        now = state.get(param, {})
+        seen = self.per_param.get(id(param), {})
+        if now.keys() != seen.keys():
+            return True
+        return any(
+            now[k] is not v or getattr(v, "_version", 0) != version
+            for k, (v, version) in seen.items()
+        )
 
 
 def _sync_released(module: nn.Module, args: Any) -> None:

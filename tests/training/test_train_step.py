@@ -10,6 +10,7 @@ import gc
 import weakref
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -361,6 +362,162 @@ def test_a_released_tensor_edited_in_place_is_refused_and_the_state_kept() -> No
         model[0].weight.mul_(2)  # after a sync: taken up at the next step
     expected = regression(model, x, y).item()
     assert float(step(x, y)) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("opt", ["sgd_nesterov_wd", "adam"])
+def test_eager_steps_between_syncs_are_taken_up(opt: str) -> None:
+    # train_step, a sync, two eager steps by hand on the same module and optimizer
+    # (momentum buffers, moments and step counts written in place), train_step again:
+    # the eager loop's losses, parameters and state.
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS[opt])
+    batches = _batches("mlp")[:8]
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches)
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+    actual = [float(step(*b)) for b in batches[:3]]
+    step.sync()
+    actual += _eager_losses(ours, our_opt, loss_fn, batches[3:5])
+    actual += [float(step(*b)) for b in batches[5:]]
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+    if opt == "adam":
+        assert float(our_opt.state[ours[0].weight]["step"]) == 8
+
+
+def _edits() -> dict[str, Any]:
+    def zero_moments(opt: torch.optim.Optimizer) -> None:
+        for state in opt.state.values():
+            state["exp_avg"].zero_()  # a warm restart's reset, in place
+
+    def replace(opt: torch.optim.Optimizer) -> None:
+        for state in opt.state.values():
+            state["exp_avg_sq"] = state["exp_avg_sq"] * 4
+
+    def reset(opt: torch.optim.Optimizer) -> None:
+        opt.state.clear()  # every entry removed: the next step starts them anew
+
+    def copy_from_another(opt: torch.optim.Optimizer) -> None:
+        other = torch.optim.Adam([p for g in opt.param_groups for p in g["params"]], lr=1e-2)
+        other.load_state_dict(opt.state_dict())
+        for p, state in other.state.items():
+            state["step"] = state["step"] + 10
+            opt.state[p] = state
+
+    return {
+        "zero_moments": zero_moments,
+        "replace": replace,
+        "reset": reset,
+        "copy_from_another": copy_from_another,
+    }
+
+
+@pytest.mark.parametrize("edit", list(_edits()))
+def test_optimizer_state_edited_after_a_sync_is_taken_up(edit: str) -> None:
+    change = _edits()[edit]
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["adam"])
+    batches = _batches("mlp")[:6]
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches[:3])
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+    actual = [float(step(*b)) for b in batches[:3]]
+    step.sync()
+    change(eager_opt)
+    change(our_opt)
+    expected += _eager_losses(eager, eager_opt, loss_fn, batches[3:])
+    actual += [float(step(*b)) for b in batches[3:]]
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
+@pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
+def test_optimizer_state_edited_while_the_step_holds_it_is_refused(release: bool) -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = dynajax.train_step(model, optimizer, regression, release_module=release)
+    x, y = _batches("mlp")[0]
+    step(x, y)
+    step.sync()
+    step(x, y)  # the optimizer's tensors are stand-ins again, or the older values
+    kept = step.state_dict()
+    optimizer.state[model[0].weight]["exp_avg"].zero_()  # lost: refused
+    with pytest.raises(TrainStepError, match=r"optimizer's state of '0.weight' was changed"):
+        step(x, y)
+    assert_same(step.state_dict(), kept)
+    optimizer.state[model[2].bias]["exp_avg"] = torch.zeros(8)  # replaced: the same
+    with pytest.raises(TrainStepError, match=r"state of '2.bias' was changed"):
+        step(x, y)
+    assert_same(step.state_dict(), kept)
+    step(x, y)  # refused once; the training goes on from its own state
+
+
+def _with_metrics(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+    out = model(x)
+    loss = F.mse_loss(out, y)
+    return loss, {"norm": out.detach().norm(), "per_row": (out - y).square().mean(1)}
+
+
+def _torch(aux: Any) -> Any:
+    return {k: torch.from_dlpack(v) for k, v in aux.items()}
+
+
+def test_loss_fn_returning_loss_and_aux() -> None:
+    # aux (any pytree of tensors) comes back beside the loss, computed in the step's
+    # program: the values eager's loss_fn gives at that step.
+    eager, eager_opt, ours, our_opt, _ = _pair("mlp", OPTIMIZERS["adam"])
+    step = dynajax.train_step(ours, our_opt, _with_metrics)
+    for batch in _batches("mlp")[:3]:
+        loss, aux = step(*batch)
+        eager_opt.zero_grad()
+        expected, expected_aux = _with_metrics(eager, *batch)
+        expected.backward()
+        eager_opt.step()
+        assert isinstance(loss, jax.Array) and isinstance(aux["norm"], jax.Array)
+        assert_same(torch.from_dlpack(loss), expected.detach(), model=True)
+        assert_same(_torch(aux), {k: v.detach() for k, v in expected_aux.items()}, model=True)
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
+def test_aux_of_micro_batches_is_stacked() -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    step = dynajax.train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), _with_metrics, accumulate=2
+    )
+    x, y = _batches("mlp")[0]
+    _, aux = step(x, y)
+    step.sync()
+    halves = [_with_metrics(model, x[i : i + 8], y[i : i + 8])[1] for i in (0, 8)]
+    expected = {k: torch.stack([h[k].detach() for h in halves]) for k in halves[0]}
+    assert_same(_torch(aux), expected, model=True)
+
+
+def test_aux_names_key_the_program() -> None:
+    # The same graph with another aux structure (another dict key) is another program:
+    # the persistent cache does not hand the first's names to the second.
+    x, y = _batches("mlp")[0]
+    for key in ("first", "second"):
+        torch.manual_seed(0)
+        model = mlp()
+        step = dynajax.train_step(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            lambda m, x, y, key=key: (F.mse_loss(m(x), y), {key: m(x).sum()}),
+        )
+        _, aux = step(x, y)
+        assert list(aux) == [key]
+
+
+def test_aux_that_is_not_tensors_is_refused() -> None:
+    model = mlp()
+    step = dynajax.train_step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, x, y: (F.mse_loss(m(x), y), {"count": 3}),
+    )
+    with pytest.raises(TrainStepError, match="aux must be a pytree of tensors"):
+        step(*_batches("mlp")[0])
 
 
 def test_a_tensor_that_cannot_be_released_is_kept_whole_and_trained() -> None:
