@@ -16,6 +16,7 @@ sync first; an edit of a synced module is taken up at the next step (version cou
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import warnings
 import weakref
@@ -272,8 +273,8 @@ class _StateSeen:
             for p, entries in state.items()
         }
         self.dicts = list(state.values())
-        self.keys = [k for d in self.dicts for k in d]
-        self.values = [v for d in self.dicts for v in d.values()]
+        self.keys = list(itertools.chain.from_iterable(self.dicts))
+        self.values = list(itertools.chain.from_iterable(map(dict.values, self.dicts)))
         self.versions = _versions(self.values)
 
     def changed(self, state: dict[Any, dict[str, Any]]) -> bool:
@@ -284,11 +285,11 @@ class _StateSeen:
         dicts = list(state.values())
         if not all(map(operator.is_, dicts, self.dicts)):
             return True
-        values = [v for d in dicts for v in d.values()]
+        values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
         return (
             len(values) != len(self.values)
             or not all(map(operator.is_, values, self.values))
-            or [k for d in dicts for k in d] != self.keys
+            or list(itertools.chain.from_iterable(dicts)) != self.keys
             or _versions(values) != self.versions
         )
 
