@@ -8,7 +8,8 @@ takes up: schedulers and learning-rate edits (``lr``), other hyperparameters
 ``train_step`` with other ``clip_grad_norm=``/``accumulate=`` and the old one back
 (``restep``, ``back``), writes into the synced module (``edit``), state dicts saved and
 loaded back (``save``, ``rewind``), a checkpoint saved and restored (``checkpoint``),
-the loss's captured class weights changed (``reweight``); and, optional
+the loss's captured class weights changed (``reweight``), the optimizer's state edited
+after a sync (``STATE_EDITS``); and, optional
 (``OPTIONAL_KINDS``), freezing and unfreezing and a param group added (``freeze``),
 dict batches (``dict_batch``), bad batches (``bad_batch``). Options: clipping,
 accumulation, bfloat16 autocast, a smaller last batch, several param groups, the
@@ -651,8 +652,27 @@ def generate_case(seed: int, index: int, *, optional: tuple[str, ...] = OPTIONAL
     if not program:
         options["layout"] = _batch_layout(rng, family)
         options["channels_last"] = family == "cnn" and rng.random() < 0.3
+    events += _state_edits(random.Random(case_seed(seed, index) ^ 0x5EED), steps)
     case = Case(seed, index, rng.getrandbits(31), model, optimizer, options, steps, events)
     return without_kinds(case, [k for k in OPTIONAL_KINDS if k not in optional])
+
+
+# Edits of the optimizer's state between steps, each after a sync (docs/training.md:
+# taken up at the next step): eager steps by hand on the synced module and optimizer
+# (``hand_step``), every moment zeroed in place as a warm restart does (``reset_state``),
+# every entry replaced by a copy, as state copied from another optimizer is
+# (``replace_state``). Drawn from their own generator, so a seed's other events are
+# what they were before these existed.
+STATE_EDITS = ("hand_step", "reset_state", "replace_state")
+
+
+def _state_edits(rng: random.Random, steps: int) -> list[dict[str, Any]]:
+    events = []
+    for k in range(1, steps):
+        for kind in STATE_EDITS:
+            if rng.random() < 0.05:
+                events.append({"at": k, "kind": kind})
+    return events
 
 
 # The layouts of a batch's input, by model family (its dims): those that keep every

@@ -476,6 +476,22 @@ def _event_lines(case: Case, e: dict[str, Any]) -> list[str]:
             f"    for p in {params}:",
             f"        p.mul_({e['factor']})",
         ]
+    if kind == "hand_step":  # an eager step by hand on the synced module and optimizer
+        return ["twin.sync()", f'twin.hand_step("hand[{k}]", batch({3000 + k}))']
+    if kind == "reset_state":  # every moment zeroed in place (a warm restart)
+        return [
+            "twin.sync()",
+            "for entry in optimizer.state.values():",
+            "    for key, value in entry.items():",
+            '        if key != "step" and torch.is_tensor(value) and value.is_floating_point():',
+            "            value.zero_()",
+        ]
+    if kind == "replace_state":  # every entry a copy (state copied from another optimizer)
+        return [
+            "twin.sync()",
+            "for p, entry in list(optimizer.state.items()):",
+            "    optimizer.state[p] = {key: copy.deepcopy(value) for key, value in entry.items()}",
+        ]
     if kind == "save":
         return ["saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())"]
     if kind == "rewind":
@@ -524,7 +540,8 @@ def _run_source(case: Case) -> str:
 
 
 def tolerances(case: Case) -> dict[str, tuple[float, float]]:
-    """``(rtol, atol)`` per kind of record: losses and validation outputs as the
+    """``(rtol, atol)`` per kind of record: losses (the eager steps by hand too) and
+    validation outputs as the
     train_step tests compare losses; parameters, buffers and optimizer state with the
     model table of ``tests/tolerances.py``; bfloat16's table under autocast."""
     import torch
@@ -533,9 +550,10 @@ def tolerances(case: Case) -> dict[str, tuple[float, float]]:
 
     if case.options["autocast"]:
         bf16 = tolerance(torch.bfloat16)
-        return {"loss": bf16, "val": bf16, "model": bf16, "state": bf16}
+        return {"loss": bf16, "hand": bf16, "val": bf16, "model": bf16, "state": bf16}
     model = tolerance(torch.float32, model=True)
-    return {"loss": (1e-4, 1e-5), "val": (1e-4, 1e-5), "model": model, "state": model}
+    loss = (1e-4, 1e-5)
+    return {"loss": loss, "hand": loss, "val": loss, "model": model, "state": model}
 
 
 def case_source(case: Case, *, training: bool = True) -> str:
@@ -665,6 +683,16 @@ class EagerTwin:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
         self.optimizer.step()
         self.record(name, total)
+
+    def hand_step(self, name, batch):
+        """An eager step by hand on the module and optimizer (synced first: the same
+        on both twins): zero_grad, backward, step; no clipping, no micro-batches."""
+        self.at = name
+        self.optimizer.zero_grad()
+        loss = loss_fn(self.model, *cast(batch, self.dtype))
+        loss.backward()
+        self.optimizer.step()
+        self.record(name, loss.detach())
 
     def bad_step(self, name, batch):
         """A batch eager may refuse, tried on a copy of the model (a forward that

@@ -367,7 +367,10 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
         cls not in _TORCH_OPTIMIZERS
         or {"step", "_optimizer_step_code"} & set(vars(optimizer))
         or optimizer._optimizer_step_pre_hooks
-        or optimizer._optimizer_step_post_hooks
+        or any(
+            not getattr(hook, "_dynajax_view", False)  # (the view's own: it changes nothing)
+            for hook in optimizer._optimizer_step_post_hooks.values()
+        )
         or _global_optimizer_pre_hooks
         or _global_optimizer_post_hooks
         or not _torch_code(cls.step)

@@ -65,6 +65,10 @@ class ModuleView:
         self.released = False
         self.quiet = 0  # > 0 while the step itself runs the module (tracing): no hooks
         self.optimizer_loaded = False  # optimizer.load_state_dict since the last load
+        # An eager optimizer.step() since the last load: it wrote the parameters and the
+        # state, and a fused kernel (fused=True) writes them without bumping their
+        # version counters, which the looks below read.
+        self.optimizer_stepped = False
         self.kept: dict[int, str] = {}  # tensors that could not be released, and why
         self.devices = [t.device for t in self.tensors]
         self._versions = self.versions()
@@ -83,6 +87,14 @@ class ModuleView:
             self.optimizer_loaded = True
 
         self._handles.append(optimizer.register_load_state_dict_post_hook(loaded))
+
+        def stepped(*_: Any) -> None:
+            if not self.quiet:  # (not the step's own trace of the update)
+                self.optimizer_stepped = True
+
+        # (describe_optimizer tells this hook from a user's: it changes nothing)
+        stepped._dynajax_view = True  # type: ignore[attr-defined]
+        self._handles.append(optimizer.register_step_post_hook(stepped))
 
     def _hook_module(self) -> None:
         """What syncs the released module when the user reaches it: a call of it or of
@@ -130,14 +142,18 @@ class ModuleView:
     def check_not_edited(self, names: Sequence[str]) -> list[int]:
         """While released: raises for a released tensor written in place (it holds no
         values, so the write is lost); returns the kept tensors written in place (to
-        take up). Whole: returns every tensor written in place."""
+        take up). Whole: returns every tensor written in place (every parameter after
+        an eager ``optimizer.step()``)."""
         edited = self.changed()
+        if self.optimizer_stepped:
+            edited = sorted({*edited, *range(len(self.params))})
         if not self.released:
             return edited
         lost = [i for i in edited if i not in self.kept]
         if lost:
             shown = ", ".join(repr(names[i]) for i in lost[:3])
             self.record()
+            self.optimizer_stepped = False
             raise TrainStepError(
                 f"{shown} of the module were written in place while train_step held the "
                 "state (between syncs the module's tensors hold no values), so the write "
@@ -153,6 +169,7 @@ class ModuleView:
         state's values, after a load or a sync; else meta stand-ins or older values)."""
         self._optimizer_seen = _StateSeen(self.optimizer.state)
         self.optimizer_current = current
+        self.optimizer_stepped = False
 
     def optimizer_edited(self, names: Sequence[str]) -> bool:
         """Whether the user changed the optimizer's state since the step recorded it:
@@ -161,10 +178,13 @@ class ModuleView:
         held the step's values); raises where it held none (a step ran since: the
         edit would be lost), with what to do."""
         seen = self._optimizer_seen
-        if seen is None or not seen.changed(self.optimizer.state):
+        if self.optimizer_stepped:
+            edited = list(range(len(self.params)))
+        elif seen is None or not seen.changed(self.optimizer.state):
             return False
-        state = self.optimizer.state
-        edited = [i for i, p in enumerate(self.params) if seen.changed_for(p, state)]
+        else:
+            state = self.optimizer.state
+            edited = [i for i, p in enumerate(self.params) if seen.changed_for(p, state)]
         if not edited:  # (entries of the same parameters in another order)
             self.record_optimizer(self.optimizer_current)
             return False
