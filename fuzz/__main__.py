@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         help="train_step: the optional event kinds to generate, comma separated "
         f"(default all: {','.join(training.OPTIONAL_KINDS)}; '' for none)",
     )
+    parser.add_argument(
+        "--float64",
+        action="store_true",
+        help="train_step: every case in float64 (model, batches, both loops), compared "
+        "with eager at 1e-10 relative",
+    )
     parser.add_argument("--state", help=argparse.SUPPRESS)  # a child's summary so far
     args = parser.parse_args(argv)
     with _temporary_homes(args.state is None):  # (a child runs in its parent's)
@@ -156,6 +162,7 @@ def _train_step(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         "shrink_seconds": args.shrink_seconds,
         "start": args.start,
         "optional": optional,
+        "float64": args.float64,
     }
     if args.state:  # a child of supervise_training: the parent prints the summary
         training.run_training(args.seed, state=pathlib.Path(args.state), **options)

@@ -458,6 +458,7 @@ class TrainingSummary:
     failures: dict[str, Failure] = dataclasses.field(default_factory=dict)
     warnings: dict[str, int] = dataclasses.field(default_factory=dict)
     optional: list[str] = dataclasses.field(default_factory=lambda: list(OPTIONAL_KINDS))
+    float64: bool = False  # the float64 mode (every case in float64, compared at 1e-10)
     out_dir: str = ""
 
     @property
@@ -471,8 +472,9 @@ class TrainingSummary:
         upstream = [f for f in self.failures.values() if f.status == UPSTREAM]
         optional = ", ".join(self.optional) or "none"
         out = [
-            f"dynajax train_step fuzz: seed {self.seed}, {self.runs} runs in "
-            f"{self.seconds:.0f} s (optional events: {optional})",
+            f"dynajax train_step fuzz{' in float64' if self.float64 else ''}: seed "
+            f"{self.seed}, {self.runs} runs in {self.seconds:.0f} s (optional events: "
+            f"{optional})",
             f"  ok {s[OK]}, failures {s[FAIL]} ({len(fails)} distinct, "
             f"{sum(1 for f in fails if f.known)} known), upstream (eager fails, or torch "
             f"cannot trace) {s[UPSTREAM]} ({len(upstream)} distinct), refused (documented "
@@ -518,6 +520,7 @@ class TrainingSummary:
             "failures": [dataclasses.asdict(f) for f in self.failures.values()],
             "warnings": self.warnings,
             "optional": self.optional,
+            "float64": self.float64,
         }
         return json.dumps(data, indent=1, sort_keys=True)
 
@@ -605,6 +608,7 @@ def run_training(
     shrink_seconds: float = 90.0,
     start: int = 0,
     optional: tuple[str, ...] = OPTIONAL_KINDS,
+    float64: bool = False,
     log: Log = print,
     state: pathlib.Path | None = None,
 ) -> TrainingSummary:
@@ -620,7 +624,7 @@ def run_training(
 
     began = time.monotonic()
     deadline = began + 60 * minutes if minutes is not None else float("inf")
-    summary = TrainingSummary(seed, optional=list(optional))
+    summary = TrainingSummary(seed, optional=list(optional), float64=float64)
     summary.out_dir = str(out_dir) if out_dir is not None else ""
     if state is not None and state.exists():
         summary = TrainingSummary.from_json(state.read_text(), summary.out_dir)
@@ -637,7 +641,7 @@ def run_training(
         if checking is not None:
             checking.parent.mkdir(parents=True, exist_ok=True)
             checking.write_text(json.dumps({"index": index}))
-        case = generate_case(seed, index, optional=optional)
+        case = generate_case(seed, index, optional=optional, float64=float64)
         if checking is not None:
             checking.write_text(json.dumps({"index": index, "case": json.loads(case.to_json())}))
         try:
@@ -679,6 +683,7 @@ def supervise_training(
     shrink_seconds: float = 90.0,
     start: int = 0,
     optional: tuple[str, ...] = OPTIONAL_KINDS,
+    float64: bool = False,
     log: Log = print,
     child: Callable[[list[str]], int] | None = None,
     case_limit: float = 300.0,
@@ -696,13 +701,14 @@ def supervise_training(
     state.unlink(missing_ok=True)
     checking.unlink(missing_ok=True)
     began = time.monotonic()
-    summary = TrainingSummary(seed, optional=list(optional), out_dir=str(out_dir))
+    summary = TrainingSummary(seed, optional=list(optional), float64=float64, out_dir=str(out_dir))
     index = start
     limit = case_limit + shrink_seconds
     while True:
         args = ["--through", "train_step", "--seed", str(seed), "--start", str(index)]
         args += ["--out", str(out_dir), "--shrink-seconds", str(shrink_seconds)]
         args += ["--state", str(state), "--optional-events", ",".join(optional)]
+        args += ["--float64"] if float64 else []
         if runs is not None:
             if runs - summary.runs <= 0:
                 break

@@ -541,11 +541,14 @@ def _scheduler(rng: random.Random, steps: int, groups: int) -> dict[str, Any] | 
     return {"kind": kind, "gamma": rng.choice([0.9, 0.5])}
 
 
-def generate_case(seed: int, index: int, *, optional: tuple[str, ...] = OPTIONAL_KINDS) -> Case:
+def generate_case(
+    seed: int, index: int, *, optional: tuple[str, ...] = OPTIONAL_KINDS, float64: bool = False
+) -> Case:
     """Case ``index`` of ``seed``: the same case for the same arguments and torch.
 
     ``optional``: the kinds of ``OPTIONAL_KINDS`` to keep; the others are drawn and then
-    dropped, so a case differs only by them."""
+    dropped, so a case differs only by them. ``float64``: the model, its batches and
+    both loops in float64 (compared at 1e-10 relative; no autocast)."""
     rng = random.Random(case_seed(seed, index))
     steps = rng.randint(3, 8)
     family = _weighted(rng, _FAMILY_WEIGHTS)
@@ -652,6 +655,8 @@ def generate_case(seed: int, index: int, *, optional: tuple[str, ...] = OPTIONAL
     if not program:
         options["layout"] = _batch_layout(rng, family)
         options["channels_last"] = family == "cnn" and rng.random() < 0.3
+    if float64:  # (after every draw: the case is the float32 one in float64)
+        options.update(float64=True, autocast=False)
     events += _state_edits(random.Random(case_seed(seed, index) ^ 0x5EED), steps)
     case = Case(seed, index, rng.getrandbits(31), model, optimizer, options, steps, events)
     return without_kinds(case, [k for k in OPTIONAL_KINDS if k not in optional])

@@ -548,6 +548,9 @@ def tolerances(case: Case) -> dict[str, tuple[float, float]]:
 
     from tests.tolerances import tolerance
 
+    if case.options.get("float64"):  # (the float64 mode: eager's rounding, to 1e-10)
+        f64 = (1e-10, 1e-12)
+        return {"loss": f64, "hand": f64, "val": f64, "model": f64, "state": f64}
     if case.options["autocast"]:
         bf16 = tolerance(torch.bfloat16)
         return {"loss": bf16, "hand": bf16, "val": bf16, "model": bf16, "state": bf16}
@@ -566,12 +569,15 @@ def case_source(case: Case, *, training: bool = True) -> str:
         f"ACCUMULATE = {o.get('accumulate', 1)}",
         f"TRAIN_MODE = {o.get('train_mode', True)}",
     ]
+    float64 = bool(o.get("float64"))
+    parts.append(f"DTYPE = {'torch.float64' if float64 else None}  # the loops' batches")
     if training:
         parts.append(f"TOLERANCES = {tolerances(case)!r}")
-        dtype = "bfloat16" if o["autocast"] else "float32"
+        dtype = "float64" if float64 else "bfloat16" if o["autocast"] else "float32"
         parts.append(f"NUDGE = torch.finfo(torch.{dtype}).eps  # nudged(): one ulp")
     blocks = ["\n".join(parts), _model_source(case)]
     layout = "" if not o.get("channels_last") else ".to(memory_format=torch.channels_last)"
+    layout += ".double()" if float64 else ""
     blocks.append(
         "def make_model():\n    torch.manual_seed(VALUES)\n"
         f"    return Model(){layout}.train(TRAIN_MODE)"
@@ -644,7 +650,7 @@ class EagerTwin:
     """The eager loop. Records ``(name, value)`` of everything compared, in order;
     ``dtype``: float64 for the reference twin (each batch's floating tensors cast)."""
 
-    def __init__(self, model, clip_grad_norm=CLIP, accumulate=ACCUMULATE, dtype=None):
+    def __init__(self, model, clip_grad_norm=CLIP, accumulate=ACCUMULATE, dtype=DTYPE):
         self.model, self.dtype = model, dtype
         self.clip_grad_norm, self.accumulate = clip_grad_norm, accumulate
         self.records = []
@@ -739,7 +745,7 @@ class EagerTwin:
 class StepTwin(EagerTwin):
     """The same calls through dynajax.train_step."""
 
-    def __init__(self, model, clip_grad_norm=CLIP, accumulate=ACCUMULATE, dtype=None):
+    def __init__(self, model, clip_grad_norm=CLIP, accumulate=ACCUMULATE, dtype=DTYPE):
         super().__init__(model, clip_grad_norm, accumulate, dtype)
         self.at = "train_step"
         self.restep(clip_grad_norm, accumulate)
@@ -772,7 +778,7 @@ class StepTwin(EagerTwin):
 
     def step(self, name, batch):
         self.at = name
-        loss = self.train_step(*batch)
+        loss = self.train_step(*cast(batch, self.dtype))
         self.record(name, torch.from_numpy(np.array(loss)))
 
     def snapshot(self):
@@ -789,7 +795,7 @@ class StepTwin(EagerTwin):
         self.at = name
         before = self.snapshot()
         try:
-            loss = np.array(self.train_step(*batch))
+            loss = np.array(self.train_step(*cast(batch, self.dtype)))
         except Exception as e:
             self.record(name, Raised(type(e), str(e)))
             self.record(name + ".kept", same_state(before, self.snapshot()))

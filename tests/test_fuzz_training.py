@@ -117,6 +117,49 @@ def _case(**changes: Any) -> Case:
     return case.replace(**changes)
 
 
+def test_the_float64_mode_trains_in_float64_and_compares_at_1e_10() -> None:
+    """``--float64``: the model, batches and both loops in float64, compared at 1e-10
+    relative: a parameter moved by 1e-8 relative (far below float32's table) fails,
+    the run itself agrees."""
+    case = _case(options={**_case().options, "float64": True})
+    source = case_source(case)
+    assert ".double()" in source and "DTYPE = torch.float64" in source
+    assert check_case(case).status == OK
+
+    def moved(twin: Any) -> None:
+        name, value = next(r for r in twin.records if r[0].startswith("model["))
+        assert value.dtype == torch.float64
+        value.mul_(1 + 1e-8)
+
+    outcome = check_case(case, tamper=moved)
+    assert outcome.status == FAIL and outcome.where.startswith("model["), outcome
+    assert check_case(_case(), tamper=moved_f32(1e-8)).status == OK  # float32's table
+
+
+def moved_f32(relative: float) -> Any:
+    def moved(twin: Any) -> None:
+        name, value = next(r for r in twin.records if r[0].startswith("model["))
+        value.mul_(1 + relative)
+
+    return moved
+
+
+def test_the_generator_draws_float64_cases_and_state_edits() -> None:
+    cases = [generate_case(130, i, float64=True) for i in range(30)]
+    assert all(c.options["float64"] and not c.options["autocast"] for c in cases)
+    kinds = {e["kind"] for c in cases for e in c.events}
+    assert {"hand_step", "reset_state", "replace_state"} <= kinds
+    # the same case in float32 but for the mode (the edits have their own generator)
+    assert generate_case(130, 3).events == cases[3].events
+
+
+# Found by seed 130 (case 14) once the fuzzer edits the optimizer's state: an eager
+# step by hand with a fused AdamW between two train_steps over one module; the fused
+# kernel bumps no version counter, so its writes were overwritten at the next step.
+def test_an_eager_fused_step_between_train_steps_is_taken_up() -> None:
+    assert check_case(generate_case(130, 14)).status == OK
+
+
 def _records(case: Case) -> tuple[dict[str, Any], Any, Any, Any]:
     """The namespace of ``case`` and the records of its eager, float64 and train_step
     twins."""
