@@ -72,6 +72,7 @@ class ModuleView:
         self.kept: dict[int, str] = {}  # tensors that could not be released, and why
         self.devices = [t.device for t in self.tensors]
         self._versions = self.versions()
+        self._batch_statistics = _batch_statistics(model, self.tensors)
         self._handles: list[Any] = []
         self._released_handles: list[Any] = []  # the module's own hooks, while released
 
@@ -132,9 +133,16 @@ class ModuleView:
         return [t._version for t in self.tensors]
 
     def changed(self) -> list[int]:
-        """Positions of the tensors written in place since the last record."""
+        """Positions of the tensors written in place since the last record. A batch
+        norm's running statistics count as written where its ``num_batches_tracked`` is:
+        eager's kernel updates them in place without bumping their version counters
+        (``native_batch_norm`` does not declare the write)."""
         now = self.versions()
-        return [i for i, (a, b) in enumerate(zip(now, self._versions, strict=True)) if a != b]
+        edited = [i for i, (a, b) in enumerate(zip(now, self._versions, strict=True)) if a != b]
+        for counter, statistics in self._batch_statistics:
+            if counter in edited:
+                edited = sorted({*edited, *statistics})
+        return edited
 
     def record(self) -> None:
         self._versions = self.versions()
@@ -267,6 +275,21 @@ _CALL_HOOK: list[tuple[Any, Any]] = []
 # no released module is left alive (a model dropped with its step, never synced).
 _WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _GLOBAL_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+def _batch_statistics(
+    model: nn.Module, tensors: Sequence[torch.Tensor]
+) -> list[tuple[int, tuple[int, ...]]]:
+    """Each batch norm's ``num_batches_tracked`` and running statistics, by position in
+    ``tensors`` (its ``add_(1)`` is the only version bump of a training forward)."""
+    at = {id(t): i for i, t in enumerate(tensors)}
+    found = []
+    for module in model.modules():
+        counter = getattr(module, "num_batches_tracked", None)
+        if isinstance(counter, torch.Tensor) and id(counter) in at:
+            statistics = [getattr(module, n, None) for n in ("running_mean", "running_var")]
+            found.append((at[id(counter)], tuple(at[id(t)] for t in statistics if id(t) in at)))
+    return found
 
 
 _VERSION = operator.attrgetter("_version")

@@ -386,6 +386,26 @@ def test_eager_steps_between_syncs_are_taken_up(opt: str) -> None:
         assert float(our_opt.state[ours[0].weight]["step"]) == 8
 
 
+def test_batch_statistics_of_an_eager_forward_after_a_sync_are_taken_up() -> None:
+    # An eager forward in train mode updates BatchNorm's running statistics in place
+    # without bumping their version counters (only num_batches_tracked's add_ does):
+    # they are taken up with it (fuzz seed 127, run 0, --float64).
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("cnn", OPTIMIZERS["sgd_nesterov_wd"])
+    batches = _batches("cnn")[:5]
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches[:2])
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+    actual = [float(step(*b)) for b in batches[:2]]
+    step.sync()
+    with torch.no_grad():
+        eager(batches[2][0])
+        ours(batches[2][0])
+    expected += _eager_losses(eager, eager_opt, loss_fn, batches[3:])
+    actual += [float(step(*b)) for b in batches[3:]]
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
 def _edits() -> dict[str, Any]:
     def zero_moments(opt: torch.optim.Optimizer) -> None:
         for state in opt.state.values():
