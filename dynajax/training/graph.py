@@ -707,7 +707,6 @@ def _check_loss(loss: Any) -> None:
             else type(loss).__name__
         )
         raise TrainStepError(
-            f"loss_fn must return the loss as a floating tensor of one element, or "
-            f"(loss, aux), got {what} (reduce it, e.g. with .mean(), as loss.backward() "
-            "would need)."
+            f"loss_fn must return the loss as a floating tensor of one element, got {what} "
+            "(reduce it, e.g. with .mean(), as loss.backward() would need), or (loss, aux)."
         )
