@@ -333,7 +333,13 @@ class TrainStep:
         parameter directly (``model.fc.weight``) between steps needs ``sync()``
         first, as the module's tensors hold no values then (``release_module``)."""
         if self._view is None:
-            return  # another step holds the state, or this one let go: the module has it
+            # Another step over the module holds the state (a GAN's other step, or the
+            # step before a ``train_step`` of other options): it syncs; or none does,
+            # and the module has it.
+            owner = _owner(self.model)
+            if owner is not None and owner is not self:
+                owner.sync()
+            return
         if not self._view.released:
             # The module holds values: what the user wrote there since (load_state_dict)
             # is the state, not the step's older arrays.

@@ -406,6 +406,27 @@ def test_batch_statistics_of_an_eager_forward_after_a_sync_are_taken_up() -> Non
     _assert_trained_alike(eager, eager_opt, ours, our_opt)
 
 
+def test_sync_of_a_step_that_does_not_hold_the_state_syncs_the_one_that_does() -> None:
+    # Two train_steps over one module (B took the state over from A): A.sync() makes the
+    # module and the optimizer whole, so an edit then is taken up when A takes the state
+    # back (fuzz seed 126, run 33: moments zeroed after A.sync() were lost).
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["adam"])
+    batches = _batches("mlp")[:4]
+    first = dynajax.train_step(ours, our_opt, loss_fn)
+    second = dynajax.train_step(ours, our_opt, loss_fn, clip_grad_norm=100.0)
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches[:2])
+    actual = [float(first(*batches[0])), float(second(*batches[1]))]
+    first.sync()
+    for opt in (eager_opt, our_opt):
+        for state in opt.state.values():
+            state["exp_avg"].zero_()
+    expected += _eager_losses(eager, eager_opt, loss_fn, batches[2:])
+    actual += [float(first(*b)) for b in batches[2:]]
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+    first.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+
+
 def _edits() -> dict[str, Any]:
     def zero_moments(opt: torch.optim.Optimizer) -> None:
         for state in opt.state.values():
