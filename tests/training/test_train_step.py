@@ -390,17 +390,30 @@ def test_batch_statistics_of_an_eager_forward_after_a_sync_are_taken_up() -> Non
     # An eager forward in train mode updates BatchNorm's running statistics in place
     # without bumping their version counters (only num_batches_tracked's add_ does):
     # they are taken up with it (fuzz seed 127, run 0, --float64).
-    eager, eager_opt, ours, our_opt, loss_fn = _pair("cnn", OPTIMIZERS["sgd_nesterov_wd"])
-    batches = _batches("cnn")[:5]
-    expected = _eager_losses(eager, eager_opt, loss_fn, batches[:2])
+    batch = _batches("cnn")[2]
+
+    def forward(model: nn.Module, _: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            model(batch[0])
+
+    _edited_after_a_sync("cnn", OPTIMIZERS["sgd_nesterov_wd"], forward, 2, 3, 5)
+
+
+def _edited_after_a_sync(kind: str, make, edit, synced_at: int, resume_at: int, steps: int):
+    """Trains ``kind`` on batches ``[:synced_at]`` eagerly and with train_step, syncs,
+    applies ``edit(model, optimizer)`` to both, trains on over ``[resume_at:steps]``:
+    the eager loop's losses, parameters and state."""
+    eager, eager_opt, ours, our_opt, loss_fn = _pair(kind, make)
+    batches = _batches(kind)[:steps]
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches[:synced_at])
     step = dynajax.train_step(ours, our_opt, loss_fn)
-    actual = [float(step(*b)) for b in batches[:2]]
+    actual = [float(step(*b)) for b in batches[:synced_at]]
     step.sync()
-    with torch.no_grad():
-        eager(batches[2][0])
-        ours(batches[2][0])
-    expected += _eager_losses(eager, eager_opt, loss_fn, batches[3:])
-    actual += [float(step(*b)) for b in batches[3:]]
+    edit(eager, eager_opt)
+    edit(ours, our_opt)
+    rest = batches[resume_at:]
+    expected += _eager_losses(eager, eager_opt, loss_fn, rest)
+    actual += [float(step(*b)) for b in rest]
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
     step.sync()
     _assert_trained_alike(eager, eager_opt, ours, our_opt)
@@ -457,19 +470,7 @@ def _edits() -> dict[str, Any]:
 @pytest.mark.parametrize("edit", list(_edits()))
 def test_optimizer_state_edited_after_a_sync_is_taken_up(edit: str) -> None:
     change = _edits()[edit]
-    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["adam"])
-    batches = _batches("mlp")[:6]
-    expected = _eager_losses(eager, eager_opt, loss_fn, batches[:3])
-    step = dynajax.train_step(ours, our_opt, loss_fn)
-    actual = [float(step(*b)) for b in batches[:3]]
-    step.sync()
-    change(eager_opt)
-    change(our_opt)
-    expected += _eager_losses(eager, eager_opt, loss_fn, batches[3:])
-    actual += [float(step(*b)) for b in batches[3:]]
-    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
-    step.sync()
-    _assert_trained_alike(eager, eager_opt, ours, our_opt)
+    _edited_after_a_sync("mlp", OPTIMIZERS["adam"], lambda _, opt: change(opt), 3, 3, 6)
 
 
 @pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
