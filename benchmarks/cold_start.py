@@ -93,7 +93,7 @@ def child(name: str, peer: str) -> None:
         import dynajax.backend
         from dynajax.runtime import cache, executables
         from dynajax.training import graph as step_graph
-        from dynajax.training import step as train
+        from dynajax.training import program as train
 
         _timed(dynajax.backend, "aot_compile", spent, "aot_s")
         _timed(dynajax.Backend, "compile_aten_graph", spent, "aten_s")
@@ -105,7 +105,7 @@ def child(name: str, peer: str) -> None:
         _timed(train, "trace_step", spent, "aot_s")
         _timed(step_graph.StepGraph, "functional", spent, "aten_s")
         _timed(train, "lower", spent, "aten_s")
-        _timed(train.TrainStep, "_compile", spent, "exe_s")
+        _timed(train.StepPrograms, "_compile", spent, "exe_s")
         made = dynajax.train_step
 
         def train_step(*a, **k):

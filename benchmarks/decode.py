@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.threads:
-        from benchmarks.run import set_threads
+        from benchmarks.threads import set_threads
 
         set_threads(args.threads)
     size = Size(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Size)})

@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.sweep_record import first_failure
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 DOCUMENTS = (ROOT / "README.md", *sorted(DOCS.glob("*.md")))
@@ -326,8 +328,6 @@ def _innermost(error: str) -> str:
 def sweep_failures(data: dict[str, Any]) -> Table:
     """Each architecture that eager and aot_eager run and dynajax does not, with the
     stage that stopped it and the start of its error."""
-    from benchmarks.sweep import first_failure
-
     rows = []
     for r in data["results"]:
         if r["status"] == "failing":

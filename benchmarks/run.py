@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.threads import set_threads
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -368,20 +370,6 @@ def plot(out: dict[str, Any], path: Path) -> bool:
 
     figures.draw_benchmarks(out, figures.benchmarks_table(out), path)
     return True
-
-
-def set_threads(n: int) -> None:
-    """Thread counts for torch and XLA; call before JAX creates its CPU client."""
-    import torch
-
-    os.environ["DYNAJAX_BENCH_THREADS"] = str(n)  # inherited by first-call workers
-    os.environ["OMP_NUM_THREADS"] = str(n)
-    torch.set_num_threads(n)
-    if n == 1 and "jax" not in sys.modules:
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-        ).strip()
 
 
 # Environment settings that change the CPU's kernels or threads, read when the libraries

@@ -42,6 +42,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from benchmarks.sweep_record import OURS, first_failure
+
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 FAMILIES = {
@@ -483,9 +485,6 @@ def _aot_eager_grads(
     return None
 
 
-OURS = ("dynajax", "jax_forward", "jax_grad")
-
-
 def classify(stages: dict[str, Any]) -> str:
     if not stages.get("build", {}).get("ok"):
         return "upstream" if stages.get("build", {}).get("upstream") else "unbuilt"
@@ -600,19 +599,6 @@ def _dead(case: tuple[str, str, str], stage: str, message: str) -> dict[str, Any
 
 
 # -- the table, the JSON, the plot ---------------------------------------------------------
-
-
-def first_failure(res: dict[str, Any]) -> tuple[str, str]:
-    stages = res.get("stages", {})
-    for s in ("build", "eager", "aot_eager", *OURS):
-        st = stages.get(s)
-        if st is not None and not st.get("ok") and not st.get("upstream"):
-            return s, st.get("error", "")
-    for s, st in stages.items():  # upstream: the default config, or aot_eager's backward
-        if st.get("upstream"):
-            why = st.get("aot_eager_grad") or st["upstream"]
-            return s, f"{st.get('error', '')} | upstream: {why}"
-    return "", ""
 
 
 def fallback_ops(res: dict[str, Any]) -> list[str]:

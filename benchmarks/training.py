@@ -1,8 +1,9 @@
 """Training rows of the benchmark: forward + backward + optimizer step.
 
-Registered into ``benchmarks.workloads.WORKLOADS`` (imported at the end of that
-module). The ``*-train`` rows time the same step for every peer: the model compiled by
-the peer (identity for eager), ``loss.backward()`` through the peer's backward graph,
+Registered into ``WORKLOADS`` (``benchmarks/registry.py``); ``benchmarks.workloads``
+imports this module at its end, so its ``WORKLOADS`` holds these rows too. The
+``*-train`` rows time the same step for every peer: the model compiled by the peer
+(identity for eager), ``loss.backward()`` through the peer's backward graph,
 and an eager ``torch.optim.SGD`` step with momentum (the same code for every peer, so
 the rows compare the compiled forward and backward). The ``*-train-step`` rows time the
 whole step with AdamW, each peer's best way: ``dynajax.train_step`` (one XLA program)
@@ -17,18 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.workloads import (
-    Compile,
-    Step,
-    Workload,
-    encoder_model,
-    gpt2_model,
-    gpt2_small_model,
-    mlp_model,
-    placed,
-    register,
-    resnet_model,
-)
+from benchmarks.models import encoder_model, gpt2_model, gpt2_small_model, mlp_model, resnet_model
+from benchmarks.registry import Compile, Step, Workload, placed, register
 
 
 def _train_step(build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]) -> Callable[..., Step]:

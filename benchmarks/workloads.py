@@ -1,5 +1,10 @@
 """The benchmark workloads: one registry, ``WORKLOADS``, keyed by name.
 
+Import ``WORKLOADS`` from here: this module registers its rows, then imports
+``benchmarks/training.py``, which registers the training rows. (The registry itself,
+``Workload`` and ``register`` are in ``benchmarks/registry.py``, the rows' models in
+``benchmarks/models.py``; both are re-exported here.)
+
 A workload knows how to build a zero-argument *step* for any peer. ``setup(compile)``
 receives the peer's compile function (identity for eager, ``torch.compile`` with the
 peer's backend otherwise) and returns ``step()``, the thing that is timed: one forward
@@ -28,8 +33,6 @@ eager PyTorch call of the same size in turn (``step.parts`` keeps each call's ti
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,84 +40,19 @@ from typing import Any
 import torch
 from torch import nn
 
-Compile = Callable[[Callable[..., Any]], Callable[..., Any]]
-Step = Callable[[], Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """One benchmark row.
-
-    Attributes:
-        name: row id (``--workloads`` selects by it).
-        group: "overhead", "model" or "training".
-        setup: ``setup(compile) -> step``; builds model and inputs (seeded), compiles
-            with the peer's ``compile``, returns the zero-argument step to time.
-        jax_setup: ``() -> step`` of a hand-written raw ``jax.jit`` floor, or None to use
-            the function dynajax lowered (fed ``jax.Array``s directly).
-        description: one line for the table's legend.
-        quick: part of ``--quick``.
-        inner: calls per peer per round, each timed alone (many for µs-scale rows).
-        memory_calls: if > 0, run that many more calls and report RSS and live JAX
-            buffers before and after (must stay flat).
-        no_grad: run the step under ``torch.no_grad()`` (inference rows).
-        default: part of a run that names no rows (False: a row too heavy for every run,
-            run where named, as ``benchmarks.memory`` names its large model).
-    """
-
-    name: str
-    group: str
-    setup: Callable[[Compile], Step]
-    jax_setup: Callable[[], Step] | None = None
-    description: str = ""
-    quick: bool = False
-    inner: int = 1
-    memory_calls: int = 0
-    no_grad: bool = True
-    default: bool = True
-
-
-WORKLOADS: dict[str, Workload] = {}
-
-
-def default_rows(workloads: dict[str, Workload] = WORKLOADS) -> list[str]:
-    """The rows a run that names none runs (every row but the heavy ones)."""
-    return [n for n, w in workloads.items() if w.default]
-
-
-def register(w: Workload) -> Workload:
-    if w.group not in ("overhead", "model", "training", "interleaved"):
-        raise ValueError(f"workload {w.name!r}: unknown group {w.group!r}")
-    WORKLOADS[w.name] = w
-    return w
+# The models and the registry are shared with benchmarks/training.py, which imports
+# them from there (not from here): the names stay importable from this module.
+from benchmarks.models import ResNet18 as ResNet18
+from benchmarks.models import attention_model, encoder_model, gpt2_model, mlp_model, resnet_model
+from benchmarks.models import gpt2_small_model as gpt2_small_model
+from benchmarks.registry import DEVICE_ENV as DEVICE_ENV
+from benchmarks.registry import WORKLOADS as WORKLOADS
+from benchmarks.registry import Compile, Step, Workload, device, jax_put, placed, register
+from benchmarks.registry import default_rows as default_rows
 
 
 def _seeded() -> None:
     torch.manual_seed(0)
-
-
-# -- the device every row runs on (``python -m benchmarks.run --device cuda``) ----------
-
-DEVICE_ENV = "DYNAJAX_BENCH_DEVICE"  # inherited by first-call worker processes
-
-
-def device() -> torch.device:
-    """The torch device of every row's model and inputs (default: CPU)."""
-    return torch.device(os.environ.get(DEVICE_ENV) or "cpu")
-
-
-def placed(model: nn.Module, args: tuple[Any, ...]) -> tuple[nn.Module, tuple[Any, ...]]:
-    """``model`` and its tensor arguments moved to ``device()``."""
-    d = device()
-    return model.to(d), tuple(a.to(d) if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def jax_put(x: Any) -> Any:
-    """``x`` (NumPy or JAX) on the JAX device matching ``device()``, for the JAX floors."""
-    import jax
-
-    platform = "gpu" if device().type == "cuda" else "cpu"
-    return jax.device_put(x, jax.devices(platform)[0])
 
 
 # -- overhead rows ---------------------------------------------------------------------
@@ -200,11 +138,6 @@ def _model_step(build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]) -> Calla
     return setup
 
 
-def mlp_model() -> tuple[nn.Module, tuple[Any, ...]]:
-    model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))
-    return model, (torch.randn(64, 512),)
-
-
 def _mlp_jax() -> Step:
     import jax
     import jax.numpy as jnp
@@ -225,97 +158,6 @@ def _mlp_jax() -> Step:
 
     xa = jax_put(x.numpy())
     return lambda: f(xa).block_until_ready()
-
-
-def encoder_model() -> tuple[nn.Module, tuple[Any, ...]]:
-    model = nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True)
-    return model, (torch.randn(8, 128, 256),)
-
-
-class _CausalSelfAttention(nn.Module):
-    """A causal self-attention block as transformers write it: one input projection,
-    ``F.scaled_dot_product_attention`` over (batch, heads, tokens, head dim), an output
-    projection."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, e = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, e // self.heads).unbind(2)
-        o = nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return self.out(o.transpose(1, 2).reshape(b, t, e))
-
-
-def attention_model() -> tuple[nn.Module, tuple[Any, ...]]:
-    return _CausalSelfAttention(256, 4), (torch.randn(8, 512, 256),)
-
-
-def gpt2_model(
-    layers: int = 4, width: int = 256, heads: int = 4, vocab: int = 1024, batch: int = 4
-) -> tuple[nn.Module, tuple[Any, ...]]:
-    """A GPT-2 built from its config, on (batch, 128) tokens (by default the rows'
-    4-layer one)."""
-    from tests.models import gpt2, tokens
-
-    model = gpt2(layers=layers, width=width, heads=heads, vocab=vocab)
-    return model, (tokens(batch, 128, vocab),)
-
-
-def gpt2_small_model() -> tuple[nn.Module, tuple[Any, ...]]:
-    """GPT-2 small's configuration (124M parameters)."""
-    return gpt2_model(layers=12, width=768, heads=12, vocab=50257, batch=2)
-
-
-class _BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return torch.relu(out + (x if self.down is None else self.down(x)))
-
-
-class ResNet18(nn.Module):
-    """ResNet-18's shape (torchvision's layout, written in plain torch)."""
-
-    def __init__(self, classes: int = 1000) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, 64, 7, 2, 3, bias=False),
-            nn.BatchNorm2d(64),
-            nn.ReLU(),
-            nn.MaxPool2d(3, 2, 1),
-        )
-        layers, cin = [], 64
-        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-            layers += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
-            cin = cout
-        self.layers = nn.Sequential(*layers)
-        self.fc = nn.Linear(512, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layers(self.stem(x))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
-
-
-def resnet_model() -> tuple[nn.Module, tuple[Any, ...]]:
-    return ResNet18(), (torch.randn(8, 3, 64, 64),)
 
 
 register(

@@ -80,7 +80,7 @@ import functools
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -101,6 +101,7 @@ from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.lowering import attention
 from dynajax.passes.writes import Write, new_values, rewrite_writes, writing_back, written_outputs
 from dynajax.runtime import aot_cache, aot_rebuild
+from dynajax.runtime.held import Held
 from dynajax.store import BlobStore
 
 aten = torch.ops.aten
@@ -581,34 +582,6 @@ def functionalized(joint: torch.fx.GraphModule, examples: Sequence[Any]) -> torc
     graph.lint()
     gm.recompile()
     return gm
-
-
-class Held:
-    """A process-wide change held while any block, in any thread, is inside: made by
-    the first block to enter and undone by the last to leave (a save/restore per block
-    would let two overlapping threads restore each other's values and leave the change
-    in place for good)."""
-
-    def __init__(self, make: Callable[[], Callable[[], None]]) -> None:
-        self._make = make  # makes the change, returns its undo
-        self._undo: Callable[[], None] | None = None
-        self._depth = 0
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self._lock:
-            if self._depth == 0:
-                self._undo = self._make()
-            self._depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0 and self._undo is not None:
-                    self._undo()
-                    self._undo = None
 
 
 def _silence_fake_tensor_log() -> Callable[[], None]:

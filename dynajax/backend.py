@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 from dynajax.aot import aot_compile
-from dynajax.capability import CapabilityChecker
+from dynajax.capability import CapabilityChecker, strict_objections
 from dynajax.capability.memo import Evaluations
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, graph_report, snapshot_graph
@@ -164,8 +164,7 @@ class Backend:
         )
         refused = checker.annotate(gm)
         if self.options.strict:
-            # fallback_ops are the user's own choice; strict objects to the rest.
-            unwanted = [v for v in refused if not v.reason.is_choice]
+            unwanted = strict_objections(refused)
             if unwanted:
                 raise UnsupportedNodesError(unwanted, graph=f"{kind} graph")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from fuzz.campaign import Summary, run
 from fuzz.check import Outcome
 from fuzz.generate import generate, program_seed
-from fuzz.program import Program, source
+from fuzz.program import Program
+from fuzz.rendering import source
 
 __all__ = ["Outcome", "Program", "Summary", "generate", "program_seed", "run", "source"]

@@ -36,7 +36,8 @@ from typing import Any
 from fuzz import through_jax, training
 from fuzz.campaign import run, supervise
 from fuzz.check import check, dynajax_backend
-from fuzz.program import Program, source
+from fuzz.program import Program
+from fuzz.rendering import source
 
 
 def _replay(path: str, backend: Any) -> int:

@@ -72,19 +72,8 @@ import dynajax
 from dynajax.capability.cost import Unmeasured
 from fuzz import through_jax
 from fuzz.ops import render
-from fuzz.program import (
-    CONTIGUOUS,
-    FLOAT_DTYPES,
-    ModuleProgram,
-    OpRecord,
-    Program,
-    forget_function,
-    function_of,
-    make_inputs,
-    name,
-    op_index,
-    to_function,
-)
+from fuzz.program import CONTIGUOUS, FLOAT_DTYPES, OpRecord, Program, make_inputs, name
+from fuzz.rendering import ModuleProgram, forget_function, function_of, op_index, to_function
 from tests.opinfo_accuracy import distance
 from tests.tolerances import assert_same, tolerance
 

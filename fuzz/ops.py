@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -63,16 +64,50 @@ from fuzz.program import (
     STEPPED,
     UNIQUE,
     OpRecord,
+    TensorInput,
     layout_fits,
     name,
 )
 
-if TYPE_CHECKING:
-    from fuzz.generate import GenState
+
+class GenState(Protocol):
+    """What an op's gen reads and adds: the program being generated, its values on the
+    first call's inputs (``fuzz.generate.GenState`` is the one)."""
+
+    rng: random.Random
+    grad: bool
+    inputs: list[TensorInput]
+    order: list[int]
+    out_base: int
+
+    def tensor(self, v: int) -> torch.Tensor: ...
+    def shape(self, v: int) -> tuple[int, ...]: ...
+    def ndim(self, v: int) -> int: ...
+    def dtype(self, v: int) -> str: ...
+    def is_float(self, v: int) -> bool: ...
+    def exact(self, v: int) -> bool: ...
+    def finite(self, v: int) -> bool: ...
+    def root(self, v: int) -> int: ...
+    def pick(self, pred: Callable[[int], bool] | None = None) -> int | None: ...
+    def random_dtype(self) -> str: ...
+    def new_input(
+        self,
+        shape: tuple[int, ...],
+        dtype: str,
+        *,
+        kind: str = ...,
+        high: int = ...,
+        requires_grad: bool | None = ...,
+        layout: str | None = ...,
+        scale: float | None = ...,
+        bad: bool = ...,
+        specials: bool | None = ...,
+    ) -> int: ...
+
 
 Params = dict[str, Any]
 Proposal = tuple[Sequence[int], Params] | None
-Gen = Callable[["GenState"], Proposal]
+Gen = Callable[[GenState], Proposal]
 Render = Callable[[list[str], Params], str]
 
 

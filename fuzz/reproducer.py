@@ -18,7 +18,8 @@ import pathlib
 import textwrap
 
 from fuzz.check import CALLS, Outcome
-from fuzz.program import INPUT, INPUT_SOURCE, Program, input_call, module_source, source
+from fuzz.program import INPUT, INPUT_SOURCE, Program, input_call
+from fuzz.rendering import module_source, source
 from tests.tolerances import TOLERANCES
 
 _TEMPLATE = '''"""dynajax fuzz failure: {signature}

@@ -14,7 +14,7 @@ program writes into get their new values (``fn.with_updates``), written into the
 input whose elements share memory, stride 0, takes the new value as its own: the
 reference is eager on contiguous copies, and a JAX function's update is a value).
 
-A module program (``fuzz.program.ModuleProgram``) goes through as a model: ``jax_function``
+A module program (``fuzz.rendering.ModuleProgram``) goes through as a model: ``jax_function``
 exports the module (its parameters and buffers in the layouts the call loaded into
 them) and each call passes their values as the function's state; parameters that
 require grad are differentiated as inputs are, and buffers (or parameters) it writes
@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 
 import dynajax
 from dynajax.runtime.conversion import to_jax, to_torch
-from fuzz.program import ModuleProgram
+from fuzz.rendering import ModuleProgram
 
 BACKEND = "jax_function"
 # Its control: torch.export of the program, run by torch (``ep.module()``), no dynajax.

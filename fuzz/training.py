@@ -62,7 +62,7 @@ from torch import nn
 from fuzz.campaign import Failure
 from fuzz.check import FAIL, OK, UPSTREAM, _Collect, _normalize, error_text, quiet
 from fuzz.known_bugs import KNOWN_TRAINING_BUGS
-from fuzz.training_case import MODE_FLAGS, OPTIONAL_KINDS, Case, event_kinds, generate_case
+from fuzz.training_case import event_kinds, generate_case
 from fuzz.training_source import (
     HARNESS_SOURCE,
     IMPORTS,
@@ -70,6 +70,7 @@ from fuzz.training_source import (
     case_source,
     namespace_of,
 )
+from fuzz.training_spec import MODE_FLAGS, OPTIONAL_KINDS, Case
 
 REFUSED = "refused"
 # TrainStepError messages of train_step's documented limits (docs/training.md): an

@@ -20,7 +20,8 @@ batch inputs come in the layouts its program's inputs have (a parameter never in
 whose elements share memory, which no optimizer can write).
 
 Case ``i`` of seed ``s`` is ``generate_case(s, i)``: deterministic, and JSON
-(``Case.to_json``), so a reproducer replays it without the generator.
+(``Case.to_json``, ``fuzz.training_spec``), so a reproducer replays it without the
+generator.
 ``fuzz.training_source`` renders it as Python.
 
 What keeps the comparison with eager meaningful (each an eager fact, not a dynajax
@@ -39,7 +40,6 @@ allowance):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import random
@@ -61,58 +61,11 @@ from fuzz.program import (
     STEPPED,
     TRANSPOSED,
 )
-
-# Event kinds that train_step is gaining now (``--optional-events``): on by default.
-OPTIONAL_KINDS = ("freeze", "dict_batch", "bad_batch")
-
-BUILTIN_OPTIMIZERS = (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam",
-    "ASGD", "Adadelta", "Adagrad", "RMSprop", "Rprop",
-)  # fmt: skip
-CUSTOM_OPTIMIZERS = ("MomentumSGD", "SignMomentum")
-# The flags that change an optimizer's arithmetic (failure signatures name them).
-MODE_FLAGS = ("amsgrad", "maximize", "nesterov", "centered", "decoupled_weight_decay", "fused")
-
-
-@dataclasses.dataclass
-class Case:
-    """One training run, as data (JSON-serializable).
-
-    Attributes:
-        seed: the fuzzing run's seed; ``index``: the case's index in it.
-        values: seeds the model's weights and every batch.
-        model: the family, its layers (or program), its input and its loss.
-        optimizer: the class name, its options, its param groups (layer indices and
-            per-group options) and a layer held out of it (frozen) if any.
-        options: ``clip`` and ``accumulate`` (train_step's), ``scheduler``,
-            ``autocast``, ``dict_batch``, ``train_mode``, ``batch`` (the batch size),
-            ``last_batch`` (a smaller last batch), ``layout`` (the batch input's:
-            ``relayout`` in the case's source), ``channels_last`` (a CNN's model and
-            batches).
-        steps: the number of training steps.
-        events: what happens between steps, each ``{"at": k, "kind": ..., ...}``: before
-            step ``k`` (``k == steps``: after the last).
-    """
-
-    seed: int
-    index: int
-    values: int
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    options: dict[str, Any]
-    steps: int
-    events: list[dict[str, Any]]
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @staticmethod
-    def from_json(text: str) -> Case:
-        return Case(**json.loads(text))
-
-    def replace(self, **changes: Any) -> Case:
-        """A deep copy with ``changes``."""
-        return dataclasses.replace(copy.deepcopy(self), **copy.deepcopy(changes))
+from fuzz.training_spec import (
+    BUILTIN_OPTIMIZERS,
+    OPTIONAL_KINDS,
+    Case,
+)
 
 
 def case_seed(seed: int, index: int) -> int:
@@ -335,33 +288,43 @@ def _has_batch(model: dict[str, Any]) -> bool:
 
 def _program_trains(spec: dict[str, Any], steps: int) -> list[int]:
     """The outputs of a program model that carry gradient to its parameters, if eager
-    computes a finite loss and gradient from them on every batch of the run (else [])."""
+    computes a finite loss and gradient from them on every batch of the run, in float32
+    and in float64 alike (else []): the float64 mode's case is the float32 one in
+    float64, and a program whose floating values do not all follow its inputs to float64
+    (an integer's reciprocal is float32 by the default dtype) cannot be one."""
     from fuzz.training_source import namespace_of
 
     options = {"dict_batch": False, "autocast": False}
-    case = Case(0, 0, 0, {**spec, "loss_outputs": [0]}, {}, options, steps, [])
+    spec = {**spec, "loss_outputs": [0]}
     try:
         with warnings.catch_warnings():  # eager warns about some of what it is given
             warnings.simplefilter("ignore")
-            return _trains(namespace_of(case, training=False), steps)
+            in_float32 = Case(0, 0, 0, spec, {}, options, steps, [])
+            outputs = _trains(namespace_of(in_float32, training=False), steps)
+            in_float64 = Case(0, 0, 0, spec, {}, {**options, "float64": True}, steps, [])
+            if outputs and _trains(namespace_of(in_float64, training=False), steps, 64) != outputs:
+                return []
+            return outputs
     except Exception:
         return []
 
 
-def _trains(namespace: dict[str, Any], steps: int) -> list[int]:
+def _trains(namespace: dict[str, Any], steps: int, bits: int = 32) -> list[int]:
     import math
 
     import torch
 
+    dtype = torch.float64 if bits == 64 else torch.float32
     model = namespace["make_model"]()
     outputs: list[int] = []
     for i in range(steps + 1):
-        outs = model(*namespace["batch"](i))
+        batch = [b.to(dtype) if b.is_floating_point() else b for b in namespace["batch"](i)]
+        outs = model(*batch)
         if i == 0:
             outputs = [
                 j
                 for j, o in enumerate(outs)
-                if isinstance(o, torch.Tensor) and o.dtype == torch.float32 and o.requires_grad
+                if isinstance(o, torch.Tensor) and o.dtype == dtype and o.requires_grad
             ]
             if not outputs:
                 return []

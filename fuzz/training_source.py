@@ -1,4 +1,4 @@
-"""A training case (``fuzz.training_case.Case``) as Python, and the harness that runs it.
+"""A training case (``fuzz.training_spec.Case``) as Python, and the harness that runs it.
 
 ``case_source(case)`` renders the case: the model class, ``setup(model)`` (the
 optimizer, and what is frozen outside it), ``batch(i)`` and ``bad_batch(...)``,
@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fuzz.program import INPUT_SOURCE, Program, input_call, source
-from fuzz.training_case import CUSTOM_OPTIMIZERS, Case
+from fuzz.program import INPUT_SOURCE, Program, input_call
+from fuzz.rendering import source
+from fuzz.training_spec import CUSTOM_OPTIMIZERS, Case
 
 IMPORTS = """import collections
 import copy

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import fuzz.check
 import fuzz.program
+import fuzz.rendering
 from fuzz import generate, program_seed, run, source, through_jax
 from fuzz.campaign import supervise
 from fuzz.check import (
@@ -36,7 +37,8 @@ from fuzz.check import (
     fails_like,
 )
 from fuzz.known_bugs import KNOWN_BUGS
-from fuzz.program import OUT_BASE, OpRecord, Program, TensorInput, to_function
+from fuzz.program import OUT_BASE, OpRecord, Program, TensorInput
+from fuzz.rendering import to_function
 from fuzz.reproducer import write_reproducer
 from fuzz.shrink import shrink
 
@@ -556,7 +558,7 @@ def test_a_module_program_compiles_its_state_as_parameters_and_buffers(
     with eager, gradients of the parameter included; its reproducer (a ``Module``)
     passes standalone; and a wrong rule on the parameter's op is found."""
     from dynajax.lowering import registry
-    from fuzz.program import ModuleProgram
+    from fuzz.rendering import ModuleProgram
 
     x0 = TensorInput(
         (4, 3), "float32", 1, layout="transposed", requires_grad=True, role="parameter"
@@ -570,7 +572,7 @@ def test_a_module_program_compiles_its_state_as_parameters_and_buffers(
         OpRecord("torch.mul", (v[0], 2), (), v[1]),
     )
     program = Program((x0, x1, x2), ops, (v[1],), grad=True)
-    assert isinstance(fuzz.program.to_function(program), ModuleProgram)
+    assert isinstance(fuzz.rendering.to_function(program), ModuleProgram)
     assert check(program, classify=False).status == OK
     assert check(program, through_jax.BACKEND, classify=False).status == OK
     outcome = Outcome(FAIL, Mismatch("value", "out[0]", "float32", "example"))

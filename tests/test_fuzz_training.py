@@ -19,6 +19,7 @@ import torch
 
 import dynajax
 import fuzz.training
+import fuzz.training_case
 from fuzz.check import FAIL, OK, UPSTREAM
 from fuzz.known_bugs import KNOWN_TRAINING_BUGS
 from fuzz.training import (
@@ -30,8 +31,9 @@ from fuzz.training import (
     supervise_training,
     write_training_reproducer,
 )
-from fuzz.training_case import OPTIONAL_KINDS, Case, generate_case, without_kinds
+from fuzz.training_case import generate_case, without_kinds
 from fuzz.training_source import HARNESS_SOURCE, case_source, namespace_of
+from fuzz.training_spec import OPTIONAL_KINDS, Case
 
 CI_SEED, CI_RUNS = 0, 13
 
@@ -151,6 +153,44 @@ def test_the_generator_draws_float64_cases_and_state_edits() -> None:
     assert {"hand_step", "reset_state", "replace_state"} <= kinds
     # the same case in float32 but for the mode (the edits have their own generator)
     assert generate_case(130, 3).events == cases[3].events
+
+
+def test_a_program_model_trains_in_float64_too() -> None:
+    """A program whose floating values do not all follow its inputs to float64 is no
+    program model: an int64 buffer's reciprocal is float32 by the default dtype, and the
+    float64 mode's eager loop then refuses the float64 weight of the convolution."""
+    make = {"bad": False, "high": 0, "kind": "normal", "requires_grad": False}
+    make.update(role="input", specials=False, layout="contiguous", scale=2.0)
+    inputs = [
+        {**make, "dtype": "int64", "seed": 1, "shape": [5, 7, 4]},
+        {**make, "dtype": "float32", "seed": 2, "shape": [1, 5, 1, 1]},
+        {**make, "dtype": "float32", "seed": 3, "shape": [1], "scale": 0.05},
+    ]
+
+    def spec(first: dict[str, Any]) -> dict[str, Any]:
+        ops = [
+            first,
+            {"args": [1000], "kind": "torch.reciprocal", "out": 1001, "params": []},
+            {
+                "args": [1001, 1, 2],
+                "kind": "F.conv2d",
+                "out": 1002,
+                "params": [["dilation", 1], ["groups", 1], ["padding", 0], ["stride", 1]],
+            },
+        ]
+        program = {"grad": False, "inputs": inputs, "ops": ops, "outputs": [1002]}
+        return {
+            "family": "program",
+            "program": program,
+            "params": [1],
+            "buffers": [0],
+            "loss_outputs": [],
+        }
+
+    integer = {"args": [0], "kind": "torch.full_like", "out": 1000, "params": [["s", 3]]}
+    assert fuzz.training_case._program_trains(spec(integer), 3) == []
+    floating = {"args": [1], "kind": "torch.full_like", "out": 1000, "params": [["s", 3]]}
+    assert fuzz.training_case._program_trains(spec(floating), 3) == [0]
 
 
 # Found by seed 130 (case 14) once the fuzzer edits the optimizer's state: an eager

@@ -7,6 +7,7 @@ from dynajax.capability.verdict import (
     Supported,
     Unsupported,
     Verdict,
+    strict_objections,
     target_name,
     verdict_of,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "Supported",
     "Unsupported",
     "Verdict",
+    "strict_objections",
     "target_name",
     "verdict_of",
 ]

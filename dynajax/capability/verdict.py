@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import os
 import re
+from collections.abc import Sequence
 
 import torch
 import torch.fx
@@ -155,3 +156,10 @@ def source_line(node: torch.fx.Node) -> str:
 
 def verdict_of(node: torch.fx.Node) -> Verdict | None:
     return node.meta.get(META_KEY)
+
+
+def strict_objections(refused: Sequence[Unsupported]) -> list[Unsupported]:
+    """The refusals strict mode objects to, on either driver: those that are a gap of
+    dynajax, not a choice (``Reason.is_choice``: the user's ``fallback_ops``, a
+    measured cost, eager's own error)."""
+    return [v for v in refused if not v.reason.is_choice]

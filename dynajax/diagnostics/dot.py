@@ -10,15 +10,45 @@ import operator
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch.fx
 
 from dynajax.capability import META_KEY, Reason, Unsupported, target_name
 from dynajax.errors import DynajaxError
 
-if TYPE_CHECKING:
-    from dynajax.diagnostics.report import GraphReport, Report
+
+# What the drawing reads of a report (``diagnostics/report.py``'s Report, GraphReport
+# and PartitionInfo have these), so that this module does not import that one.
+class _Partition(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def op_count(self) -> int: ...
+
+
+class _Graph(Protocol):
+    @property
+    def kind(self) -> str: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def partitions(self) -> Sequence[_Partition]: ...
+    @property
+    def fallbacks(self) -> Sequence[Unsupported]: ...
+    @property
+    def host_scalars(self) -> Sequence[Unsupported]: ...
+    @property
+    def snapshot(self) -> torch.fx.Graph | None: ...
+    @property
+    def node_partition(self) -> Mapping[str, str]: ...
+
+
+class _Report(Protocol):
+    @property
+    def graphs(self) -> Sequence[_Graph]: ...
+
 
 # Fill colours of partitions jax_0, jax_1, ... (cycled), readable on white.
 PALETTE = (
@@ -90,7 +120,7 @@ def _node_attrs(
     return attrs
 
 
-def graph_to_dot_lines(g: GraphReport, cluster: int) -> list[str]:
+def graph_to_dot_lines(g: _Graph, cluster: int) -> list[str]:
     """The DOT lines of one GraphReport, as a cluster with node ids prefixed ``g<n>_``."""
     snapshot = g.snapshot
     title = f"graph {g.index} ({g.kind})"
@@ -139,7 +169,7 @@ def graph_to_dot_lines(g: GraphReport, cluster: int) -> list[str]:
     return lines
 
 
-def report_to_dot(report: Report) -> str:
+def report_to_dot(report: _Report) -> str:
     """DOT text of every graph of ``report``, one cluster each."""
     lines = [
         "digraph dynajax {",

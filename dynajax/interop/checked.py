@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
+from dynajax.lowering import checks as value_checks
 from dynajax.lowering.checks import Check
 
 
@@ -47,31 +47,17 @@ class ValueCheckResult:
     def tree_unflatten(cls, checks: tuple[Check, ...], children: Sequence[Any]) -> ValueCheckResult:
         return cls(children[0], checks)
 
-    def _rows(self) -> np.ndarray:
-        vector = np.asarray(self.vector)  # fails on a tracer: read it outside transformations
-        return vector.reshape(-1, vector.shape[-1])
-
     def failed(self) -> bool:
         """Whether some check failed (in any element of a batched result)."""
-        return bool(np.any(self._rows()[:, 0] != 0))
+        return value_checks.failed(self.vector)
 
     def exception(self) -> Exception | None:
         """Eager's exception for the first failing call (row-major over the leading
         axes), or None when every check passed."""
-        rows = self._rows()
-        failing = np.flatnonzero(rows[:, 0])
-        if failing.size == 0:
-            return None
-        row = rows[failing[0]]
-        check = self.checks[int(row[0]) - 1]
-        where = "a jax_function"
-        batch = np.asarray(self.vector).shape[:-1]
-        if batch:
-            where += f" at index {tuple(int(i) for i in np.unravel_index(failing[0], batch))}"
-            where += f" of the leading (vmap/scan) axes {tuple(batch)}"
-        return check.exception(
-            _payload(check, row[1:]),
-            where,
+        return value_checks.error(
+            self.checks,
+            self.vector,
+            "a jax_function",
             "jax_function(..., checks=False) turns the checks of direct calls off",
         )
 
@@ -92,19 +78,3 @@ class ValueCheckResult:
         except (TypeError, jax.errors.ConcretizationTypeError):  # a tracer
             return f"ValueCheckResult(traced, {len(self.checks)} check(s))"
         return f"ValueCheckResult({message or 'passed'}, {len(self.checks)} check(s))"
-
-
-def _payload(check: Check, raw: np.ndarray) -> list[int]:
-    """The payload as ``Check.exception`` reads it: int64 values, floats as the bits of
-    a float64. With JAX's 64-bit mode off the vector is int32 and floats are the bits
-    of a float32, widened here."""
-    if raw.dtype.itemsize == 8:
-        return [int(v) for v in raw]
-    values = []
-    for name, v in zip(check.fields, raw, strict=False):
-        if name in check.floats:
-            wide = np.float64(np.int32(v).view(np.float32))
-            values.append(int(wide.view(np.int64)))
-        else:
-            values.append(int(v))
-    return values

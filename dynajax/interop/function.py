@@ -23,7 +23,6 @@ values of mutated buffers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 import warnings
@@ -37,13 +36,11 @@ import sympy
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from jax.sharding import PartitionSpec
 from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from dynajax.capability import Reason, Unsupported, verdict_of
-from dynajax.capability.verdict import source_line
 from dynajax.errors import DynajaxError, JaxFunctionError
 from dynajax.interop import kv_caches as caches
 from dynajax.interop import user_passes
@@ -54,22 +51,16 @@ from dynajax.interop.autograd import (
     with_torch_backward,
 )
 from dynajax.interop.checked import ValueCheckResult
+from dynajax.interop.signature import Signature
 from dynajax.interop.torch_export import export
 from dynajax.interop.trees import jax_tree
 from dynajax.lowering.dtypes import JAX_TO_TORCH, TORCH_TO_JAX
-from dynajax.lowering.registry import get_rule
 from dynajax.passes.user import RewriteRecord
 from dynajax.program import Policy, Program, lower
-from dynajax.program.callbacks import (
-    CallbackOp,
-    flat_outputs,
-    forget_host_error,
-    from_numpy,
-    raised_on_host,
-)
+from dynajax.program.callbacks import eager_errors, from_numpy
 from dynajax.program.interpreter import TRUNCATION_WARNING, SizeBindings
 from dynajax.runtime.conversion import to_jax
-from dynajax.sharding.placement import gather_to_torch
+from dynajax.sharding.placement import gather_to_torch, on_auto_axes
 
 aten = torch.ops.aten
 
@@ -96,15 +87,6 @@ class _Run(NamedTuple):
 
 
 # -- the function ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Input:
-    """One placeholder of the graph: where its value comes from when the function runs."""
-
-    kind: InputKind
-    name: str  # the state name, constant name, or user input's position
-    example: Any  # its fake value (a FakeTensor, or a Python value)
 
 
 def _jax_dtype(t: torch.Tensor) -> np.dtype:
@@ -214,8 +196,6 @@ class JaxFunction:
         self,
         ep: ExportedProgram,
         program: Program,
-        callbacks: tuple[CallbackOp, ...],
-        random_ops: tuple[str, ...],
         aliases: Mapping[str, str],
         checks: bool = True,
         source: Any = None,
@@ -235,84 +215,13 @@ class JaxFunction:
         # get_attr nodes read: a user's pass may add one)
         self.program = program
         self.graph_module = gm = program.gm
-        self.callbacks = callbacks
-        self.random_ops = random_ops
-        sig = ep.graph_signature
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != len(sig.input_specs):
-            raise JaxFunctionError(
-                f"the exported graph has {len(placeholders)} inputs but its signature "
-                f"lists {len(sig.input_specs)}; please report this dynajax bug."
-            )
-        self._inputs: list[_Input] = []
-        user = 0
-        for node, spec in zip(placeholders, sig.input_specs, strict=True):
-            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                assert spec.target is not None
-                name = aliases.get(spec.target, spec.target)
-            elif spec.kind is InputKind.CONSTANT_TENSOR:
-                assert spec.target is not None
-                name = spec.target
-            elif spec.kind is InputKind.USER_INPUT:
-                name, user = str(user), user + 1
-            else:
-                raise JaxFunctionError(
-                    f"the exported graph takes a {spec.kind.name} input ('{node.name}'); "
-                    "jax_function supports models whose inputs are parameters, buffers, "
-                    "tensor constants and tensors (no script objects or effect tokens)."
-                )
-            self._inputs.append(_Input(spec.kind, name, node.meta.get("val")))
-        # Tied tensors (GPT-2's lm_head.weight is transformer.wte.weight) are one entry.
-        self.parameter_names = tuple(
-            dict.fromkeys(i.name for i in self._inputs if i.kind is InputKind.PARAMETER)
-        )
-        self.buffer_names = tuple(
-            dict.fromkeys(i.name for i in self._inputs if i.kind is InputKind.BUFFER)
-        )
-        self._constants = {
-            i.name: _constant_array(ep, i.name)
-            for i in self._inputs
-            if i.kind is InputKind.CONSTANT_TENSOR
-        }
-        self._outputs: list[tuple[OutputKind, str | None]] = []
-        for spec in sig.output_specs:
-            if spec.kind not in (
-                OutputKind.USER_OUTPUT,
-                OutputKind.BUFFER_MUTATION,
-                OutputKind.PARAMETER_MUTATION,
-                OutputKind.USER_INPUT_MUTATION,
-            ):
-                raise JaxFunctionError(
-                    f"the exported graph returns a {spec.kind.name} output; jax_function "
-                    "supports user outputs and buffer updates only."
-                )
-            self._outputs.append((spec.kind, spec.target))
-        self._outputs = [
-            (k, aliases.get(t, t) if t is not None else None) for k, t in self._outputs
-        ]
-        self.mutated_buffers = tuple(
-            t
-            for k, t in self._outputs
-            if k in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION) and t
-        )
-        user_input_names = [s.arg.name for s in sig.input_specs if s.kind is InputKind.USER_INPUT]
-        # The user inputs' placeholder names, by position among the flattened inputs.
-        self._user_positions = {name: i for i, name in enumerate(user_input_names)}
-        self.mutated_inputs = tuple(
-            self._user_positions[t]
-            for k, t in self._outputs
-            if k is OutputKind.USER_INPUT_MUTATION and t in self._user_positions
-        )
-        # Whether every new value of an input is also an output (a transformers
-        # StaticCache, updated in place and returned): fn(...) then loses nothing.
-        updated = {s.arg.name for s in sig.output_specs if s.kind is OutputKind.USER_INPUT_MUTATION}
-        returned = {s.arg.name for s in sig.output_specs if s.kind is OutputKind.USER_OUTPUT}
-        self._updates_returned = updated <= returned
-        self._in_spec = ep.call_spec.in_spec
-        self._out_spec = ep.call_spec.out_spec
-        # The arguments as JAX values: a transformers cache as its dict (interop/kv_caches.py).
-        self._jax_in_spec = caches.jax_spec(self._in_spec, jax_tree)
-        self._range = dict(ep.range_constraints)
+        self.callbacks = program.callbacks
+        self.random_ops = program.random_ops
+        sig = self.signature = Signature.of(ep, gm, aliases)
+        self.parameter_names = sig.parameter_names
+        self.buffer_names = sig.buffer_names
+        self.mutated_buffers = sig.mutated_buffers
+        self.mutated_inputs = sig.mutated_inputs
         self._warned = False
         self._warned_inputs = False
         # torch's backward as the VJP (None: JAX's autodiff of the rules).
@@ -321,7 +230,7 @@ class JaxFunction:
                 source,
                 (*self.parameter_names, *self.buffer_names),
                 self.parameter_names,
-                self._in_spec,
+                self.signature.in_spec,
                 tuple(fallback_ops),
                 modes,
                 strict=strict,
@@ -384,7 +293,7 @@ class JaxFunction:
         return CheckedJaxFunction(self)
 
     def _warn_inputs_dropped(self) -> None:
-        if self.mutated_inputs and not self._updates_returned and not self._warned_inputs:
+        if self.mutated_inputs and not self.signature.updates_returned and not self._warned_inputs:
             self._warned_inputs = True
             warnings.warn(
                 f"this model updates its inputs in place (positions {list(self.mutated_inputs)} "
@@ -415,17 +324,8 @@ class JaxFunction:
         """``_run``, raising eager's own exception where an op run in eager PyTorch (a
         host callback) raised during the call, not JAX's wrapper of it (``fn`` and
         ``fn.checked`` alike)."""
-        forget_host_error()
-        try:
+        with eager_errors():
             return self._run(state, args, key, check=check)
-        except jax.errors.JaxRuntimeError as e:
-            # (Under an eager transformation, jax.vjp without jit, the op runs during
-            # this call too; under jit, callbacks run after tracing, outside it.)
-            original = raised_on_host()
-            if original is None:
-                raise
-            # An op run in eager PyTorch raised: its own error, as eager gives it.
-            raise original from e
 
     def load_into(self, model: nn.Module, state: Mapping[str, Any], *, copy: bool = True) -> None:
         """Writes ``state`` (the function's state dict, trained in JAX, say) into the
@@ -532,7 +432,9 @@ class JaxFunction:
                 f"{type(state).__name__}."
             )
         self._check_state_keys(state)
-        leaves, spec = caches.flatten_as((tuple(args), {}), self._in_spec, self._jax_in_spec)
+        leaves, spec = caches.flatten_as(
+            (tuple(args), {}), self.signature.in_spec, self.signature.jax_in_spec
+        )
         variant = self._variant_for(leaves)
         if variant is not self:
             return variant._run(state, args, key, check=check)
@@ -542,9 +444,9 @@ class JaxFunction:
             warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
             sizes = SizeBindings()
             values = []
-            for inp in self._inputs:
+            for inp in self.signature.inputs:
                 if inp.kind is InputKind.CONSTANT_TENSOR:
-                    values.append(jnp.asarray(self._constants[inp.name]))
+                    values.append(jnp.asarray(self.signature.constants[inp.name]))
                 elif inp.kind is InputKind.USER_INPUT:
                     position = int(inp.name)
                     values.append(self._user_input(position, leaves[position], inp.example, sizes))
@@ -554,7 +456,7 @@ class JaxFunction:
             results, checked = self._interpret(values, key, sizes, check)
             user_outputs, updates = [], {}
             new_leaves = list(leaves)
-            for (kind, target), value in zip(self._outputs, results, strict=True):
+            for (kind, target), value in zip(self.signature.outputs, results, strict=True):
                 if kind is OutputKind.USER_OUTPUT:
                     user_outputs.append(value)
                 elif kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION):
@@ -562,9 +464,9 @@ class JaxFunction:
                     updates[target] = value
                 elif kind is OutputKind.USER_INPUT_MUTATION:
                     assert target is not None
-                    new_leaves[self._user_positions[target]] = value
+                    new_leaves[self.signature.user_positions[target]] = value
             new_args, _ = pytree.tree_unflatten(new_leaves, spec)
-            outputs = jax_tree(self._out_spec, iter(user_outputs))
+            outputs = jax_tree(self.signature.out_spec, iter(user_outputs))
             return _Run(outputs, updates, tuple(new_args), checked)
 
     def _variant_for(self, leaves: list[Any]) -> JaxFunction:
@@ -572,7 +474,7 @@ class JaxFunction:
         export's, else the model exported again at the new sizes (once per shape, as
         ``jax.jit`` retraces per shape)."""
         shapes = []
-        for inp in self._inputs:
+        for inp in self.signature.inputs:
             if inp.kind is not InputKind.USER_INPUT or not isinstance(inp.example, torch.Tensor):
                 continue
             leaf = leaves[int(inp.name)]
@@ -593,7 +495,7 @@ class JaxFunction:
         found = self._variants.get(key)
         if found is None:
             examples = [_example_like(leaf) for leaf in leaves]
-            args, _ = pytree.tree_unflatten(examples, self._in_spec)
+            args, _ = pytree.tree_unflatten(examples, self.signature.in_spec)
             try:
                 found = self._rebuild(tuple(args))
             except DynajaxError:
@@ -630,26 +532,8 @@ class JaxFunction:
             return tuple(results), vector
 
         arrays = [values[i] for i in positions]
-        mesh = _explicit_mesh(arrays)
-        if mesh is not None:
-            # Arrays on a mesh with Explicit axes (jax.make_mesh's default): the torch
-            # graph's ops carry no sharding annotations, which Explicit axes require of
-            # every contraction, so the function runs with those axes Auto (XLA's
-            # partitioner propagates), its outputs replicated back on the user's mesh.
-            explicit = tuple(
-                n
-                for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-                if t == jax.sharding.AxisType.Explicit
-            )
-            inner = self._interpret_arrays
-            with jax.sharding.use_abstract_mesh(mesh):
-                results, vector = jax.sharding.auto_axes(
-                    lambda *a: inner(primal, a, values, positions),
-                    axes=explicit,
-                    out_sharding=PartitionSpec(),
-                )(*arrays)
-        else:
-            results, vector = self._interpret_arrays(primal, arrays, values, positions)
+        inner = self._interpret_arrays
+        results, vector = on_auto_axes(lambda *a: inner(primal, a, values, positions), arrays)
         checked = ValueCheckResult(vector, recorded) if check else None
         return list(results), checked
 
@@ -662,7 +546,7 @@ class JaxFunction:
             arg = {v: a for a, v in enumerate(positions)}
             first: dict[str, int] = {}
             leaves: dict[int, Any] = {}
-            for i, inp in enumerate(self._inputs):
+            for i, inp in enumerate(self.signature.inputs):
                 if inp.kind in (InputKind.PARAMETER, InputKind.BUFFER):
                     first.setdefault(inp.name, arg[i])
                 elif inp.kind is InputKind.USER_INPUT:
@@ -671,7 +555,9 @@ class JaxFunction:
                 "state": [first[n] for n in self.torch_backward.state_names],
                 "leaves": [leaves[k] for k in sorted(leaves)],
                 "outputs": [
-                    k for k, (kind, _) in enumerate(self._outputs) if kind is OutputKind.USER_OUTPUT
+                    k
+                    for k, (kind, _) in enumerate(self.signature.outputs)
+                    if kind is OutputKind.USER_OUTPUT
                 ],
             }
             results, vector = with_torch_backward(primal, self.torch_backward, layout)(*arrays)
@@ -712,7 +598,7 @@ class JaxFunction:
 
     def _check_ranges(self, sizes: SizeBindings) -> None:
         for symbol, value in sizes.values.items():
-            bounds = self._range.get(symbol)
+            bounds = self.signature.ranges.get(symbol)
             if bounds is None or not isinstance(value, int):
                 continue
             low, high = bounds.lower, bounds.upper
@@ -778,18 +664,6 @@ def _is_host_scalar(n: torch.fx.Node) -> bool:
     return isinstance(verdict, Unsupported) and verdict.reason is Reason.HOST_SCALAR
 
 
-def _constant_array(ep: ExportedProgram, name: str) -> np.ndarray:
-    """A lifted tensor constant as a NumPy copy, made once; each trace embeds it in the
-    caller's JAX mode."""
-    value = ep.constants[name]
-    if not isinstance(value, torch.Tensor):
-        raise JaxFunctionError(
-            f"the model's constant '{name}' is a {type(value).__name__}, not a tensor; "
-            "jax_function supports tensor constants only."
-        )
-    return np.array(to_jax(value.detach().cpu()))
-
-
 def _array(value: Any, example: Any, where: str, *, static_only: bool = False) -> Any:
     """``value`` as a JAX value of ``example``'s dtype and shape (dynamic dims free)."""
     if not isinstance(value, jax.Array):
@@ -824,26 +698,6 @@ def _array(value: Any, example: Any, where: str, *, static_only: bool = False) -
 
 
 # -- building ----------------------------------------------------------------------------
-
-
-def _differentiable(n: torch.fx.Node) -> bool:
-    def inexact(t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-
-    ins = [a.meta.get("val") for a in n.all_input_nodes]
-    return any(inexact(t) for t in ins) and any(inexact(t) for t in flat_outputs(n.meta.get("val")))
-
-
-def _random_ops(gm: torch.fx.GraphModule) -> tuple[str, ...]:
-    ops = []
-    for n in gm.graph.nodes:
-        verdict = verdict_of(n)
-        if n.op == "call_function" and verdict is not None and verdict.supported:
-            rule = get_rule(n.target)
-            if rule is not None and rule.needs_key:
-                where = source_line(n)
-                ops.append(verdict.target + (f" at {where}" if where else ""))
-    return tuple(ops)
 
 
 def jax_function(
@@ -961,15 +815,9 @@ def _build(
             after=user.at("post_passes"),
         ),
     )
-    nodes = {n.name: n for n in program.gm.graph.nodes}
-    callbacks = tuple(
-        CallbackOp.from_verdict(v, _differentiable(nodes[v.node])) for v in program.callbacks
-    )
     return JaxFunction(
         ep,
         program,
-        callbacks,
-        _random_ops(program.gm),
         _tied_names(module_or_fn),
         checks,
         source=source,
@@ -979,19 +827,6 @@ def _build(
         rewrites=records,
         strict=strict,
     )
-
-
-def _explicit_mesh(arrays: Sequence[Any]) -> Any:
-    """The (abstract) mesh of the first array laid out on a mesh with an Explicit axis,
-    or None."""
-    explicit = jax.sharding.AxisType.Explicit
-    for a in arrays:
-        if not isinstance(a, jax.Array):
-            continue
-        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty and explicit in tuple(mesh.axis_types):
-            return mesh
-    return None
 
 
 def _fits(dtype: torch.dtype, array_dtype: np.dtype) -> bool:

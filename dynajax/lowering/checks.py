@@ -412,7 +412,7 @@ class CheckTable:
     @staticmethod
     def failed(result: Any) -> bool:
         """Whether the check output ``result`` reports a failed check."""
-        return int(np.asarray(result)[0]) != 0
+        return failed(result)
 
     def raise_if_failed(self, result: Any, where: str = "") -> None:
         """Raises eager's exception if ``result`` (the check output) reports a failure.
@@ -421,16 +421,62 @@ class CheckTable:
             result: the int64 vector ``[code, *payload]`` (a JAX array or NumPy array).
             where: the partition's name, for the exception's note.
         """
-        vector = np.asarray(result)
-        if not vector[0]:
+        if not failed(result):
             return
         assert self.checks is not None
-        check = self.checks[int(vector[0]) - 1]
-        raise check.exception(
-            vector[1:].tolist(),
-            f"JAX partition {where or '?'}",
-            "the option checks=False turns value checks off",
-        )
+        where = f"JAX partition {where or '?'}"
+        found = error(self.checks, result, where, "the option checks=False turns value checks off")
+        assert found is not None
+        raise found
+
+
+# -- decoding a check output on the host (every caller: the backend's partitions, the
+# whole-graph program's callers, ``ValueCheckResult``) ---------------------------------
+
+
+def failed(result: Any) -> bool:
+    """Whether the check output ``result`` (``[..., code, *payload]``: one vector, or
+    one per element of leading ``vmap``/``scan`` axes) reports a failed check."""
+    vector = np.asarray(result)  # (fails on a tracer: read it outside transformations)
+    return bool(np.any(vector.reshape(-1, vector.shape[-1])[:, 0] != 0))
+
+
+def error(checks: Sequence[Check], result: Any, where: str, how: str) -> Exception | None:
+    """Eager's exception for the first failing check of ``result`` (the check output of
+    a function whose trace recorded ``checks``; with leading axes, the first failing
+    element in row-major order), or None when every check passed.
+
+    Args:
+        where: what ran (the exception's note), ``how``: what the user can do.
+    """
+    vector = np.asarray(result)
+    rows = vector.reshape(-1, vector.shape[-1])
+    failing = np.flatnonzero(rows[:, 0])
+    if failing.size == 0:
+        return None
+    row = rows[failing[0]]
+    check = checks[int(row[0]) - 1]
+    batch = vector.shape[:-1]
+    if batch:
+        at = tuple(int(i) for i in np.unravel_index(failing[0], batch))
+        where += f" at index {at} of the leading (vmap/scan) axes {tuple(batch)}"
+    return check.exception(_payload(check, row[1:]), where, how)
+
+
+def _payload(check: Check, raw: np.ndarray) -> list[int]:
+    """The payload as ``Check.exception`` reads it: int64 values, floats as the bits of
+    a float64. With JAX's 64-bit mode off the vector is int32 and floats are the bits
+    of a float32, widened here."""
+    if raw.dtype.itemsize == 8:
+        return [int(v) for v in raw]
+    values = []
+    for name, v in zip(check.fields, raw, strict=False):
+        if name in check.floats:
+            wide = np.float64(np.int32(v).view(np.float32))
+            values.append(int(wide.view(np.int64)))
+        else:
+            values.append(int(v))
+    return values
 
 
 class CheckedFunction:

@@ -28,8 +28,9 @@ program with callbacks cannot be serialized by ``jax.export``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -65,14 +66,21 @@ def in_forward_mode(value: Any) -> bool:
     )
 
 
-def raised_on_host() -> BaseException | None:
-    """The exception the last failing host callback raised (None: none since
-    ``forget_host_error``)."""
-    return _RAISED[-1] if _RAISED else None
-
-
-def forget_host_error() -> None:
+@contextlib.contextmanager
+def eager_errors() -> Iterator[None]:
+    """Runs a program whose host callbacks may raise (every caller of one: a
+    ``jax_function``'s call, a ``train_step``): an exception an op raised in eager
+    PyTorch leaves the block as eager gives it, its own type and message, not as XLA's
+    ``JaxRuntimeError`` wrapping it. (Under an eager transformation, ``jax.vjp`` without
+    ``jit``, the op runs inside the block too; under ``jit``, callbacks run after
+    tracing, at the program's run.)"""
     _RAISED.clear()
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if not _RAISED:
+            raise
+        raise _RAISED[-1] from e
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,17 +47,22 @@ import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase
 
-from dynajax.capability import CapabilityChecker, Reason, Unsupported
+from dynajax.capability import (
+    CapabilityChecker,
+    Reason,
+    strict_objections,
+    target_name,
+    verdict_of,
+)
+from dynajax.capability.verdict import source_line
 from dynajax.errors import CallbackOpsError, DynajaxError
 from dynajax.lowering import checks as value_checks
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import eager_on_cuda
-from dynajax.lowering.interpreter import needs_key
 from dynajax.lowering.precision import eager_precision
+from dynajax.lowering.registry import get_rule
 from dynajax.passes import run_passes
-from dynajax.passes.flat_updates import FlattenUpdates
-from dynajax.passes.inplace import OrderInPlaceUpdates
-from dynajax.passes.recompute import KeepRecomputation
+from dynajax.program.callbacks import CallbackOp, flat_outputs
 from dynajax.program.interpreter import (
     TRUNCATION_WARNING,
     ExportInterpreter,
@@ -109,19 +114,25 @@ class Program:
 
     Attributes:
         gm: the graph after the passes, each node annotated with its verdict.
-        callbacks: the verdicts of the nodes that run in eager PyTorch through host
-            callbacks, in graph order.
-        random: whether some rule draws random numbers (the program takes a key).
+        callbacks: the nodes that run in eager PyTorch through host callbacks, in
+            graph order.
+        random_ops: the ops whose rules draw random numbers from the program's key,
+            each with the model's line (``aten.bernoulli.p at model.py:12 (...)``).
         constants: the arrays of the graph's ``get_attr`` tensors.
         on_cuda: whether the graph's tensors are CUDA tensors (eager computes with
             CUDA's kernels: cuDNN's TF32 convolutions, CUDA's conversions).
     """
 
     gm: torch.fx.GraphModule
-    callbacks: list[Unsupported]
-    random: bool
+    callbacks: tuple[CallbackOp, ...]
+    random_ops: tuple[str, ...]
     constants: dict[str, Any]
     on_cuda: bool = False
+
+    @property
+    def random(self) -> bool:
+        """Whether the program takes a key (some rule draws random numbers)."""
+        return bool(self.random_ops)
 
     def run(
         self,
@@ -228,12 +239,14 @@ def _select_where_computed(
 def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
     """``gm`` as one program under ``policy``: passes, verdicts, what cannot be in it,
     strict, host callbacks (see the module doc)."""
-    own: list[PassBase] = [KeepRecomputation()] if policy.keep_recomputation else []
-    if policy.flatten:
-        own.append(FlattenUpdates(policy.flatten))
-    if policy.donated:
-        own.append(OrderInPlaceUpdates(policy.donated))
-    gm = run_passes(gm, before=list(policy.before), after=[*own, *policy.after])
+    gm = run_passes(
+        gm,
+        before=list(policy.before),
+        after=list(policy.after),
+        keep_recomputation=policy.keep_recomputation,
+        flatten=policy.flatten,
+        donated=policy.donated,
+    )
     refused = CapabilityChecker(policy.fallback_ops).annotate(gm)
     impossible = [v for v in refused if v.reason in policy.impossible]
     if impossible:
@@ -258,11 +271,38 @@ def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
     nodes = {n.name: n for n in gm.graph.nodes}
     # (``annotate`` returns fallbacks only: host-scalar nodes are evaluated while
     # tracing.) A getitem picking an output of a callback is no callback of its own.
-    callbacks = [v for v in refused if nodes[v.node].target is not operator.getitem]
-    unwanted = [v for v in callbacks if not v.reason.is_choice]
+    refused = [v for v in refused if nodes[v.node].target is not operator.getitem]
+    unwanted = strict_objections(refused)
     if policy.strict and unwanted:
         raise CallbackOpsError(unwanted)
-    return Program(gm, callbacks, needs_key(gm), graph_constants(gm), on_cuda(gm))
+    callbacks = tuple(CallbackOp.from_verdict(v, _differentiable(nodes[v.node])) for v in refused)
+    return Program(gm, callbacks, random_ops(gm), graph_constants(gm), on_cuda(gm))
+
+
+def random_ops(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The nodes JAX runs whose rules draw random numbers (a callback draws from
+    torch's generator instead), each named with the model's line."""
+    found = []
+    for n in gm.graph.nodes:
+        verdict = verdict_of(n)
+        if n.op != "call_function" or (verdict is not None and not verdict.supported):
+            continue
+        rule = get_rule(n.target)
+        if rule is not None and rule.needs_key:
+            where = source_line(n)
+            found.append(target_name(n) + (f" at {where}" if where else ""))
+    return tuple(found)
+
+
+def _differentiable(n: torch.fx.Node) -> bool:
+    """Whether gradients flow through a callback node: it takes and returns floating
+    (or complex) tensors."""
+
+    def inexact(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+    ins = [a.meta.get("val") for a in n.all_input_nodes]
+    return any(inexact(t) for t in ins) and any(inexact(t) for t in flat_outputs(n.meta.get("val")))
 
 
 def on_cuda(gm: torch.fx.GraphModule) -> bool:
@@ -272,8 +312,3 @@ def on_cuda(gm: torch.fx.GraphModule) -> bool:
         for n in gm.graph.nodes
         if n.op == "placeholder"
     )
-
-
-def failed(err: Any) -> bool:
-    """Whether a value checks' vector (``Program.run``) reports a failed check."""
-    return bool(int(np.asarray(err)[0]))

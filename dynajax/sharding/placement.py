@@ -696,6 +696,38 @@ def auto_axes(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
 
 
+def on_auto_axes(fn: Callable[..., Any], arrays: Sequence[Any]) -> Any:
+    """``fn(*arrays)``; where the arrays lie on a mesh with Explicit axes
+    (``jax.make_mesh``'s default), with those axes Auto inside ``fn``: a torch graph's
+    ops carry no sharding annotations, which Explicit axes require of every
+    contraction, so XLA's partitioner propagates the inputs' shardings (as on the
+    meshes ``auto_axes`` makes), and the outputs come back replicated on the user's
+    mesh."""
+    mesh = _explicit_mesh(arrays)
+    if mesh is None:
+        return fn(*arrays)
+    explicit = tuple(
+        n
+        for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == jax.sharding.AxisType.Explicit
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=PartitionSpec())(*arrays)
+
+
+def _explicit_mesh(arrays: Sequence[Any]) -> Any:
+    """The (abstract) mesh of the first array laid out on a mesh with an Explicit axis,
+    or None."""
+    explicit = jax.sharding.AxisType.Explicit
+    for a in arrays:
+        if not isinstance(a, jax.Array):
+            continue
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and explicit in tuple(mesh.axis_types):
+            return mesh
+    return None
+
+
 def total_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes of a whole tensor of ``shape`` and ``dtype``."""
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -59,9 +59,10 @@ from torch.optim.optimizer import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dynajax.aot import Held, compiling, functionalized, joint_graph
+from dynajax.aot import compiling, functionalized, joint_graph
 from dynajax.errors import TrainStepError
 from dynajax.program.replay import ReplayedRandom
+from dynajax.runtime.held import Held
 
 # Optimizers whose non-capturable step branches in Python on a state value (RAdam's
 # rectification, ASGD's averaging): traced in their capturable form, which is the same

@@ -28,8 +28,6 @@ optimizer without state (that step creates the state).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -41,33 +39,18 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from dynajax.capability import Reason
-from dynajax.config import Options
 from dynajax.errors import TrainStepError
-from dynajax.lowering import precision
+from dynajax.lowering import checks as value_checks
 from dynajax.lowering.checks import Check
-from dynajax.lowering.dtypes import JAX_TO_TORCH
-from dynajax.lowering.interpreter import output_vals
-from dynajax.program import NEVER, Policy, failed, lower, on_cuda
-from dynajax.program.callbacks import forget_host_error, raised_on_host
-from dynajax.runtime.cache import CompileStats, ExecutableCache
+from dynajax.program.callbacks import eager_errors
+from dynajax.runtime.cache import CompileStats
 from dynajax.runtime.compiled import draw_seed
-from dynajax.runtime.heap import release_freed_heap
 from dynajax.runtime.jax_internals import X64
-from dynajax.runtime.programs import describe_call, describe_graph
 from dynajax.sharding.placement import gather_to_torch, placement_of
 from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
-from dynajax.training.boundary import FlatBoundary, flat_avals
-from dynajax.training.graph import (
-    AtUpdate,
-    BatchLayout,
-    StateKey,
-    StepGraph,
-    aux_text,
-    describe_optimizer,
-    trace_step,
-)
+from dynajax.training.graph import BatchLayout, StateKey
+from dynajax.training.program import StepArrays, StepPrograms
 from dynajax.training.state import StateLayout, TrainState, bytes_per_device, report_lines
 from dynajax.training.view import ModuleView
 from dynajax.training.watch import Watch
@@ -99,37 +82,6 @@ def _x64() -> Iterator[None]:
         yield
     finally:
         X64.restore(token)
-
-
-@contextlib.contextmanager
-def _unfilled() -> Iterator[None]:
-    """``torch.empty`` leaves memory untouched even under
-    ``torch.use_deterministic_algorithms(True)``, which fills it (NaN) by default: the
-    trace's example tensors are never read, and filled, a model's worth of pages would
-    be resident for nothing."""
-    import torch.utils.deterministic as deterministic
-
-    fill = getattr(deterministic, "fill_uninitialized_memory", False)
-    setattr(deterministic, "fill_uninitialized_memory", False)  # noqa: B010 (a property)
-    try:
-        yield
-    finally:
-        setattr(deterministic, "fill_uninitialized_memory", fill)  # noqa: B010
-
-
-@dataclasses.dataclass
-class _Program:
-    """A step's executable and what it takes and returns. The trace it was built from
-    (its graphs, and the example tensors and first batch they ran on) is not kept."""
-
-    state_in: list[StateKey]  # the optimizer state it reads, in order
-    state_out: list[StateKey]  # the optimizer state it returns, in order
-    frozen_out: list[int]  # the frozen parameters it writes, by position
-    run: Callable[..., Any]  # jitted (state, frozen, lrs, seed, batch) -> (loss, state, err)
-    random: bool  # whether it draws random numbers (then each step draws a seed)
-    checks: list[Check]  # eager's value checks the program computes (its trace fills it)
-    boundary: FlatBoundary | None = None  # the state arrays that cross it flat (one CPU)
-    aux: pytree.TreeSpec | None = None  # the structure of loss_fn's aux (None: none)
 
 
 class TrainStep:
@@ -172,19 +124,19 @@ class TrainStep:
         self.fallback_ops = tuple(fallback_ops)
         self.release_module = release_module
         self.checks = checks
-        self._programs: dict[Any, _Program] = {}
-        # Per batch signature and settings, the trace up to the optimizer's update as
-        # the cache keys it (``_compile``).
-        self._gradients: dict[Any, tuple[str | None, list[int], list[bool], bool, str]] = {}
-        # Programs persist as the backend's executables do (DYNAJAX_CACHE_DIR,
-        # DYNAJAX_CACHE_MAX_BYTES): keyed by the step's first trace, a hit skips the rest.
-        options = Options.resolve({})
-        self._cache = ExecutableCache.from_option(options.cache_dir, options.cache_max_bytes)
-        self.compile_stats = CompileStats()
+        # The step's programs, per batch signature and settings; they persist as the
+        # backend's executables do (DYNAJAX_CACHE_DIR), keyed by the step's first trace.
+        self._programs = StepPrograms(
+            model,
+            optimizer,
+            loss_fn,
+            clip_grad_norm=clip_grad_norm,
+            accumulate=accumulate,
+            strict=strict,
+            fallback_ops=self.fallback_ops,
+            checks=checks,
+        )
         self.steps = 0
-        self.traces = 0
-        self.retraces: list[str] = []  # why each program after the first was traced
-        self._why: str | None = None  # a change of settings seen, for the next trace
         self._view: ModuleView | None = None
         self.params: list[jax.Array] = []
         self.frozen: list[jax.Array] = []
@@ -264,7 +216,7 @@ class TrainStep:
         """Takes up a change of the module's or optimizer's make-up (``Watch``): the
         state written back, then loaded again as it is now."""
         self._let_go()
-        self.retraces.append(why)
+        self._programs.retraces.append(why)
         self._own()
 
     def _let_go(self) -> None:
@@ -320,7 +272,7 @@ class TrainStep:
         module or ``optimizer.load_state_dict``: the next step takes those up."""
         view = self._view
         if view is not None and view.released:
-            self._sync_module()
+            self.sync()  # (a write into a released tensor is refused, not lost)
         self._load_from_torch()
 
     def sync(self) -> None:
@@ -340,10 +292,11 @@ class TrainStep:
             if owner is not None and owner is not self:
                 owner.sync()
             return
-        if not self._view.released:
-            # The module holds values: what the user wrote there since (load_state_dict)
-            # is the state, not the step's older arrays.
-            self._take_up_edits()
+        # What the user wrote since the step looked: into the whole module (the state,
+        # not the step's older arrays) or a kept tensor, taken up; into a released
+        # tensor or the optimizer's state while the step held it, refused (the write
+        # had no effect, and the values written back would hide that).
+        self._take_up_edits()
         self._sync_module()
         for (i, key), a in self.state.items():
             self.optimizer.state[self._params[i]][key] = gather_to_torch(a).clone()
@@ -440,7 +393,7 @@ class TrainStep:
         if stats.events:
             lines.append(f"  of which loaded from the persistent cache: {stats.cache_hits}")
             lines.append(f"  XLA: {stats.line()}")
-        lines.append(f"  persistent cache: {self._keyed_by()}")
+        lines.append(f"  persistent cache: {self._programs.keyed_by()}")
         if self.retraces:
             lines.append(
                 "  retraced for a change of the module, optimizer or loss (step.retraces):"
@@ -451,19 +404,20 @@ class TrainStep:
             lines += [f"    {why}" + (f" x{n}" if n > 1 else "") for why, n in counts.items()]
         return "\n".join(lines)
 
-    def _keyed_by(self) -> str:
-        """What keys the step's programs in the persistent cache, in words."""
-        if self._cache.directory is None:
-            return "off (DYNAJAX_CACHE_DIR is empty)"
-        if jax.process_count() > 1:
-            return "not used (a multi-process step: each process compiles its programs)"
-        name = type(self.optimizer).__name__
-        if describe_optimizer(self.optimizer) is not None:
-            return f"programs keyed by the trace up to {name}'s update and its configuration"
-        return (
-            f"programs keyed by the whole step's trace ({name}'s step is not torch's own: "
-            "a subclass, a patched step or a step hook)"
-        )
+    @property
+    def traces(self) -> int:
+        """The programs traced (new batch signatures, settings, make-ups)."""
+        return self._programs.traces
+
+    @property
+    def retraces(self) -> list[str]:
+        """Why each program after the first was traced."""
+        return self._programs.retraces
+
+    @property
+    def compile_stats(self) -> CompileStats:
+        """XLA's compiles and persistent-cache loads of the step's programs."""
+        return self._programs.compile_stats
 
     # -- the step -----------------------------------------------------------------
 
@@ -509,7 +463,7 @@ class TrainStep:
             self._reload(changes.reload)  # writes back and loads every tensor anew
             return self._watch.flags  # the settings as they are now (the new Watch's)
         if changes.retrace is not None:
-            self._why = changes.retrace
+            self._programs.why = changes.retrace
         return changes.program_key
 
     def _take_up_edits(self) -> None:
@@ -527,12 +481,33 @@ class TrainStep:
         if view.optimizer_loaded or view.optimizer_edited(self._param_names):
             self._load_optimizer()
 
+    def _arrays(self) -> StepArrays:
+        """The state as the step holds it now, for its programs."""
+        view = self._view
+        assert view is not None
+        return StepArrays(
+            self.params,
+            self.buffers,
+            self.frozen,
+            self.state,
+            self.layout,
+            self._param_names,
+            self._buffer_names,
+            self._frozen_names,
+            self._params,
+            view.devices[0] if view.devices else torch.device("cpu"),
+            view.quiet_hooks,
+            self.steps == 0,
+        )
+
     def _step(
         self, layout: BatchLayout, batch: Sequence[torch.Tensor], settings: tuple[Any, ...]
     ) -> jax.Array | tuple[jax.Array, Any]:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         xs = [self.layout.put_batch(x) for x in batch]
-        program = self._program(layout, batch, xs, lrs, settings)
+        program = self._programs.get(
+            self._arrays(), layout, batch, xs, lrs, settings, self._structure
+        )
         state_in = [self.state[k] for k in program.state_in]
         rng = torch.get_rng_state() if program.random else None
         seed = draw_seed() if program.random else np.int64(0)
@@ -540,27 +515,23 @@ class TrainStep:
         taken = [self.params, self.buffers, state_in]
         if boundary is not None:
             taken = boundary.stored(taken)
-        forget_host_error()
         try:
-            (loss, aux), params, buffers, state, err, frozen = program.run(
-                tuple(taken),
-                self.frozen,
-                [np.float64(lr) for lr in lrs],
-                seed,
-                xs,
-            )
-        except BaseException as e:
-            # A host callback raised (eager's error): the state was not donated and
-            # stays as it was; so does torch's generator.
+            with eager_errors():  # (an op run in eager PyTorch raised: eager's error)
+                (loss, aux), params, buffers, state, err, frozen = program.run(
+                    tuple(taken),
+                    self.frozen,
+                    [np.float64(lr) for lr in lrs],
+                    seed,
+                    xs,
+                )
+        except BaseException:
+            # The program raised (a host callback: eager's error): the state was not
+            # donated and stays as it was; so does torch's generator.
             if boundary is not None:
                 self.params, self.buffers, state_in = boundary.unstored(taken)
                 self.state.update(zip(program.state_in, state_in, strict=True))
             if rng is not None:
                 torch.set_rng_state(rng)
-            original = raised_on_host()
-            if isinstance(e, jax.errors.JaxRuntimeError) and original is not None:
-                # An op run in eager PyTorch raised: its own error, as eager gives it.
-                raise original from e
             raise
         if boundary is not None:
             params, buffers, state = boundary.shaped([params, buffers, state])
@@ -568,7 +539,7 @@ class TrainStep:
         for i, a in zip(program.frozen_out, frozen, strict=True):
             self.frozen[i] = a
         new_state = dict(zip(program.state_out, state, strict=True))
-        if program.checks and failed(err):
+        if program.checks and value_checks.failed(err):
             # Eager raises on this batch: the program returned the state it took (the
             # parameters, buffers and moments as they were); state the step would have
             # created is dropped, and torch's generator rewound.
@@ -582,412 +553,20 @@ class TrainStep:
             return loss, pytree.tree_unflatten(list(aux), program.aux)
         return loss
 
-    def _program(
-        self,
-        layout: BatchLayout,
-        batch: Sequence[torch.Tensor],
-        xs: Sequence[jax.Array],
-        lrs: list[float],
-        settings: tuple[Any, ...],
-    ) -> _Program:
-        key = (
-            layout.key(),
-            tuple((tuple(x.shape), x.dtype) for x in batch),
-            tuple(sorted(self.state)),
-            _hyperparameters(self.optimizer),
-            settings,
-            self._structure,
-        )
-        program = self._programs.get(key)
-        if program is None:
-            if self._programs and self._why is not None:
-                self.retraces.append(self._why)
-            self._why = None
-            # The optimizer's state only grows as it trains (Adam's moments appear at
-            # its first step): a program for the same batch and settings over less
-            # state runs again only after the state is reset, which loads it from the
-            # persistent cache. Its executable is let go before the new one is built,
-            # not beside it (an executable of GPT-2 small's step: 156 MiB resident).
-            state = set(key[2])
-            for old in [k for k in self._programs if k[:2] == key[:2] and k[3:] == key[3:]]:
-                if set(old[2]) < state:
-                    del self._programs[old]
-            gradients_key = key[:2] + key[3:]  # (the same but for the optimizer's state)
-            program = self._programs[key] = self._compile(layout, batch, xs, lrs, gradients_key)
-            # What the trace, the passes and XLA's compiler freed goes back to the
-            # system (else it stays resident beside the step's state).
-            release_freed_heap()
-        return program
-
-    def _examples(self, arrays: Sequence[jax.Array]) -> list[torch.Tensor]:
-        """Tensors of the arrays' shapes and dtypes on the module's device, for the
-        trace, which reads no values (untouched memory, never written)."""
-        view = self._view
-        device = view.devices[0] if view is not None and view.devices else torch.device("cpu")
-        with _unfilled():
-            return [
-                torch.empty(a.shape, dtype=JAX_TO_TORCH[np.dtype(a.dtype)], device=device)
-                for a in arrays
-            ]
-
-    def _trace(
-        self,
-        layout: BatchLayout,
-        batch: Sequence[torch.Tensor],
-        lrs: list[float],
-        at_update: AtUpdate | None = None,
-    ) -> StepGraph | None:
-        """The step's first trace on examples of its state (``trace_step``; None where
-        ``at_update`` stopped it)."""
-        assert self._view is not None
-        params = self._examples(self.params)
-        for p, original in zip(params, self._params, strict=True):
-            p.requires_grad_(original.requires_grad)
-        state = self.state
-        with self._view.quiet_hooks():
-            return trace_step(
-                self.model,
-                self.optimizer,
-                self.loss_fn,
-                param_names=self._param_names,
-                buffer_names=self._buffer_names,
-                params=params,
-                buffers=self._examples(self.buffers),
-                state=dict(zip(state, self._examples(list(state.values())), strict=True)),
-                frozen_names=self._frozen_names,
-                frozen=self._examples(self.frozen),
-                lrs=lrs,
-                batch=list(batch),
-                layout=layout,
-                clip_grad_norm=self.clip_grad_norm,
-                accumulate=self.accumulate,
-                at_update=at_update,
-            )
-
-    def _compile(
-        self,
-        layout: BatchLayout,
-        batch: Sequence[torch.Tensor],
-        xs: Sequence[jax.Array],
-        lrs: list[float],
-        gradients_key: Any,
-    ) -> _Program:
-        """The step's program for this batch: loaded from the persistent cache where it
-        is there, else traced, functionalized, lowered, compiled and stored.
-
-        What keys it is the step's first trace (everything the user's Python computed).
-        With one of torch's own optimizers, that is the trace up to the update, with the
-        optimizer's configuration (``describe_optimizer``): the trace looks the program
-        up when it reaches the update and stops there if it is found. Its digest is
-        kept per batch signature and settings (``gradients_key``), so the program of
-        the second step, over the state the first created, is looked up untraced."""
-        self.traces += 1
-        # One process's executables only: those of a multi-process step (each process
-        # holding some of the mesh's devices) are neither stored nor loaded.
-        single = jax.process_count() == 1
-        cache = self._cache if single else ExecutableCache(None)
-        state_in = list(self.state)
-        taken = [self.params, self.buffers, [self.state[k] for k in state_in]]
-        flat = self._flat_boundary()
-        args = (
-            tuple(flat_avals(taken) if flat else taken),
-            self.frozen,
-            [np.float64(lr) for lr in lrs],
-            np.int64(0),
-            list(xs),
-        )
-        shapes = ", ".join(str(list(np.shape(x))) for x in xs)
-        name = f"train_step({shapes})"
-        event = ("train_step", shapes, "first step" if self.steps == 0 else "new program")
-        optimizer = describe_optimizer(self.optimizer) if cache.directory is not None else None
-        description: str | None = None
-        found: tuple[Any, Any] | str | None = None  # the cache's answer (a miss: why)
-
-        def look_up(
-            digest: str | None, frozen_out: list[int], graded: list[bool], cuda: bool, aux: str
-        ) -> bool:
-            """Looks for the program keyed by the trace up to the update (its digest)
-            and the optimizer's configuration; True where it is found."""
-            nonlocal description, found
-            self._gradients[gradients_key] = (digest, frozen_out, graded, cuda, aux)
-            if digest is None:
-                return False
-            description = self._describe(
-                f"up to the update {digest}\n{optimizer}\ngraded={graded!r}\naux={aux}",
-                (state_in, frozen_out),
-                args,
-                self._out_shardings(frozen_out),
-                cuda,
-            )
-            found = cache.load_traced(description, self.compile_stats, name=name, event=event)
-            return not isinstance(found, str)
-
-        def at_update(
-            so_far: torch.fx.GraphModule, graded: list[bool], written: list[int], aux: str
-        ) -> bool:
-            text = describe_graph(so_far, "train_step")
-            # (kept as its digest: the text of a large model's graph is MBs)
-            digest = text and hashlib.sha256(text.encode()).hexdigest()
-            return look_up(digest, written, graded, on_cuda(so_far), aux)
-
-        graph: StepGraph | None = None
-        if optimizer is not None and gradients_key in self._gradients:
-            # The trace up to the update is this batch signature's, as traced before.
-            look_up(*self._gradients[gradients_key])
-        if found is None or isinstance(found, str):
-            # Not found: traced whole, looked up at the update where it was not yet.
-            keyed = optimizer is not None and gradients_key not in self._gradients
-            graph = self._trace(layout, batch, lrs, at_update if keyed else None)
-        if graph is not None and description is None and cache.directory is not None:
-            text = describe_graph(graph.joint, "train_step")
-            if text is not None:
-                text += f"\naux={aux_text(graph.aux)}"
-                state_shapes = _output_shapes(graph.joint)[graph.state_at : graph.aux_at]
-                description = self._describe(
-                    text,
-                    (state_in, graph.state_out, graph.frozen_out),
-                    args,
-                    self._out_shardings(graph.frozen_out, graph.state_out, state_shapes),
-                    on_cuda(graph.joint),
-                )
-        checks: list[Check] = []
-        traced: dict[str, Any] = {}
-
-        def lower_step() -> jax.stages.Lowered:
-            step = graph
-            assert step is not None
-            # (the first trace's outputs: the same values as the functional graph's)
-            state_shapes = _output_shapes(step.joint)[step.state_at : step.aux_at]
-            boundary = self._boundary(step.state_in, state_shapes) if flat else None
-            policy = Policy(
-                TrainStepError,
-                "these ops of the training step cannot be part of one XLA program "
-                "(or eager PyTorch raises on them):",
-                impossible=NEVER | {Reason.EAGER_REFUSES},
-                fallback_ops=self.fallback_ops,
-                strict=self.strict,
-                keep_recomputation=True,
-                # On a mesh the barrier's predicate (an element of a sharded value) would
-                # be a collective per parameter: one device only.
-                donated=_donated(step) if self.layout.placement.mesh is None else (),
-                flatten=(
-                    tuple(boundary.flat_outputs([1, 1 + step.n_params, step.state_at]))
-                    if boundary
-                    else ()
-                ),
-            )
-            program = lower(step.functional(), policy)
-            traced.update(
-                random=program.random,
-                state_out=step.state_out,
-                state_shapes=state_shapes,
-                frozen_out=step.frozen_out,
-                aux=aux_text(step.aux),
-            )
-            fn = _step_function(program, step, checks, self.checks, boundary)
-            out_shardings = self._out_shardings(step.frozen_out, step.state_out, state_shapes)
-            # Donated, the state's buffers are gone once the program starts; a host
-            # callback (eager PyTorch) can still raise then, so a step with callbacks
-            # keeps them. The outputs keep the state's layout (on a mesh, FSDP's shards
-            # stay shards).
-            donate = () if program.callbacks else (0,)
-            return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
-
-        if found is not None and not isinstance(found, str):
-            run, stored = found  # found before the trace reached the update
-        else:
-            run, stored = cache.compile_traced(
-                description,
-                lower_step,
-                self.compile_stats,
-                name=name,
-                extra=lambda: (
-                    list(checks),
-                    traced["random"],
-                    traced["state_out"],
-                    traced["state_shapes"],
-                    traced["frozen_out"],
-                    traced["aux"],
-                ),
-                event=event,
-                missed=found,
-            )
-        if stored is not None:  # loaded without tracing: what its trace recorded
-            checks[:], random, state_out, state_shapes, frozen_out, aux = stored
-            traced.update(
-                random=random,
-                state_out=state_out,
-                state_shapes=state_shapes,
-                frozen_out=frozen_out,
-                aux=aux,
-            )
-        return _Program(
-            state_in,
-            traced["state_out"],
-            traced["frozen_out"],
-            run,
-            traced["random"],
-            checks,
-            self._boundary(state_in, traced["state_shapes"]) if flat else None,
-            pytree.treespec_loads(traced["aux"]) if traced["aux"] else None,
-        )
-
-    def _boundary(
-        self, state_in: Sequence[StateKey], state_shapes: Sequence[tuple[int, ...]]
-    ) -> FlatBoundary | None:
-        """Which of the step's arrays cross its program flat (None: none do)."""
-        own = [[a.shape for a in self.params], [a.shape for a in self.buffers]]
-        ins = [tuple(self.state[k].shape) for k in state_in]
-        boundary = FlatBoundary([*own, ins], [*own, state_shapes])
-        return boundary if boundary else None
-
-    def _out_shardings(
-        self,
-        frozen_out: Sequence[int],
-        state_out: Sequence[StateKey] | None = None,
-        state_shapes: Sequence[tuple[int, ...]] | None = None,
-    ) -> tuple[Any, ...]:
-        """The layouts of the step's outputs: (loss, parameters, buffers, optimizer state,
-        checks, written frozen parameters). Without ``state_out``, the state's as its
-        rule (``StateLayout.state``) for the cache's key, where the state the step
-        returns is not known before its trace."""
-        layout = self.layout
-        state: Any = "each entry as its parameter where of its shape, else replicated"
-        if state_out is not None and state_shapes is not None:
-            state = [layout.state(k, s) for k, s in zip(state_out, state_shapes, strict=True)]
-        return (
-            layout.replicated,
-            layout.params,
-            layout.buffers,
-            state,
-            layout.replicated,
-            [layout.frozen[i] for i in frozen_out],
-        )
-
-    def _describe(
-        self, text: str, layout: tuple[Any, ...], args: Any, out_shardings: Any, cuda: bool
-    ) -> str:
-        """The step's program as the persistent cache keys it: ``text`` (what its trace
-        computed), the layout of its state, its policy and its call."""
-        settings = (
-            f"train_step {(len(self.params), len(self.buffers), *layout)!r} "
-            f"fallback_ops={sorted(self.fallback_ops)!r} strict={self.strict} "
-            f"deterministic={torch.are_deterministic_algorithms_enabled()}"
-        )
-        leaves = jax.tree.leaves(args)
-        # (a sharding's repr names its mesh's shape, not which devices, in which order)
-        devices = [_device_ids(getattr(a, "sharding", None)) for a in leaves]
-        devices += [_device_ids(s) for s in jax.tree.leaves(out_shardings)]
-        return describe_call(
-            f"{text}\n{settings}\ndevices={devices!r}",
-            [
-                jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None))
-                for a in leaves
-            ],
-            {},
-            precision=precision.describe(cuda),
-            needs_seed=True,
-            checks=self.checks,
-            out_sharding=out_shardings,
-        )
-
-    def _flat_boundary(self) -> bool:
-        """Whether the step's arrays of 3 or more dimensions cross its program flat
-        (``training/boundary.py``): on one CPU device, where XLA's CPU compiler emits
-        their elementwise updates unvectorized in their own shapes."""
-        if self.layout.placement.mesh is not None:
-            return False
-        return all(getattr(d, "platform", "") == "cpu" for d in self.layout.replicated.device_set)
-
-
-def _step_function(
-    program: Any,
-    graph: StepGraph,
-    checks: list[Check],
-    check: bool,
-    boundary: FlatBoundary | None = None,
-) -> Callable[..., Any]:
-    """The JAX function of one step: ``(state, frozen, lrs, seed, xs) -> (loss, params,
-    buffers, optimizer state, err, written frozen)``, where eager's value checks
-    (``check``) fail, the state it took; ``checks`` is filled by its trace."""
-    random = program.random
-    n, b = graph.n_params, graph.n_buffers
-    after = graph.state_at
-    # Where eager raises, the step changes nothing: each output that carries an input
-    # (the parameters, buffers, optimizer state and frozen parameters it writes) is
-    # that input's value (selected where the program computes it, ``run_graph``).
-    frozen_at, frozen_in = 1 + n + b, n + b + len(graph.state_in)
-    carried = {out: i for i, out in _donated(graph)}
-    carried.update((frozen_at + j, frozen_in + i) for j, i in enumerate(graph.frozen_out))
-
-    def step(state, frozen, lrs, seed, xs):  # type: ignore[no-untyped-def]
-        params, buffers, opt_state = boundary.inside(state) if boundary else state
-        key = jax.random.key(seed) if random else None
-        arrays = [*params, *buffers, *opt_state, *frozen, *lrs, *xs]
-        out, err, found = program.run(arrays, key=key, check=check, unless_failed=carried)
-        checks[:] = found
-        loss = out[0]
-        new_params, new_buffers = out[1 : 1 + n], out[1 + n : 1 + n + b]
-        new_frozen = out[1 + n + b : after]
-        new_state = out[after : graph.aux_at]
-        leaving = [list(new_params), list(new_buffers), list(new_state)]
-        if boundary:
-            leaving = boundary.leaving(leaving)
-        return (loss, list(out[graph.aux_at :])), *leaving, err, list(new_frozen)
-
-    return step
-
-
-def _donated(graph: StepGraph) -> tuple[tuple[int, int], ...]:
-    """The step graph's (input, output) pairs whose buffers its program donates: each
-    parameter, buffer and optimizer state tensor to its new value."""
-    n, b = graph.n_params, graph.n_buffers
-    after = graph.state_at
-    pairs = [(i, 1 + i) for i in range(n + b)]
-    pairs += [
-        (n + b + graph.state_in.index(k), after + j)
-        for j, k in enumerate(graph.state_out)
-        if k in graph.state_in
-    ]
-    return tuple(pairs)
-
-
-def _device_ids(sharding: Any) -> tuple[int, ...] | None:
-    """The ids of a sharding's devices, in its mesh's order (None: not a sharding, as
-    ``TrainStep._out_shardings``'s rule for the state)."""
-    if not hasattr(sharding, "device_set"):
-        return None
-    devices = getattr(getattr(sharding, "mesh", None), "devices", None)
-    if devices is not None:
-        return tuple(d.id for d in np.ravel(devices))
-    return tuple(sorted(d.id for d in sharding.device_set))
-
 
 def _eager_error(checks: Sequence[Check], err: Any) -> Exception:
     """Eager's exception for the failed check that ``err`` (``[code, *payload]``) names,
     with a note that the step changed nothing."""
-    vector = np.asarray(err)
-    return checks[int(vector[0]) - 1].exception(
-        vector[1:].tolist(),
+    found = value_checks.error(
+        checks,
+        err,
         "the train_step program",
         "the step changed nothing: the parameters, buffers, optimizer state, step count "
         "and torch's generator are as before it; train_step(..., checks=False) turns the "
         "checks off",
     )
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
-    """What of the param groups a step bakes in (all but ``params`` and ``lr``): a
-    change retraces."""
-    return tuple(
-        tuple(sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "lr")))
-        for g in optimizer.param_groups
-    )
-
-
-def _output_shapes(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
-    """The shapes of the graph's outputs, from their fake values."""
-    return [tuple(v.shape) for v in output_vals(gm)]
+    assert found is not None
+    return found
 
 
 def train_step(

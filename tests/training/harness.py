@@ -127,5 +127,5 @@ def count_barriers(monkeypatch: Any, tmp_path: Any, orders_update: bool) -> list
         )
         return program
 
-    monkeypatch.setattr("dynajax.training.step.lower", spy)
+    monkeypatch.setattr("dynajax.training.program.lower", spy)
     return seen

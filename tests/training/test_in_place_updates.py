@@ -50,9 +50,9 @@ def _copied_weights(monkeypatch, tmp_path, model: nn.Module, x, y, ordered: bool
     # (its own cache: a program loaded from the session's would not be lowered)
     monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path / str(ordered)))
     # (every array in its own shape: the weights are told from the vectors by rank)
-    monkeypatch.setattr("dynajax.training.step.TrainStep._flat_boundary", lambda self: False)
+    monkeypatch.setattr("dynajax.training.program._flat_boundary", lambda layout: False)
     if not ordered:
-        monkeypatch.setattr("dynajax.training.step._donated", lambda graph: ())
+        monkeypatch.setattr("dynajax.training.program._donated", lambda graph: ())
     step = dynajax.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
     step(x, y)
     (program,) = step._programs.values()
@@ -103,7 +103,7 @@ def test_the_ordered_step_trains_as_eager(monkeypatch, tmp_path) -> None:  # typ
 def _trained(monkeypatch, tmp_path, flat: bool) -> tuple[dict[str, torch.Tensor], list[int]]:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path / f"flat{flat}"))
     if not flat:
-        monkeypatch.setattr("dynajax.training.step.TrainStep._flat_boundary", lambda self: False)
+        monkeypatch.setattr("dynajax.training.program._flat_boundary", lambda layout: False)
     model = _cnn()
     step = dynajax.train_step(
         model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), _loss

@@ -495,6 +495,39 @@ def test_optimizer_state_edited_while_the_step_holds_it_is_refused(release: bool
     step(x, y)  # refused once; the training goes on from its own state
 
 
+@pytest.mark.parametrize("then", ["sync", "another step", "reload"])
+def test_a_write_while_the_step_holds_the_state_is_refused_before_a_write_back(
+    then: str,
+) -> None:
+    # The write back into the module and optimizer (a sync, another step over the module
+    # taking over, reload) would hide a write the step never saw; it refuses it first.
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = dynajax.train_step(model, optimizer, regression)
+    x, y = _batches("mlp")[0]
+    step(x, y)
+    step.sync()
+    step(x, y)
+    kept = step.state_dict()
+    act = {
+        "sync": step.sync,
+        "another step": lambda: dynajax.train_step(model, optimizer, regression, accumulate=2),
+        "reload": step.reload,
+    }[then]
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # a meta tensor: no effect
+    with pytest.raises(TrainStepError, match=r"'0.weight' of the module were written in place"):
+        act()
+    optimizer.state[model[2].bias]["exp_avg"].zero_()  # a meta tensor: no effect
+    with pytest.raises(TrainStepError, match=r"optimizer's state of '2.bias' was changed"):
+        act()
+    assert_same(step.state_dict(), kept)
+    act()  # refused once each; then as asked
+    step.sync()
+    assert_same(model.state_dict(), kept)
+
+
 def _with_metrics(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
     out = model(x)
     loss = F.mse_loss(out, y)

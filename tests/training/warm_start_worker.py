@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynajax
-import dynajax.training.step
+import dynajax.training.program
 
 
 class Model(nn.Module):
@@ -48,14 +48,14 @@ def main() -> None:
     # optimizer's update (of one of torch's own optimizers, where the trace so far
     # keys the program and it was found).
     traced: list[bool] = []
-    trace_step = dynajax.training.step.trace_step
+    trace_step = dynajax.training.program.trace_step
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         graph = trace_step(*args, **kwargs)
         traced.append(graph is not None)
         return graph
 
-    dynajax.training.step.trace_step = spy
+    dynajax.training.program.trace_step = spy
     torch.manual_seed(0)
     model = Model(variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
