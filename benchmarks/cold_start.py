@@ -20,7 +20,7 @@ dynajax's first step is split into:
 
     dynamo    Dynamo's trace and guards, and the step itself (first - the rest)
     aot       aot_autograd (its tracing, functionalization, min-cut partition), or
-              loading its stored graph (an inference graph, warm: runtime/aot_cache.py)
+              loading its stored graph (an inference graph, warm: aot/cache.py)
     dynajax   dynajax's graph work: passes, capability verdicts, partitioning
     lower     tracing partitions through the rule table and lowering to StableHLO
               (none on a warm hit: executables are found by their program)

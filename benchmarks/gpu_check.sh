@@ -26,7 +26,7 @@ step versions
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$log" 2>&1
 python3 -c "import torch, jax; print(torch.__version__, jax.__version__, jax.devices())" >>"$log" 2>&1
 if want tests; then
-# (the training cache's tests: whether this torch release has what aot_rebuild records)
+# (the training cache's tests: whether this torch release has what aot/rebuild.py records)
 timeout 100 python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING \
     tests/runtime/test_devices.py tests/runtime/test_conversion.py \
     tests/capability/test_verdicts.py tests/runtime/test_inputs.py \

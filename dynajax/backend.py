@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from dynajax.aot import aot_compile
+from dynajax.aot import cache as aot_cache
+from dynajax.aot.compile import aot_compile
 from dynajax.capability import CapabilityChecker, strict_objections
 from dynajax.capability.memo import Evaluations
 from dynajax.config import Options
@@ -35,7 +36,7 @@ from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitched_callable
 from dynajax.passes import run_passes
 from dynajax.passes.user import RewriteRecord, apply_rewrites, passes_at, run_pass_list
-from dynajax.runtime import aot_cache, cpu_client, omp
+from dynajax.runtime import cpu_client, omp
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import compile_partition
 from dynajax.sharding import GraphSharding, Placement, StateName, dynamo_input_names

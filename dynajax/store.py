@@ -8,7 +8,7 @@ Its users name what it keeps: compiled executables (``runtime/cache.py``, entrie
 
     value key = sha256(kind, format, description)      (``value_key``; kind "aot":
                                                          aot_autograd's ATen graph,
-                                                         ``runtime/aot_cache.py``;
+                                                         ``aot/cache.py``;
                                                          "verdicts": abstract
                                                          evaluations of rules,
                                                          ``capability/memo.py``)

@@ -73,7 +73,7 @@ def main() -> None:
     print(f"gradients within {grad_err:.1e}")
     assert torch.allclose(out, expected, atol=1e-6) and grad_err < 1e-6
     # The forward keeps gelu (now with approximate="tanh"); the backward differentiates
-    # it, in sigmoid form (dynajax/aot.py writes tanh-GELU's gradient without tanh).
+    # it, in sigmoid form (dynajax/aot/table.py writes tanh-GELU's gradient without tanh).
     assert len(OPS_SEEN) == 2 and OPS_SEEN[0]["aten.gelu.default"] == 1
     assert OPS_SEEN[1]["aten.sigmoid.default"] == 2
 

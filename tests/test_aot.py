@@ -1,4 +1,4 @@
-"""The aot stage's decomposition policy (dynajax/aot.py), in one place."""
+"""The aot stage's decomposition policy (dynajax/aot/), in one place."""
 
 from __future__ import annotations
 
@@ -9,34 +9,43 @@ from torch._decomp import core_aten_decompositions
 from torch._dynamo.backends.common import aot_autograd
 
 import dynajax
-from dynajax import aot
+from dynajax.aot.compile import _attention_as_math, on_accelerator
+from dynajax.aot.table import (
+    CHECKED_KERNELS,
+    FUSED_KERNELS,
+    MIXED_DTYPE_KERNELS,
+    _tracing_decompositions,
+    _unless_eager_refuses,
+    corrections,
+    decompositions,
+)
 
 
 def test_fused_kernels_are_kept_whole_and_have_rules() -> None:
-    table = aot.decompositions()
-    for op in aot.FUSED_KERNELS:
+    table = decompositions()
+    for op in FUSED_KERNELS:
         assert op not in table, f"{op} is decomposed, so its rule in lowering/fused.py is dead"
         assert op in dynajax.supported_ops(), f"{op} is kept whole but has no JAX rule"
 
 
 def test_checked_kernels_are_kept_whole_and_have_rules() -> None:
-    table = aot.decompositions()
-    for op in aot.CHECKED_KERNELS:
+    table = decompositions()
+    for op in CHECKED_KERNELS:
         assert op not in table, f"{op} is decomposed, so its rule's value check is dead"
         assert op in dynajax.supported_ops(), f"{op} is kept whole but has no JAX rule"
 
 
 def test_corrections_replace_core_decompositions() -> None:
     # Built afresh: torch registers more decompositions as its modules are imported.
-    aot.decompositions.cache_clear()
-    table = aot.decompositions()
+    decompositions.cache_clear()
+    table = decompositions()
     core = core_aten_decompositions()
-    corrections = aot.corrections()
-    for op, fn in corrections.items():
+    fixes = corrections()
+    for op, fn in fixes.items():
         assert table[op] is fn
     # Everything else is PyTorch's own table, and the mixed-dtype kernels' entries.
-    kept = set(aot.FUSED_KERNELS) | set(aot.CHECKED_KERNELS)
-    assert set(table) == (set(core) | set(corrections)) - kept | set(aot.MIXED_DTYPE_KERNELS)
+    kept = set(FUSED_KERNELS) | set(CHECKED_KERNELS)
+    assert set(table) == (set(core) | set(fixes)) - kept | set(MIXED_DTYPE_KERNELS)
 
 
 def _is_composite_implicit(op) -> bool:
@@ -49,8 +58,8 @@ def _is_composite_implicit(op) -> bool:
 def test_tracing_table_leaves_out_only_composite_implicit_ops() -> None:
     # The table aot_autograd traces with is decompositions() less entries that the
     # dispatcher or the tracer apply anyway (CompositeImplicitAutograd kernels).
-    full = aot.decompositions()
-    tracing = aot._tracing_decompositions()
+    full = decompositions()
+    tracing = _tracing_decompositions()
     assert set(tracing) <= set(full)
     left_out = set(full) - set(tracing)
     assert left_out, "nothing left out: the cheap table is the whole table"
@@ -87,8 +96,8 @@ def test_tracing_table_traces_the_graphs_of_the_whole_table(train) -> None:
             out.sum().backward()
         return graphs
 
-    full = {op: aot._unless_eager_refuses(op, fn) for op, fn in aot.decompositions().items()}
-    assert traced(aot._tracing_decompositions()) == traced(full)
+    full = {op: _unless_eager_refuses(op, fn) for op, fn in decompositions().items()}
+    assert traced(_tracing_decompositions()) == traced(full)
 
 
 class _Attention(torch.nn.Module):
@@ -107,7 +116,7 @@ def test_attention_on_an_accelerator_is_traced_as_math(monkeypatch, as_on_a_gpu)
     picks there (no rule, no decomposition: an eager fallback); dynajax traces the math
     attention instead. CI has no GPU: the same choice, made on the CPU, runs in one JAX
     partition, with eager's forward and gradients."""
-    monkeypatch.setattr(aot, "on_accelerator", lambda inputs: as_on_a_gpu)
+    monkeypatch.setattr("dynajax.aot.compile.on_accelerator", lambda inputs: as_on_a_gpu)
     torch.manual_seed(0)
     model, x = _Attention(), torch.randn(2, 8, 32)
     backend = dynajax.Backend()
@@ -133,13 +142,13 @@ def test_math_attention_only_for_accelerator_graphs() -> None:
     with FakeTensorMode():
         on_gpu = [torch.empty(2, 3, device="cuda"), 4]
     cpu = [torch.empty(2, 3), 4]
-    assert aot.on_accelerator(on_gpu) and not aot.on_accelerator(cpu)
+    assert on_accelerator(on_gpu) and not on_accelerator(cpu)
     backends = torch.backends.cuda
-    with aot._attention_as_math(on_gpu):
+    with _attention_as_math(on_gpu):
         assert backends.math_sdp_enabled() and not backends.flash_sdp_enabled()
         assert not backends.mem_efficient_sdp_enabled() and not backends.cudnn_sdp_enabled()
     assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled()
-    with aot._attention_as_math(cpu):
+    with _attention_as_math(cpu):
         assert backends.flash_sdp_enabled()
 
 
@@ -186,7 +195,7 @@ def test_the_compiling_flag_survives_overlapping_blocks_in_two_threads() -> None
     under B, and B would then restore A's True for good."""
     import threading
 
-    from dynajax.aot import compiling
+    from dynajax.aot.tracing import compiling
 
     assert not torch.compiler.is_compiling()
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()

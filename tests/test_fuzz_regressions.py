@@ -162,7 +162,7 @@ def test_amax_gradient_with_nan(fn: Callable[..., torch.Tensor]) -> None:
 # input the forward mutates (x0.neg_()), so aot_autograd saved x0 itself, whose version
 # the mutation bumps. PyTorch's aot_eager_decomp_partition fails the same way; dynajax
 # now splits such a graph with the default partitioner
-# (aot._partition_without_reading_mutated_inputs).
+# (aot.compile._partition_without_reading_mutated_inputs).
 def test_backward_after_mutating_an_input_the_backward_recomputes_from() -> None:
     def f(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
         v0 = torch.sinc(x0)
@@ -399,8 +399,8 @@ def test_cumsum_of_values_gathered_from_a_one_element_constant(dtype: str) -> No
 # Eager's CPU kernels refuse some dtypes that the meta kernels (which Dynamo's fake
 # tensors run) accept; dynajax computed a value where eager raises. Fixed: the
 # capability stage asks the eager kernel (capability/eager_kernel.py) and such a node
-# runs in PyTorch (EAGER_REFUSES); aot.py does not decompose such a call (softplus,
-# silu, mish, frac, lerp decompose into ops that take the dtype).
+# runs in PyTorch (EAGER_REFUSES); aot/table.py does not decompose such a
+# call (softplus, silu, mish, frac, lerp decompose into ops that take the dtype).
 @pytest.mark.parametrize(
     "fn, x",
     [
@@ -927,7 +927,7 @@ def test_embedding_bag_max_skips_nan_rows_as_eager(
 # NaN at each sample's target only. PyTorch's decomposition of nll_loss(2d)_backward
 # multiplies a one-hot of the targets by the incoming gradient (0 * NaN); eager's kernel
 # writes ``-w * grad`` at the targets and leaves the rest 0. The correction
-# (aot._nll_loss_backward) zeroes what eager does not write.
+# (aot.table._nll_loss_backward) zeroes what eager does not write.
 @pytest.mark.parametrize(
     "shape, weighted, reduction",
     [

@@ -63,7 +63,7 @@ class GraphReport:
             lines (on the inference or forward graph; a backward graph repeats none).
         aot: how the graph was made: ``traced`` by aot_autograd, ``loaded from the
             cache``, or traced and stored, with the reason of a miss or of not storing
-            it (``runtime/aot_cache.py``).
+            it (``aot/cache.py``).
         times: with the ``profile`` option, the graph's calls and its partitions',
             timed (``diagnostics/profile.py``); None without it.
         dynamo: Dynamo's compile that produced the graph: its compile id and, for a

@@ -45,7 +45,7 @@ from jax.custom_derivatives import SymbolicZero
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from dynajax.aot import functional_graph
+from dynajax.aot.tracing import functional_graph
 from dynajax.errors import JaxFunctionError
 from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.passes.recompute import recomputed_regions

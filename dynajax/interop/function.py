@@ -32,7 +32,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sympy
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
@@ -51,9 +50,8 @@ from dynajax.interop.autograd import (
     with_torch_backward,
 )
 from dynajax.interop.checked import ValueCheckResult
-from dynajax.interop.signature import Signature
+from dynajax.interop.signature import NARROWED, Signature
 from dynajax.interop.torch_export import export
-from dynajax.interop.trees import jax_tree
 from dynajax.lowering.dtypes import JAX_TO_TORCH, TORCH_TO_JAX
 from dynajax.passes.user import RewriteRecord
 from dynajax.program import Policy, Program, lower
@@ -87,22 +85,6 @@ class _Run(NamedTuple):
 
 
 # -- the function ------------------------------------------------------------------------
-
-
-def _jax_dtype(t: torch.Tensor) -> np.dtype:
-    """The JAX dtype of a torch tensor in the caller's JAX mode (int64 is int32 when
-    JAX's 64-bit mode is off)."""
-    return np.dtype(jax.dtypes.canonicalize_dtype(TORCH_TO_JAX[t.dtype]))
-
-
-# The dtype a 64-bit value has when it was made with JAX's 64-bit mode off; the function
-# casts such inputs back up when it runs with 64-bit mode on.
-_NARROWED = {
-    np.dtype(np.int64): np.dtype(np.int32),
-    np.dtype(np.uint64): np.dtype(np.uint32),
-    np.dtype(np.float64): np.dtype(np.float32),
-    np.dtype(np.complex128): np.dtype(np.complex64),
-}
 
 
 class JaxFunction:
@@ -345,7 +327,7 @@ class JaxFunction:
             JaxFunctionError: an entry the module does not have, or of another shape or
                 dtype; nothing is written then.
         """
-        self._check_state_keys(state)
+        self.signature.check_state_keys(state)
         targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         targets.update(model.named_buffers(remove_duplicate=False))
         problems = []
@@ -431,7 +413,7 @@ class JaxFunction:
                 f"the first argument must be the state dict jax_function returned, got "
                 f"{type(state).__name__}."
             )
-        self._check_state_keys(state)
+        self.signature.check_state_keys(state)
         leaves, spec = caches.flatten_as(
             (tuple(args), {}), self.signature.in_spec, self.signature.jax_in_spec
         )
@@ -442,53 +424,18 @@ class JaxFunction:
             # Rules ask for int64/float64 by name; with JAX's 64-bit mode off JAX warns
             # that it gives 32 bits, which is this mode's documented behaviour.
             warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
-            sizes = SizeBindings()
-            values = []
-            for inp in self.signature.inputs:
-                if inp.kind is InputKind.CONSTANT_TENSOR:
-                    values.append(jnp.asarray(self.signature.constants[inp.name]))
-                elif inp.kind is InputKind.USER_INPUT:
-                    position = int(inp.name)
-                    values.append(self._user_input(position, leaves[position], inp.example, sizes))
-                else:
-                    values.append(_array(state[inp.name], inp.example, f"state['{inp.name}']"))
-            self._check_ranges(sizes)
+            values, sizes = self.signature.values(state, leaves)
             results, checked = self._interpret(values, key, sizes, check)
-            user_outputs, updates = [], {}
-            new_leaves = list(leaves)
-            for (kind, target), value in zip(self.signature.outputs, results, strict=True):
-                if kind is OutputKind.USER_OUTPUT:
-                    user_outputs.append(value)
-                elif kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION):
-                    assert target is not None
-                    updates[target] = value
-                elif kind is OutputKind.USER_INPUT_MUTATION:
-                    assert target is not None
-                    new_leaves[self.signature.user_positions[target]] = value
-            new_args, _ = pytree.tree_unflatten(new_leaves, spec)
-            outputs = jax_tree(self.signature.out_spec, iter(user_outputs))
-            return _Run(outputs, updates, tuple(new_args), checked)
+            outputs, updates, new_args = self.signature.decode(results, leaves, spec)
+            return _Run(outputs, updates, new_args, checked)
 
     def _variant_for(self, leaves: list[Any]) -> JaxFunction:
         """The function for these inputs' sizes: ``self`` when every static size is the
         export's, else the model exported again at the new sizes (once per shape, as
         ``jax.jit`` retraces per shape)."""
-        shapes = []
-        for inp in self.signature.inputs:
-            if inp.kind is not InputKind.USER_INPUT or not isinstance(inp.example, torch.Tensor):
-                continue
-            leaf = leaves[int(inp.name)]
-            shape = tuple(np.shape(leaf))
-            static = [s if isinstance(s, int) else None for s in inp.example.shape]
-            shapes.append(shape)
-            if len(shape) != len(static) or any(
-                want is not None and got != want for got, want in zip(shape, static, strict=True)
-            ):
-                break
-        else:
+        if self.signature.static_sizes_match(leaves) or self._rebuild is None:
+            # (no source to export again: ``signature.values`` says which size differs)
             return self
-        if self._rebuild is None:
-            return self  # no source to export again: _array says which size differs
         key = tuple(
             (tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf)))) for leaf in leaves
         )
@@ -563,53 +510,6 @@ class JaxFunction:
             results, vector = with_torch_backward(primal, self.torch_backward, layout)(*arrays)
         return results, vector
 
-    def _check_state_keys(self, state: Mapping[str, Any]) -> None:
-        names = set(self.parameter_names) | set(self.buffer_names)
-        missing = sorted(names - set(state))
-        extra = sorted(set(state) - names)
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-            if extra:
-                parts.append(f"unknown {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-            raise JaxFunctionError(
-                "the state must have exactly the model's parameters and buffers by torch "
-                f"name (the dict jax_function returned): {'; '.join(parts)}."
-            )
-
-    def _user_input(self, position: int, value: Any, example: Any, sizes: SizeBindings) -> Any:
-        where = f"input {position}"
-        if not isinstance(example, torch.Tensor):
-            # Python values are specialized by torch.export: they must not change.
-            if value != example:
-                raise JaxFunctionError(
-                    f"{where} was {example!r} when the model was exported, and its value is "
-                    f"part of the graph; got {value!r}. Export again for another value."
-                )
-            return value
-        if isinstance(value, torch.Tensor):
-            value = to_jax(value)
-        array = _array(value, example, where, static_only=True)
-        for dim, (size, want) in enumerate(zip(array.shape, example.shape, strict=True)):
-            if isinstance(want, torch.SymInt) and isinstance(want.node.expr, sympy.Symbol):
-                sizes.bind(want.node.expr, size, f"dim {dim} of {where}")
-        return array
-
-    def _check_ranges(self, sizes: SizeBindings) -> None:
-        for symbol, value in sizes.values.items():
-            bounds = self.signature.ranges.get(symbol)
-            if bounds is None or not isinstance(value, int):
-                continue
-            low, high = bounds.lower, bounds.upper
-            size = sympy.Integer(value)
-            if bool(size < low) or bool(size > high):  # bounds may be (int_)oo
-                raise JaxFunctionError(
-                    f"a dynamic dimension ({symbol}) has size {value}, outside the range "
-                    f"[{low}, {high}] torch.export allowed for it. Export with "
-                    "dynamic_shapes whose Dim(min=..., max=...) include this size."
-                )
-
 
 class CheckedJaxFunction:
     """A ``JaxFunction`` that returns its value checks as a value (``fn.checked``).
@@ -662,39 +562,6 @@ def _new_state(state: Mapping[str, Any], updates: Mapping[str, jax.Array]) -> St
 def _is_host_scalar(n: torch.fx.Node) -> bool:
     verdict = verdict_of(n)
     return isinstance(verdict, Unsupported) and verdict.reason is Reason.HOST_SCALAR
-
-
-def _array(value: Any, example: Any, where: str, *, static_only: bool = False) -> Any:
-    """``value`` as a JAX value of ``example``'s dtype and shape (dynamic dims free)."""
-    if not isinstance(value, jax.Array):
-        try:
-            value = jnp.asarray(value)
-        except TypeError as e:
-            raise JaxFunctionError(
-                f"{where} must be an array, got {type(value).__name__}: {e}"
-            ) from e
-    want = _jax_dtype(example)
-    if value.dtype != want:
-        if _NARROWED.get(want) == value.dtype:
-            value = value.astype(want)  # made with 64-bit mode off, run with it on
-        else:
-            raise JaxFunctionError(
-                f"{where} has dtype {value.dtype}; the model was exported with {want}. "
-                f"Convert it (x.astype(jnp.{want.name}))."
-            )
-    if len(value.shape) != example.dim():
-        raise JaxFunctionError(
-            f"{where} has shape {tuple(value.shape)}; the model was exported with "
-            f"{example.dim()} dims ({tuple(example.shape)})."
-        )
-    for dim, (got, want_size) in enumerate(zip(value.shape, example.shape, strict=True)):
-        if isinstance(want_size, int) and got != want_size:
-            dynamic = " (pass dynamic_shapes to jax_function to let it vary)" if static_only else ""
-            raise JaxFunctionError(
-                f"dim {dim} of {where} has size {got}; the model was exported with the "
-                f"static size {want_size}{dynamic}."
-            )
-    return value
 
 
 # -- building ----------------------------------------------------------------------------
@@ -833,7 +700,7 @@ def _fits(dtype: torch.dtype, array_dtype: np.dtype) -> bool:
     """Whether an array of ``array_dtype`` holds a tensor of ``dtype`` (a 64-bit one as
     32 bits when made with JAX's 64-bit mode off)."""
     want = TORCH_TO_JAX.get(dtype)
-    return want is not None and (want == array_dtype or _NARROWED.get(want) == array_dtype)
+    return want is not None and (want == array_dtype or NARROWED.get(want) == array_dtype)
 
 
 def _example_like(leaf: Any) -> Any:

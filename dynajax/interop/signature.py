@@ -5,18 +5,24 @@ outputs are the user's and which are updates, and how the arguments are flattene
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import sympy
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from dynajax.errors import JaxFunctionError
 from dynajax.interop import kv_caches as caches
 from dynajax.interop.trees import jax_tree
+from dynajax.lowering.dtypes import TORCH_TO_JAX
+from dynajax.program.interpreter import SizeBindings
 from dynajax.runtime.conversion import to_jax
 
 
@@ -158,6 +164,107 @@ class Signature:
             ranges,
         )
 
+    def values(
+        self, state: Mapping[str, Any], leaves: Sequence[Any]
+    ) -> tuple[list[Any], SizeBindings]:
+        """The graph's inputs, in order, from the state dict and the flattened arguments
+        (``leaves``), each checked against the export (dtype, rank, static sizes, the
+        ranges of dynamic ones), and the sizes its dynamic dimensions take."""
+        sizes = SizeBindings()
+        values = []
+        for inp in self.inputs:
+            if inp.kind is InputKind.CONSTANT_TENSOR:
+                values.append(jnp.asarray(self.constants[inp.name]))
+            elif inp.kind is InputKind.USER_INPUT:
+                position = int(inp.name)
+                values.append(self._user_input(position, leaves[position], inp.example, sizes))
+            else:
+                values.append(as_array(state[inp.name], inp.example, f"state['{inp.name}']"))
+        self._check_ranges(sizes)
+        return values, sizes
+
+    def decode(
+        self, results: Sequence[Any], leaves: Sequence[Any], spec: Any
+    ) -> tuple[Any, dict[str, Any], tuple[Any, ...]]:
+        """The graph's outputs as the call returns them: the user's outputs (nested as
+        torch's), the new values of the buffers (and parameters) it updates, and the
+        arguments (unflattened by ``spec``) with the inputs it updates replaced."""
+        user_outputs, updates = [], {}
+        new_leaves = list(leaves)
+        for (kind, target), value in zip(self.outputs, results, strict=True):
+            if kind is OutputKind.USER_OUTPUT:
+                user_outputs.append(value)
+            elif kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION):
+                assert target is not None
+                updates[target] = value
+            elif kind is OutputKind.USER_INPUT_MUTATION:
+                assert target is not None
+                new_leaves[self.user_positions[target]] = value
+        new_args, _ = pytree.tree_unflatten(new_leaves, spec)
+        return jax_tree(self.out_spec, iter(user_outputs)), updates, tuple(new_args)
+
+    def static_sizes_match(self, leaves: Sequence[Any]) -> bool:
+        """Whether every argument has the export's rank and static sizes (else the model
+        is exported again at the new sizes)."""
+        for inp in self.inputs:
+            if inp.kind is not InputKind.USER_INPUT or not isinstance(inp.example, torch.Tensor):
+                continue
+            shape = tuple(np.shape(leaves[int(inp.name)]))
+            static = [s if isinstance(s, int) else None for s in inp.example.shape]
+            if len(shape) != len(static) or any(
+                want is not None and got != want for got, want in zip(shape, static, strict=True)
+            ):
+                return False
+        return True
+
+    def check_state_keys(self, state: Mapping[str, Any]) -> None:
+        """Refuses a state dict without exactly the model's parameters and buffers."""
+        names = set(self.parameter_names) | set(self.buffer_names)
+        missing = sorted(names - set(state))
+        extra = sorted(set(state) - names)
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            if extra:
+                parts.append(f"unknown {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+            raise JaxFunctionError(
+                "the state must have exactly the model's parameters and buffers by torch "
+                f"name (the dict jax_function returned): {'; '.join(parts)}."
+            )
+
+    def _user_input(self, position: int, value: Any, example: Any, sizes: SizeBindings) -> Any:
+        where = f"input {position}"
+        if not isinstance(example, torch.Tensor):
+            # Python values are specialized by torch.export: they must not change.
+            if value != example:
+                raise JaxFunctionError(
+                    f"{where} was {example!r} when the model was exported, and its value is "
+                    f"part of the graph; got {value!r}. Export again for another value."
+                )
+            return value
+        if isinstance(value, torch.Tensor):
+            value = to_jax(value)
+        array = as_array(value, example, where, static_only=True)
+        for dim, (size, want) in enumerate(zip(array.shape, example.shape, strict=True)):
+            if isinstance(want, torch.SymInt) and isinstance(want.node.expr, sympy.Symbol):
+                sizes.bind(want.node.expr, size, f"dim {dim} of {where}")
+        return array
+
+    def _check_ranges(self, sizes: SizeBindings) -> None:
+        for symbol, value in sizes.values.items():
+            bounds = self.ranges.get(symbol)
+            if bounds is None or not isinstance(value, int):
+                continue
+            low, high = bounds.lower, bounds.upper
+            size = sympy.Integer(value)
+            if bool(size < low) or bool(size > high):  # bounds may be (int_)oo
+                raise JaxFunctionError(
+                    f"a dynamic dimension ({symbol}) has size {value}, outside the range "
+                    f"[{low}, {high}] torch.export allowed for it. Export with "
+                    "dynamic_shapes whose Dim(min=..., max=...) include this size."
+                )
+
 
 def constant_array(ep: ExportedProgram, name: str) -> np.ndarray:
     """A lifted tensor constant as a NumPy copy, made once; each trace embeds it in the
@@ -169,3 +276,52 @@ def constant_array(ep: ExportedProgram, name: str) -> np.ndarray:
             "jax_function supports tensor constants only."
         )
     return np.array(to_jax(value.detach().cpu()))
+
+
+def _jax_dtype(t: torch.Tensor) -> np.dtype:
+    """The JAX dtype of a torch tensor in the caller's JAX mode (int64 is int32 when
+    JAX's 64-bit mode is off)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(TORCH_TO_JAX[t.dtype]))
+
+
+# The dtype a 64-bit value has when it was made with JAX's 64-bit mode off; the function
+# casts such inputs back up when it runs with 64-bit mode on.
+NARROWED = {
+    np.dtype(np.int64): np.dtype(np.int32),
+    np.dtype(np.uint64): np.dtype(np.uint32),
+    np.dtype(np.float64): np.dtype(np.float32),
+    np.dtype(np.complex128): np.dtype(np.complex64),
+}
+
+
+def as_array(value: Any, example: Any, where: str, *, static_only: bool = False) -> Any:
+    """``value`` as a JAX value of ``example``'s dtype and shape (dynamic dims free)."""
+    if not isinstance(value, jax.Array):
+        try:
+            value = jnp.asarray(value)
+        except TypeError as e:
+            raise JaxFunctionError(
+                f"{where} must be an array, got {type(value).__name__}: {e}"
+            ) from e
+    want = _jax_dtype(example)
+    if value.dtype != want:
+        if NARROWED.get(want) == value.dtype:
+            value = value.astype(want)  # made with 64-bit mode off, run with it on
+        else:
+            raise JaxFunctionError(
+                f"{where} has dtype {value.dtype}; the model was exported with {want}. "
+                f"Convert it (x.astype(jnp.{want.name}))."
+            )
+    if len(value.shape) != example.dim():
+        raise JaxFunctionError(
+            f"{where} has shape {tuple(value.shape)}; the model was exported with "
+            f"{example.dim()} dims ({tuple(example.shape)})."
+        )
+    for dim, (got, want_size) in enumerate(zip(value.shape, example.shape, strict=True)):
+        if isinstance(want_size, int) and got != want_size:
+            dynamic = " (pass dynamic_shapes to jax_function to let it vary)" if static_only else ""
+            raise JaxFunctionError(
+                f"dim {dim} of {where} has size {got}; the model was exported with the "
+                f"static size {want_size}{dynamic}."
+            )
+    return value

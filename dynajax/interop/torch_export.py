@@ -3,7 +3,7 @@
 ``export(module_or_fn, example_args, dynamic_shapes)``: the model's ATen graph as
 ``jax_function`` lowers it (``interop/function.py``). A function becomes a module
 (``_FunctionModule``); the exported program is decomposed with the backend's table
-(``aot.decompositions``, each entry stepping aside for dtypes eager's kernel refuses),
+(``aot.table``, each entry stepping aside for dtypes eager's kernel refuses),
 with ``scaled_dot_product_attention`` as eager's CPU dispatch lays its output out
 (``_sdpa_as_exported``).
 """
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-from dynajax.aot import causal_math_attention, decompositions, eager_aware
+from dynajax.aot.table import causal_math_attention, decompositions, eager_aware
 from dynajax.errors import JaxFunctionError
 from dynajax.interop import kv_caches as caches
 from dynajax.lowering import attention
@@ -125,7 +125,7 @@ def _sdpa_as_exported(
 
 @functools.cache
 def export_decompositions() -> dict[Any, Callable[..., Any]]:
-    """The backend's decomposition table (``dynajax.aot.decompositions``, each entry
+    """The backend's decomposition table (``dynajax.aot.table``, each entry
     keeping its op whole for dtypes eager refuses, as the backend's tracing does), plus
     the attention entry that ``run_decompositions`` needs (``_sdpa_as_exported``)."""
     return {

@@ -13,9 +13,9 @@ its decomposition computes in float32 and truncates once, an off-by-one in some
 elements, so here the integer case is refused (it runs in PyTorch). ``logspace``
 rounds its start and end to the dtype before computing the exponents (by 4 bfloat16
 ulps at 1e4, where the decomposition does not). The backend keeps the ops in
-``dynajax.aot.FUSED_KERNELS`` out of aot_autograd's decomposition table so that these
-rules, which follow the kernels, see them (autograd still differentiates them with
-PyTorch's own formulas).
+``dynajax.aot.table.FUSED_KERNELS`` out of aot_autograd's decomposition
+table so that these rules, which follow the kernels, see them (autograd still
+differentiates them with PyTorch's own formulas).
 """
 
 from __future__ import annotations

@@ -94,8 +94,8 @@ def _add_at(x, idx, values):
 
 @lower(aten.index_add.default)
 def _index_add(x, dim, index, source, *, alpha=1):
-    """``index_add`` whole (``aot.CHECKED_KERNELS``), for eager's two checks of its
-    indices: a self of two dims or more, added along its first or last dim with alpha
+    """``index_add`` whole (``aot.table.CHECKED_KERNELS``), for eager's two
+    checks of its indices: a self of two dims or more, added along its first or last dim with alpha
     1, an int64 index and a source of self's sizes apart from that dim, goes through
     scatter_add (a RuntimeError naming the index); any other call through a loop
     (IndexError "index out of range in self"). A self of two dims or more with no

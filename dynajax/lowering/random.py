@@ -267,7 +267,7 @@ def _check_probability(p):
     )
 
 
-# Kept whole by the aot stage (aot.CHECKED_KERNELS), for this check.
+# Kept whole by the aot stage (aot.table.CHECKED_KERNELS), for this check.
 @lower(aten.bernoulli.default, check=_FLOAT, needs_key=True)
 def _bernoulli(x, *, generator=None, key):
     _check_probability(x)

@@ -8,7 +8,7 @@ graph is one partition between its inputs and outputs:
     placeholders -> jax_0 -> getitem* -> output        (called as jax_0.run(args))
 
 Its ``unboxed(first, around)`` is the same graph as a plain ``fn(*inputs)``, which
-``aot.py`` hands Dynamo instead of aot_autograd's runtime wrapper where that wrapper
+``aot/compile.py`` hands Dynamo instead of aot_autograd's runtime wrapper where that wrapper
 would do nothing but write inputs back (``around`` does that): Dynamo's compiled frame
 then calls the partition with no layer between.
 """

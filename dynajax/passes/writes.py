@@ -3,7 +3,7 @@
 An inference graph that updates an input in place (a KV cache: ``cache.index_copy_(2,
 pos, k)``, ``cache[:, :, pos] = k``) reaches dynajax functionalized: the graph computes
 the input's whole new value (``index_put(cache, [None, None, pos], k)``) and returns it,
-and the write-back copies it into the input (``aot._writing_back``, as aot_autograd's
+and the write-back copies it into the input (``writing_back`` below, as aot_autograd's
 runtime wrapper would). For a decode step that is every cache, whole, twice per token:
 XLA writes a new buffer of each (it cannot update torch's memory in place), then
 ``copy_`` copies it back, though one row changed.
@@ -27,7 +27,7 @@ the whole input).
 
 The result is the eager answer: the write-back runs after the whole graph (a value
 check that raises leaves every input as it was), and only inputs that no other input
-aliases reach here (``aot._runtime_wrapper_plan``). An index out of range raises
+aliases reach here (``aot.compile._runtime_wrapper_plan``). An index out of range raises
 eager's error from eager's kernel, where the functional update in XLA could not.
 """
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -52,6 +53,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode, get_proxy_slot
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.optimizer import (
+    _default_to_fused_or_foreach,
     _get_value,
     _global_optimizer_post_hooks,
     _global_optimizer_pre_hooks,
@@ -59,7 +61,7 @@ from torch.optim.optimizer import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dynajax.aot import compiling, functionalized, joint_graph
+from dynajax.aot.tracing import compiling, functionalized, joint_graph
 from dynajax.errors import TrainStepError
 from dynajax.program.replay import ReplayedRandom
 from dynajax.runtime.held import Held
@@ -224,8 +226,8 @@ def _install_double_reads() -> Callable[[], None]:
         # (torch's optimizers, and a user's that imported torch's helper)
         if getattr(module, "_get_value", None) is original:
             replace(module, "_get_value", _read_as_double)
-    for module, name, lists in _SCALAR_STATE:
-        replace(module, name, _in_double(getattr(module, name), lists))
+    for module, name, lists, rounded in _SCALAR_STATE:
+        replace(module, name, _in_double(getattr(module, name), lists, rounded))
 
     def undo_all() -> None:
         for u in reversed(undo):
@@ -249,17 +251,29 @@ def _read_as_double(x: Any) -> Any:
 # The capturable forms (``_CAPTURABLE``) compute with their 0-d state tensors (step
 # counts, ASGD's eta and mu) as tensors, where eager's reads them as Python doubles:
 # (module, functional update, its arguments that list such tensors).
+# The values eager writes into ASGD's ``mu`` and ``eta`` are ``torch.as_tensor`` of a
+# double: in the default dtype, whatever the state's dtype (float64 after
+# ``optimizer.load_state_dict`` cast it to a float64 parameter's): (..., the lists
+# whose new values are so rounded).
 _SCALAR_STATE = (
-    (sys.modules[torch.optim.RAdam.__module__], "radam", ("state_steps",)),
-    (sys.modules[torch.optim.ASGD.__module__], "asgd", ("state_steps", "mus", "etas")),
+    (sys.modules[torch.optim.RAdam.__module__], "radam", ("state_steps",), ()),
+    (
+        sys.modules[torch.optim.ASGD.__module__],
+        "asgd",
+        ("state_steps", "mus", "etas"),
+        ("mus", "etas"),
+    ),
 )
 
 
-def _in_double(update: Callable[..., Any], lists: Sequence[str]) -> Callable[..., Any]:
+def _in_double(
+    update: Callable[..., Any], lists: Sequence[str], rounded: Sequence[str]
+) -> Callable[..., Any]:
     """``update`` (an optimizer's functional form) run, where the step is traced, on
     float64 copies of the 0-d state tensors its arguments ``lists`` hold, each written
     back into its tensor after it (rounded to the tensor's dtype, as eager's
-    ``copy_`` of a double rounds it)."""
+    ``copy_`` of a double rounds it; those of ``rounded`` first to the default dtype,
+    as eager's ``torch.as_tensor`` of a double makes it)."""
     signature = inspect.signature(update)
 
     @functools.wraps(update)
@@ -267,18 +281,55 @@ def _in_double(update: Callable[..., Any], lists: Sequence[str]) -> Callable[...
         if get_proxy_mode() is None:
             return update(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
-        written: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name in lists:
-            originals = bound.arguments[name]
-            copies = [t.to(torch.float64) for t in originals]
-            bound.arguments[name] = copies
-            written += zip(originals, copies, strict=True)
+        originals = {name: bound.arguments[name] for name in lists}
+        copies = {name: [t.to(torch.float64) for t in ts] for name, ts in originals.items()}
+        bound.arguments.update(copies)
         out = update(*bound.args, **bound.kwargs)
-        for original, copy in written:
-            original.copy_(copy)
+        default = torch.get_default_dtype()
+        for name in lists:
+            for original, copy in zip(originals[name], copies[name], strict=True):
+                original.copy_(copy.to(default) if name in rounded else copy)
+        params = bound.arguments.get("params") or [None]
+        if update.__name__ == "asgd" and id(params[0]) in _FOREACH_ETAS.get():
+            _asgd_foreach_etas(bound.arguments, originals["state_steps"], originals["etas"])
         return out
 
     return in_double
+
+
+# While an optimizer's step is traced: the parameters of ASGD's groups that eager
+# updates with its foreach form.
+_FOREACH_ETAS: contextvars.ContextVar[frozenset[int] | set[int]] = contextvars.ContextVar(
+    "dynajax_foreach_etas", default=frozenset()
+)
+
+
+def _asgd_foreach(arguments: dict[str, Any]) -> bool:
+    """Whether eager's ``asgd`` runs its foreach form for these arguments (or param
+    group): its ``foreach``, or where None, torch's default for the parameters."""
+    foreach = arguments.get("foreach")
+    if foreach is None:
+        differentiable = arguments.get("differentiable", False)
+        _, foreach = _default_to_fused_or_foreach(arguments["params"], differentiable, False)
+    return bool(foreach)
+
+
+def _asgd_foreach_etas(
+    arguments: dict[str, Any], steps: Sequence[torch.Tensor], etas: Sequence[torch.Tensor]
+) -> None:
+    """Each new eta as ASGD's foreach form computes it: from the step tensor in its
+    own dtype, ``lr / ((1 + lambd * lr * step) ** alpha)`` with ``lr`` a Python float
+    (a wrapped number: cast to the step's dtype), not from a double."""
+    lr, lambd, alpha = arguments["lr"], arguments["lambd"], arguments["alpha"]
+    for step, eta in zip(steps, etas, strict=True):
+        scale = lambd * lr  # (a double, as eager's product of two floats)
+        scale = scale.to(step.dtype) if isinstance(scale, torch.Tensor) else scale
+        rate = lr.to(step.dtype) if isinstance(lr, torch.Tensor) else lr
+        base = 1 + scale * step
+        # (the power correctly rounded, as eager's kernel gives it: XLA's float32 power
+        # is exp(alpha * log(base)), ulps away)
+        power = (base.to(torch.float64) ** alpha).to(step.dtype)
+        eta.copy_(power.reciprocal() * rate)
 
 
 # Held while any trace runs an optimizer's step (the patch is process-wide, as the
@@ -328,6 +379,8 @@ def optimizer_on(
     new_state: collections.defaultdict[torch.Tensor, Any] = collections.defaultdict(dict)
     for (i, key), value in state.items():
         new_state[params[i]][key] = value
+    foreach_etas: set[int] = set()  # ASGD's parameters whose eager form is foreach
+    token = _FOREACH_ETAS.set(foreach_etas)
     try:
         optimizer.state = new_state
         position = 0
@@ -342,12 +395,17 @@ def optimizer_on(
                 # whose eager form branches on a state value.
                 group["capturable"] = isinstance(optimizer, _CAPTURABLE)
             if "foreach" in group:
+                # torch's single-tensor form: its foreach form gives the same numbers,
+                # but for ASGD's new eta (``_asgd_foreach_etas``), noted per parameter.
+                if isinstance(optimizer, torch.optim.ASGD) and _asgd_foreach(group):
+                    foreach_etas.update(id(p) for p in group["params"])
                 group["foreach"] = False
             if "fused" in group:
                 group["fused"] = None
         with _double_reads():
             yield new_state
     finally:
+        _FOREACH_ETAS.reset(token)
         optimizer.state = saved_state
         for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
             group.clear()

@@ -66,6 +66,8 @@ class StepProgram:
     checks: list[Check]  # eager's value checks the program computes (its trace fills it)
     boundary: FlatBoundary | None = None  # the state arrays that cross it flat (one CPU)
     aux: pytree.TreeSpec | None = None  # the structure of loss_fn's aux (None: none)
+    # The signature of the state it returns (``holding.state_signature``), at its first run.
+    state_out_signature: tuple[Any, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -81,6 +83,8 @@ class StepArrays:
         param_names, buffer_names, frozen_names: their names in the module.
         trained: the trained parameters' tensors in the module (their
             ``requires_grad`` now).
+        state_signature: the optimizer state's entries, dtypes and shapes (a program
+            is made for one).
         device: the module's device (the trace's example tensors are made there).
         quiet: the module's hooks off while the step's trace runs it.
         first_step: no step ran yet (the compile's event says "first step").
@@ -95,6 +99,7 @@ class StepArrays:
     buffer_names: list[str]
     frozen_names: list[str]
     trained: list[torch.Tensor]
+    state_signature: tuple[Any, ...]
     device: torch.device
     quiet: Callable[[], contextlib.AbstractContextManager[None]]
     first_step: bool
@@ -127,6 +132,7 @@ class StepPrograms:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.clip_grad_norm, self.accumulate = clip_grad_norm, accumulate
         self.strict, self.fallback_ops, self.checks = strict, fallback_ops, checks
+        self._policy = (fallback_ops, strict, checks)  # (what lowering a step reads)
         self._programs: dict[Any, StepProgram] = {}
         # Per batch signature and settings, the trace up to the optimizer's update as
         # the cache keys it (``_compile``).
@@ -154,7 +160,7 @@ class StepPrograms:
         key = (
             layout.key(),
             tuple((tuple(x.shape), x.dtype) for x in batch),
-            tuple(sorted(arrays.state)),
+            arrays.state_signature,
             _hyperparameters(self.optimizer),
             settings,
             structure,
@@ -187,6 +193,25 @@ class StepPrograms:
     def values(self) -> list[StepProgram]:
         """The programs held, oldest first."""
         return list(self._programs.values())
+
+    def report_lines(self) -> list[str]:
+        """The programs traced, loaded and compiled, what keys them in the persistent
+        cache, and why each after the first was traced (``retraces``)."""
+        lines = [f"  programs traced: {self.traces}"]
+        stats = self.compile_stats
+        if stats.events:
+            lines.append(f"  of which loaded from the persistent cache: {stats.cache_hits}")
+            lines.append(f"  XLA: {stats.line()}")
+        lines.append(f"  persistent cache: {self.keyed_by()}")
+        if self.retraces:
+            lines.append(
+                "  retraced for a change of the module, optimizer or loss (step.retraces):"
+            )
+            counts: dict[str, int] = {}
+            for why in self.retraces:
+                counts[why] = counts.get(why, 0) + 1
+            lines += [f"    {why}" + (f" x{n}" if n > 1 else "") for why, n in counts.items()]
+        return lines
 
     def keyed_by(self) -> str:
         """What keys the programs in the persistent cache, in words."""
@@ -286,8 +311,9 @@ class StepPrograms:
             self._gradients[gradients_key] = (digest, frozen_out, graded, cuda, aux)
             if digest is None:
                 return False
-            description = self._describe(
+            description = _describe(
                 arrays,
+                self._policy,
                 f"up to the update {digest}\n{optimizer}\ngraded={graded!r}\naux={aux}",
                 (state_in, frozen_out),
                 args,
@@ -318,8 +344,9 @@ class StepPrograms:
             if text is not None:
                 text += f"\naux={aux_text(graph.aux)}"
                 state_shapes = _output_shapes(graph.joint)[graph.state_at : graph.aux_at]
-                description = self._describe(
+                description = _describe(
                     arrays,
+                    self._policy,
                     text,
                     (state_in, graph.state_out, graph.frozen_out),
                     args,
@@ -330,46 +357,8 @@ class StepPrograms:
         traced: dict[str, Any] = {}
 
         def lower_step() -> jax.stages.Lowered:
-            step = graph
-            assert step is not None
-            # (the first trace's outputs: the same values as the functional graph's)
-            state_shapes = _output_shapes(step.joint)[step.state_at : step.aux_at]
-            boundary = _boundary(arrays, step.state_in, state_shapes) if flat else None
-            policy = Policy(
-                TrainStepError,
-                "these ops of the training step cannot be part of one XLA program "
-                "(or eager PyTorch raises on them):",
-                impossible=NEVER | {Reason.EAGER_REFUSES},
-                fallback_ops=self.fallback_ops,
-                strict=self.strict,
-                keep_recomputation=True,
-                # On a mesh the barrier's predicate (an element of a sharded value) would
-                # be a collective per parameter: one device only.
-                donated=_donated(step) if arrays.layout.placement.mesh is None else (),
-                flatten=(
-                    tuple(boundary.flat_outputs([1, 1 + step.n_params, step.state_at]))
-                    if boundary
-                    else ()
-                ),
-            )
-            program = lower(step.functional(), policy)
-            traced.update(
-                random=program.random,
-                state_out=step.state_out,
-                state_shapes=state_shapes,
-                frozen_out=step.frozen_out,
-                aux=aux_text(step.aux),
-            )
-            fn = _step_function(program, step, checks, self.checks, boundary)
-            out_shardings = _out_shardings(
-                arrays.layout, step.frozen_out, step.state_out, state_shapes
-            )
-            # Donated, the state's buffers are gone once the program starts; a host
-            # callback (eager PyTorch) can still raise then, so a step with callbacks
-            # keeps them. The outputs keep the state's layout (on a mesh, FSDP's shards
-            # stay shards).
-            donate = () if program.callbacks else (0,)
-            return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
+            assert graph is not None
+            return _lower_step(graph, arrays, flat, args, checks, traced, self._policy)
 
         if found is not None and not isinstance(found, str):
             run, stored = found  # found before the trace reached the update
@@ -410,38 +399,94 @@ class StepPrograms:
             pytree.treespec_loads(traced["aux"]) if traced["aux"] else None,
         )
 
-    def _describe(
-        self,
-        arrays: StepArrays,
-        text: str,
-        layout: tuple[Any, ...],
-        args: Any,
-        out_shardings: Any,
-        cuda: bool,
-    ) -> str:
-        """The step's program as the persistent cache keys it: ``text`` (what its trace
-        computed), the layout of its state, its policy and its call."""
-        settings = (
-            f"train_step {(len(arrays.params), len(arrays.buffers), *layout)!r} "
-            f"fallback_ops={sorted(self.fallback_ops)!r} strict={self.strict} "
-            f"deterministic={torch.are_deterministic_algorithms_enabled()}"
-        )
-        leaves = jax.tree.leaves(args)
-        # (a sharding's repr names its mesh's shape, not which devices, in which order)
-        devices = [_device_ids(getattr(a, "sharding", None)) for a in leaves]
-        devices += [_device_ids(s) for s in jax.tree.leaves(out_shardings)]
-        return describe_call(
-            f"{text}\n{settings}\ndevices={devices!r}",
-            [
-                jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None))
-                for a in leaves
-            ],
-            {},
-            precision=precision.describe(cuda),
-            needs_seed=True,
-            checks=self.checks,
-            out_sharding=out_shardings,
-        )
+
+def _describe(
+    arrays: StepArrays,
+    policy: tuple[tuple[str, ...], bool, bool],
+    text: str,
+    layout: tuple[Any, ...],
+    args: Any,
+    out_shardings: Any,
+    cuda: bool,
+) -> str:
+    """The step's program as the persistent cache keys it: ``text`` (what its trace
+    computed), the layout of its state, its policy and its call."""
+    fallback_ops, strict, check = policy
+    settings = (
+        f"train_step {(len(arrays.params), len(arrays.buffers), *layout)!r} "
+        f"fallback_ops={sorted(fallback_ops)!r} strict={strict} "
+        f"deterministic={torch.are_deterministic_algorithms_enabled()}"
+    )
+    leaves = jax.tree.leaves(args)
+    # (a sharding's repr names its mesh's shape, not which devices, in which order)
+    devices = [_device_ids(getattr(a, "sharding", None)) for a in leaves]
+    devices += [_device_ids(s) for s in jax.tree.leaves(out_shardings)]
+    return describe_call(
+        f"{text}\n{settings}\ndevices={devices!r}",
+        [
+            jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None))
+            for a in leaves
+        ],
+        {},
+        precision=precision.describe(cuda),
+        needs_seed=True,
+        checks=check,
+        out_sharding=out_shardings,
+    )
+
+
+def _lower_step(
+    step: StepGraph,
+    arrays: StepArrays,
+    flat: bool,
+    args: Any,
+    checks: list[Check],
+    traced: dict[str, Any],
+    policy: tuple[tuple[str, ...], bool, bool],
+) -> jax.stages.Lowered:
+    """The step's program lowered for ``args``: its functional graph through the
+    whole-graph driver under train_step's ``Policy`` (``policy``: the step's
+    ``fallback_ops``, ``strict`` and ``checks``), jitted with its state donated. Fills
+    ``checks`` (as its trace records them) and ``traced`` (what the cache stores beside
+    the executable)."""
+    fallback_ops, strict, check = policy
+    # (the first trace's outputs: the same values as the functional graph's)
+    state_shapes = _output_shapes(step.joint)[step.state_at : step.aux_at]
+    boundary = _boundary(arrays, step.state_in, state_shapes) if flat else None
+    program = lower(
+        step.functional(),
+        Policy(
+            TrainStepError,
+            "these ops of the training step cannot be part of one XLA program "
+            "(or eager PyTorch raises on them):",
+            impossible=NEVER | {Reason.EAGER_REFUSES},
+            fallback_ops=fallback_ops,
+            strict=strict,
+            keep_recomputation=True,
+            # On a mesh the barrier's predicate (an element of a sharded value) would
+            # be a collective per parameter: one device only.
+            donated=_donated(step) if arrays.layout.placement.mesh is None else (),
+            flatten=(
+                tuple(boundary.flat_outputs([1, 1 + step.n_params, step.state_at]))
+                if boundary
+                else ()
+            ),
+        ),
+    )
+    traced.update(
+        random=program.random,
+        state_out=step.state_out,
+        state_shapes=state_shapes,
+        frozen_out=step.frozen_out,
+        aux=aux_text(step.aux),
+    )
+    fn = _step_function(program, step, checks, check, boundary)
+    out_shardings = _out_shardings(arrays.layout, step.frozen_out, step.state_out, state_shapes)
+    # Donated, the state's buffers are gone once the program starts; a host callback
+    # (eager PyTorch) can still raise then, so a step with callbacks keeps them. The
+    # outputs keep the state's layout (on a mesh, FSDP's shards stay shards).
+    donate = () if program.callbacks else (0,)
+    return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
 
 
 def _boundary(

@@ -27,10 +27,9 @@ optimizer without state (that step creates the state).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -45,15 +44,13 @@ from dynajax.lowering.checks import Check
 from dynajax.program.callbacks import eager_errors
 from dynajax.runtime.cache import CompileStats
 from dynajax.runtime.compiled import draw_seed
-from dynajax.runtime.jax_internals import X64
-from dynajax.sharding.placement import gather_to_torch, placement_of
+from dynajax.sharding.placement import placement_of
 from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
 from dynajax.training.graph import BatchLayout, StateKey
-from dynajax.training.program import StepArrays, StepPrograms
-from dynajax.training.state import StateLayout, TrainState, bytes_per_device, report_lines
-from dynajax.training.view import ModuleView
-from dynajax.training.watch import Watch
+from dynajax.training.holding import Holding, state_signature, x64
+from dynajax.training.program import StepPrograms
+from dynajax.training.state import StateLayout, TrainState, bytes_per_device
 
 # Optimizers whose step cannot be one program: LBFGS re-evaluates the loss through a
 # closure, SparseAdam takes sparse gradients.
@@ -72,16 +69,6 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TrainStep]] = weakref.
 def _owner(model: nn.Module) -> TrainStep | None:
     ref = _OWNERS.get(model)
     return ref() if ref is not None else None
-
-
-@contextlib.contextmanager
-def _x64() -> Iterator[None]:
-    """64-bit types on, as in the backend: int64 and float64 state stays 64-bit."""
-    token = X64.enable()
-    try:
-        yield
-    finally:
-        X64.restore(token)
 
 
 class TrainStep:
@@ -103,14 +90,7 @@ class TrainStep:
         release_module: bool = True,
         checks: bool = True,
     ) -> None:
-        if not isinstance(accumulate, int) or accumulate < 1:
-            raise TrainStepError(f"accumulate must be a positive int, got {accumulate!r}.")
-        name = type(optimizer).__name__
-        if name in _REFUSED:
-            raise TrainStepError(
-                f"dynajax.train_step cannot compile {name}: {_REFUSED[name]}. "
-                "Use torch.compile(model, backend='dynajax') with the optimizer in eager."
-            )
+        _refuse_settings(optimizer, accumulate)
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             # torch.compile's wrapper: its parameters are the module's own, which the
             # step compiles itself.
@@ -137,143 +117,52 @@ class TrainStep:
             checks=checks,
         )
         self.steps = 0
-        self._view: ModuleView | None = None
-        self.params: list[jax.Array] = []
-        self.frozen: list[jax.Array] = []
-        self.buffers: list[jax.Array] = []
-        self.state: dict[StateKey, jax.Array] = {}
+        self._held: Holding | None = None  # the state, while this step holds it
         owner = _owner(model)
         if owner is not None:
             owner._let_go()  # the module whole: its tensors say where the step runs
         self._placement = placement_of(list(model.parameters()), device, mesh, sharding)
         self._own()
 
-    # -- state --------------------------------------------------------------------
+    # -- who holds the state -------------------------------------------------------
 
-    def _members(self) -> None:
-        """The step's tensors as the module and optimizer have them now: the
-        optimizer's parameters (trained, in its param groups' order), the model's other
-        parameters (frozen: read, not written) and its buffers."""
-        model, optimizer = self.model, self.optimizer
-        names = {id(p): n for n, p in model.named_parameters()}
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        missing = [i for i, p in enumerate(params) if id(p) not in names]
-        if missing:
-            raise TrainStepError(
-                f"the optimizer holds {len(missing)} tensor(s) that are not parameters of "
-                f"the model (first: position {missing[0]} of its param groups); "
-                "train_step updates the model's own. Where a parameter or submodule was "
-                "replaced, put the new parameters in the optimizer's param groups in place "
-                "of the old ones (or make a new optimizer and train_step)."
-            )
-        trained = {id(p) for p in params}
-        self._params = params
-        self._param_names = [names[id(p)] for p in params]
-        frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in trained]
-        self._frozen_names = [n for n, _ in frozen]
-        self._frozen = [p for _, p in frozen]
-        self._buffer_names = [n for n, _ in model.named_buffers()]
-        self._buffers = [b for _, b in model.named_buffers()]
-        # As the view's tensors: parameters, frozen parameters, buffers.
-        self._state_names = [*self._param_names, *self._frozen_names, *self._buffer_names]
-        tensors = [*self._params, *self._frozen, *self._buffers]
-        # The names, shapes and dtypes of the step's tensors (its programs' inputs; a
-        # change of them reloads the state, Watch).
-        self._structure = (
-            len(self._params),
-            len(self._frozen),
-            *[
-                (n, tuple(t.shape), t.dtype)
-                for n, t in zip(self._state_names, tensors, strict=True)
-            ],
-        )
-        self.layout = StateLayout(
-            self._placement,
-            list(zip(self._param_names, self._params, strict=True)),
-            list(zip(self._buffer_names, self._buffers, strict=True)),
-            list(zip(self._frozen_names, self._frozen, strict=True)),
-        )
-
-    def _own(self) -> None:
+    def _own(self) -> Holding:
         """Makes this step the holder of the module's state: a step that held it
         before syncs and lets go, and this one loads the module's and optimizer's
         current values (their tensors, param groups and values as they are now)."""
         owner = _owner(self.model)
-        if owner is self and self._view is not None:
-            return
+        if owner is self and self._held is not None:
+            return self._held
         if owner is not None and owner is not self:
             owner._let_go()
         _OWNERS[self.model] = weakref.ref(self)
-        self._members()
-        tensors = [*self._params, *self._frozen, *self._buffers]
-        self._view = ModuleView(
-            self.model, self.optimizer, tensors, len(self._params), self.sync, self.release_module
-        )
-        self._watch = Watch(self.model, self.optimizer, self.loss_fn, self._params, tensors)
-        self._load_from_torch()
+        parts = (self.model, self.optimizer, self.loss_fn)
+        self._held = held = Holding(*parts, self._placement, self.release_module, self.sync)
+        return held
 
-    def _reload(self, why: str) -> None:
+    def _reload(self, why: str) -> Holding:
         """Takes up a change of the module's or optimizer's make-up (``Watch``): the
         state written back, then loaded again as it is now."""
         self._let_go()
         self._programs.retraces.append(why)
-        self._own()
+        return self._own()
 
     def _let_go(self) -> None:
         """Writes the state back into the module and stops holding it (another step
         over the same module takes over)."""
         self.sync()
-        if self._view is not None:
-            self._view.detach()
-        self._view = None
-        self.params, self.frozen, self.buffers, self.state = [], [], [], {}
-
-    def _load_from_torch(self) -> None:
-        """The state as JAX arrays (copies), from the module and the optimizer; the
-        module released after (the step's arrays are the one copy from here)."""
-        self._load_module()
-        self._load_optimizer()
-        assert self._view is not None
-        self._view.release()
-
-    def _load_module(self, positions: Sequence[int] | None = None) -> None:
-        """The parameters, frozen parameters and buffers (those at ``positions`` of
-        the three, or all) as JAX arrays (copies), from the module."""
-        layout = self.layout
-        tensors = [*self._params, *self._frozen, *self._buffers]
-        shardings = [*layout.params, *layout.frozen, *layout.buffers]
-        arrays: list[Any] = (
-            [*self.params, *self.frozen, *self.buffers] if positions else [None] * len(tensors)
-        )
-        with _x64():
-            for i in range(len(tensors)) if positions is None else positions:
-                arrays[i] = layout.put(tensors[i], shardings[i])
-        n, f = len(self._params), len(self._frozen)
-        self.params, self.frozen, self.buffers = arrays[:n], arrays[n : n + f], arrays[n + f :]
-        assert self._view is not None
-        self._view.record()
-
-    def _load_optimizer(self) -> None:
-        """The optimizer's state as JAX arrays (copies), from the optimizer."""
-        self.state = {}
-        with _x64():
-            for i, p in enumerate(self._params):
-                for key, value in self.optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        sharding = self.layout.state((i, key), value.shape)
-                        self.state[(i, key)] = self.layout.put(value, sharding)
-        assert self._view is not None
-        self._view.optimizer_loaded = False
-        self._view.record_optimizer(current=True)
+        if self._held is not None:
+            self._held.detach()
+        self._held = None
 
     def reload(self) -> None:
         """Takes up the module's and the optimizer's current state, replacing the
         step's. Not needed after ``model.load_state_dict``, an edit of the synced
         module or ``optimizer.load_state_dict``: the next step takes those up."""
-        view = self._view
-        if view is not None and view.released:
+        held = self._own()
+        if held.view.released:
             self.sync()  # (a write into a released tensor is refused, not lost)
-        self._load_from_torch()
+        held.load_from_torch()
 
     def sync(self) -> None:
         """Writes the trained state into the module's parameters and buffers and into
@@ -284,7 +173,7 @@ class TrainStep:
         ``optimizer.state_dict()``/``load_state_dict()`` syncs by itself; reading a
         parameter directly (``model.fc.weight``) between steps needs ``sync()``
         first, as the module's tensors hold no values then (``release_module``)."""
-        if self._view is None:
+        if self._held is None:
             # Another step over the module holds the state (a GAN's other step, or the
             # step before a ``train_step`` of other options): it syncs; or none does,
             # and the module has it.
@@ -292,117 +181,34 @@ class TrainStep:
             if owner is not None and owner is not self:
                 owner.sync()
             return
-        # What the user wrote since the step looked: into the whole module (the state,
-        # not the step's older arrays) or a kept tensor, taken up; into a released
-        # tensor or the optimizer's state while the step held it, refused (the write
-        # had no effect, and the values written back would hide that).
-        self._take_up_edits()
-        self._sync_module()
-        for (i, key), a in self.state.items():
-            self.optimizer.state[self._params[i]][key] = gather_to_torch(a).clone()
-        self._view.record_optimizer(current=True)
+        self._held.write_back()
 
-    def _sync_module(self) -> None:
-        assert self._view is not None
-        arrays = (*self.params, *self.frozen, *self.buffers)
-        self._view.restore([gather_to_torch(a) for a in arrays])
+    # -- the state, as the user reads it ---------------------------------------------
 
-    # -- checkpoints, torch's view, the report ------------------------------------
+    @property
+    def params(self) -> list[jax.Array]:
+        """The trained parameters' arrays (in the optimizer's param groups' order)."""
+        return self._held.params if self._held is not None else []
 
-    def train_state(self) -> TrainState:
-        """The state this step holds (its arrays, not copies), as checkpoints see it."""
-        return TrainState(
-            self.model,
-            self.optimizer,
-            self.layout,
-            self._param_names,
-            self._frozen_names,
-            self._buffer_names,
-            self.params,
-            self.frozen,
-            self.buffers,
-            self.state,
-            self.steps,
-        )
+    @property
+    def buffers(self) -> list[jax.Array]:
+        """The module's buffers' arrays."""
+        return self._held.buffers if self._held is not None else []
 
-    def save(self, directory: str | os.PathLike[str]) -> int:
-        """Writes a checkpoint of the whole training state (parameters, buffers,
-        optimizer state, step count, RNG state) under ``directory`` with
-        orbax-checkpoint, as ``directory/<step count>``; returns that number. Each
-        process writes its own shards."""
-        self._take_up()
-        return checkpoint.save(self.train_state(), directory)
+    @property
+    def frozen(self) -> list[jax.Array]:
+        """The arrays of the module's parameters the optimizer does not hold."""
+        return self._held.frozen if self._held is not None else []
 
-    def restore(self, directory: str | os.PathLike[str], at: int | None = None) -> int:
-        """Loads the checkpoint ``at`` (default: the latest) from ``directory``, laid
-        out on this step's devices (another mesh than the one that saved it works); a
-        checkpoint of another model or optimizer raises ``TrainStepError`` and changes
-        nothing. Returns its number."""
-        self._take_up()  # (what the checkpoint replaces, so that nothing is left pending)
-        state = self.train_state()
-        with _x64():
-            number = checkpoint.restore(state, directory, at)
-        self.params, self.frozen, self.buffers = state.params, state.frozen, state.buffers
-        self.state = state.state
-        self.steps = state.steps
-        assert self._view is not None
-        self._view.release()  # the module's values are the old ones: sync on access
-        return number
+    @property
+    def state(self) -> dict[StateKey, jax.Array]:
+        """The optimizer's state arrays, by (parameter position, entry name)."""
+        return self._held.state if self._held is not None else {}
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict with the trained values, as torch tensors (copies),
-        for use outside dynajax; the module itself is unchanged (``sync`` writes it)."""
-        self._take_up()
-        assert self._view is not None
-        with self._view.quiet_hooks():
-            return checkpoint.state_dict(self.train_state())
-
-    def save_safetensors(self, path: str | os.PathLike[str]) -> None:
-        """``state_dict()`` as a safetensors file."""
-        self._take_up()
-        assert self._view is not None
-        with self._view.quiet_hooks():
-            checkpoint.save_safetensors(self.train_state(), path)
-
-    def bytes_per_device(self) -> dict[str, int]:
-        """Bytes of the training state (parameters, frozen parameters, buffers and
-        optimizer state) each of this process's devices holds, measured from the
-        arrays' shards."""
-        return bytes_per_device([*self.params, *self.frozen, *self.buffers, *self.state.values()])
-
-    def report(self) -> str:
-        """Where the state lives: the device or mesh, and per part (parameters,
-        buffers, optimizer state) its whole size and the bytes each device holds; then
-        the programs traced and why each after the first was (``retraces``)."""
-        lines = report_lines(
-            self.layout,
-            {
-                "parameters": self.params,
-                "frozen parameters": self.frozen,
-                "buffers": self.buffers,
-                "optimizer state": list(self.state.values()),
-            },
-        )
-        view = self._view
-        if view is not None and view.kept:
-            names = self._state_names
-            lines.append("  kept whole in the module (not released between syncs):")
-            lines += [f"    {names[i]}: {why}" for i, why in view.kept.items()]
-        lines.append(f"  programs traced: {self.traces}")
-        stats = self.compile_stats
-        if stats.events:
-            lines.append(f"  of which loaded from the persistent cache: {stats.cache_hits}")
-            lines.append(f"  XLA: {stats.line()}")
-        lines.append(f"  persistent cache: {self._programs.keyed_by()}")
-        if self.retraces:
-            lines.append(
-                "  retraced for a change of the module, optimizer or loss (step.retraces):"
-            )
-            counts: dict[str, int] = {}
-            for why in self.retraces:
-                counts[why] = counts.get(why, 0) + 1
-            lines += [f"    {why}" + (f" x{n}" if n > 1 else "") for why, n in counts.items()]
-        return "\n".join(lines)
+    @property
+    def layout(self) -> StateLayout:
+        """Where each array lives (``StateLayout``)."""
+        return self._own().layout
 
     @property
     def traces(self) -> int:
@@ -419,6 +225,60 @@ class TrainStep:
         """XLA's compiles and persistent-cache loads of the step's programs."""
         return self._programs.compile_stats
 
+    # -- checkpoints, torch's view, the report ------------------------------------
+
+    def train_state(self) -> TrainState:
+        """The state this step holds (its arrays, not copies), as checkpoints see it."""
+        return self._own().train_state(self.steps)
+
+    def save(self, directory: str | os.PathLike[str]) -> int:
+        """Writes a checkpoint of the whole training state (parameters, buffers,
+        optimizer state, step count, RNG state) under ``directory`` with
+        orbax-checkpoint, as ``directory/<step count>``; returns that number. Each
+        process writes its own shards."""
+        self._take_up()
+        return checkpoint.save(self.train_state(), directory)
+
+    def restore(self, directory: str | os.PathLike[str], at: int | None = None) -> int:
+        """Loads the checkpoint ``at`` (default: the latest) from ``directory``, laid
+        out on this step's devices (another mesh than the one that saved it works); a
+        checkpoint of another model or optimizer raises ``TrainStepError`` and changes
+        nothing. Returns its number."""
+        held, _ = self._take_up()  # (what the checkpoint replaces: nothing left pending)
+        state = held.train_state(self.steps)
+        with x64():
+            number = checkpoint.restore(state, directory, at)
+        held.params, held.frozen, held.buffers = state.params, state.frozen, state.buffers
+        held.state = state.state
+        self.steps = state.steps
+        held.view.release()  # the module's values are the old ones: sync on access
+        return number
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with the trained values, as torch tensors (copies),
+        for use outside dynajax; the module itself is unchanged (``sync`` writes it)."""
+        held, _ = self._take_up()
+        with held.view.quiet_hooks():
+            return checkpoint.state_dict(held.train_state(self.steps))
+
+    def save_safetensors(self, path: str | os.PathLike[str]) -> None:
+        """``state_dict()`` as a safetensors file."""
+        held, _ = self._take_up()
+        with held.view.quiet_hooks():
+            checkpoint.save_safetensors(held.train_state(self.steps), path)
+
+    def bytes_per_device(self) -> dict[str, int]:
+        """Bytes of the training state (parameters, frozen parameters, buffers and
+        optimizer state) each of this process's devices holds, measured from the
+        arrays' shards."""
+        return bytes_per_device([*self.params, *self.frozen, *self.buffers, *self.state.values()])
+
+    def report(self) -> str:
+        """Where the state lives: the device or mesh, and per part (parameters,
+        buffers, optimizer state) its whole size and the bytes each device holds; then
+        the programs traced and why each after the first was (``retraces``)."""
+        return "\n".join([*self._own().report_lines(), *self._programs.report_lines()])
+
     # -- the step -----------------------------------------------------------------
 
     def __call__(self, *batch: Any) -> jax.Array | tuple[jax.Array, Any]:
@@ -429,97 +289,52 @@ class TrainStep:
         returns ``(loss, aux)``, returns ``(loss, aux)``: aux's tensors as ``jax.Array``s
         in its structure, computed in the same program (with ``accumulate=k``, each
         micro-batch's stacked along a new first dim)."""
-        settings = self._take_up()
-        view = self._view
-        assert view is not None
+        held, settings = self._take_up()
         layout, tensors = BatchLayout.of(batch)
-        device = view.devices[0] if view.devices else torch.device("cpu")
-        for i, x in enumerate(tensors):
-            if x.device != device:
-                raise TrainStepError(
-                    f"batch tensor {i} is on {x.device}, the model on "
-                    f"{device}: move the batch to the model's device."
-                )
-            if self.accumulate > 1 and (x.dim() == 0 or x.shape[0] % self.accumulate):
-                raise TrainStepError(
-                    f"batch tensor {i} has shape {tuple(x.shape)}: with accumulate="
-                    f"{self.accumulate} its first dim must split into that many "
-                    "equal micro-batches."
-                )
-        with _x64():
-            loss = self._step(layout, tensors, settings)
-        view.release()
+        _check_batch(tensors, held.device(), self.accumulate)
+        with x64():
+            loss = self._step(held, layout, tensors, settings)
+        held.view.release()
         return loss
 
-    def _take_up(self) -> tuple[Any, ...]:
+    def _take_up(self) -> tuple[Holding, tuple[Any, ...]]:
         """Takes up what the user changed since the step last looked (``Watch``, and
         writes into the module or optimizer): makes this step the holder of the state,
-        reloads it where its make-up changed; returns the settings that key the
-        program (a change of them is noted for ``retraces``)."""
-        self._own()
-        self._take_up_edits()
-        changes = self._watch.look()
+        reloads it where its make-up changed; returns what it holds and the settings
+        that key the program (a change of them is noted for ``retraces``)."""
+        held = self._own()
+        held.take_up_edits()
+        changes = held.watch.look()
         if changes.reload is not None:
-            self._reload(changes.reload)  # writes back and loads every tensor anew
-            return self._watch.flags  # the settings as they are now (the new Watch's)
+            held = self._reload(changes.reload)  # writes back and loads every tensor anew
+            return held, held.watch.flags  # the settings as they are now (the new Watch's)
         if changes.retrace is not None:
             self._programs.why = changes.retrace
-        return changes.program_key
-
-    def _take_up_edits(self) -> None:
-        """Loads what the user wrote into the module's tensors (``load_state_dict``, an
-        assignment under ``no_grad``: the optimizer's state stays the step's, as in
-        eager) and into the optimizer's state (``load_state_dict``, an eager
-        ``optimizer.step()``, an entry edited, replaced, added or removed) since the
-        step last looked; a write into a released tensor, or into the optimizer's state
-        while the step held it, is refused (``ModuleView``)."""
-        view = self._view
-        assert view is not None
-        edited = view.check_not_edited(self._state_names)
-        if edited:
-            self._load_module(edited)
-        if view.optimizer_loaded or view.optimizer_edited(self._param_names):
-            self._load_optimizer()
-
-    def _arrays(self) -> StepArrays:
-        """The state as the step holds it now, for its programs."""
-        view = self._view
-        assert view is not None
-        return StepArrays(
-            self.params,
-            self.buffers,
-            self.frozen,
-            self.state,
-            self.layout,
-            self._param_names,
-            self._buffer_names,
-            self._frozen_names,
-            self._params,
-            view.devices[0] if view.devices else torch.device("cpu"),
-            view.quiet_hooks,
-            self.steps == 0,
-        )
+        return held, changes.program_key
 
     def _step(
-        self, layout: BatchLayout, batch: Sequence[torch.Tensor], settings: tuple[Any, ...]
+        self,
+        held: Holding,
+        layout: BatchLayout,
+        batch: Sequence[torch.Tensor],
+        settings: tuple[Any, ...],
     ) -> jax.Array | tuple[jax.Array, Any]:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        xs = [self.layout.put_batch(x) for x in batch]
-        program = self._programs.get(
-            self._arrays(), layout, batch, xs, lrs, settings, self._structure
-        )
-        state_in = [self.state[k] for k in program.state_in]
+        xs = [held.layout.put_batch(x) for x in batch]
+        arrays = held.arrays(first_step=self.steps == 0)
+        program = self._programs.get(arrays, layout, batch, xs, lrs, settings, held.structure)
+        state_in = [held.state[k] for k in program.state_in]
         rng = torch.get_rng_state() if program.random else None
         seed = draw_seed() if program.random else np.int64(0)
         boundary = program.boundary
-        taken = [self.params, self.buffers, state_in]
+        taken = [held.params, held.buffers, state_in]
         if boundary is not None:
             taken = boundary.stored(taken)
         try:
             with eager_errors():  # (an op run in eager PyTorch raised: eager's error)
                 (loss, aux), params, buffers, state, err, frozen = program.run(
                     tuple(taken),
-                    self.frozen,
+                    held.frozen,
                     [np.float64(lr) for lr in lrs],
                     seed,
                     xs,
@@ -528,30 +343,63 @@ class TrainStep:
             # The program raised (a host callback: eager's error): the state was not
             # donated and stays as it was; so does torch's generator.
             if boundary is not None:
-                self.params, self.buffers, state_in = boundary.unstored(taken)
-                self.state.update(zip(program.state_in, state_in, strict=True))
+                held.params, held.buffers, state_in = boundary.unstored(taken)
+                held.state.update(zip(program.state_in, state_in, strict=True))
             if rng is not None:
                 torch.set_rng_state(rng)
             raise
         if boundary is not None:
             params, buffers, state = boundary.shaped([params, buffers, state])
-        self.params, self.buffers = list(params), list(buffers)
+        held.params, held.buffers = list(params), list(buffers)
         for i, a in zip(program.frozen_out, frozen, strict=True):
-            self.frozen[i] = a
+            held.frozen[i] = a
         new_state = dict(zip(program.state_out, state, strict=True))
         if program.checks and value_checks.failed(err):
             # Eager raises on this batch: the program returned the state it took (the
             # parameters, buffers and moments as they were); state the step would have
             # created is dropped, and torch's generator rewound.
-            self.state = {k: new_state[k] for k in self.state if k in new_state}
+            held.state = {k: new_state[k] for k in held.state if k in new_state}
             if rng is not None:
                 torch.set_rng_state(rng)
             raise _eager_error(program.checks, err)
-        self.state = new_state
+        signature = program.state_out_signature
+        if signature is None:
+            signature = program.state_out_signature = state_signature(new_state)
+        held.stepped(new_state, signature)
         self.steps += 1
         if program.aux is not None:
             return loss, pytree.tree_unflatten(list(aux), program.aux)
         return loss
+
+
+def _refuse_settings(optimizer: torch.optim.Optimizer, accumulate: int) -> None:
+    """Refuses an ``accumulate`` that is no positive int and an optimizer whose step
+    cannot be one program, with what to do."""
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise TrainStepError(f"accumulate must be a positive int, got {accumulate!r}.")
+    name = type(optimizer).__name__
+    if name in _REFUSED:
+        raise TrainStepError(
+            f"dynajax.train_step cannot compile {name}: {_REFUSED[name]}. "
+            "Use torch.compile(model, backend='dynajax') with the optimizer in eager."
+        )
+
+
+def _check_batch(tensors: Sequence[torch.Tensor], device: torch.device, accumulate: int) -> None:
+    """Refuses a batch tensor on another device than the model's, or one that does not
+    split into ``accumulate`` equal micro-batches, with what to do."""
+    for i, x in enumerate(tensors):
+        if x.device != device:
+            raise TrainStepError(
+                f"batch tensor {i} is on {x.device}, the model on "
+                f"{device}: move the batch to the model's device."
+            )
+        if accumulate > 1 and (x.dim() == 0 or x.shape[0] % accumulate):
+            raise TrainStepError(
+                f"batch tensor {i} has shape {tuple(x.shape)}: with accumulate="
+                f"{accumulate} its first dim must split into that many "
+                "equal micro-batches."
+            )
 
 
 def _eager_error(checks: Sequence[Check], err: Any) -> Exception:

@@ -1,4 +1,4 @@
-"""aot_autograd's inference graphs, cached across processes (runtime/aot_cache.py;
+"""aot_autograd's inference graphs, cached across processes (aot/cache.py;
 training graphs: test_aot_training_cache.py).
 
 A second compile of the same Dynamo graph with the same inputs' metadata loads the
@@ -14,7 +14,7 @@ import torch
 
 import dynajax
 from dynajax import store
-from dynajax.runtime import aot_cache
+from dynajax.aot import cache as aot_cache
 from tests.helpers import run_python
 from tests.models import mlp
 from tests.tolerances import assert_same

@@ -1,4 +1,4 @@
-"""aot_autograd's training graphs, cached across processes (runtime/aot_rebuild.py).
+"""aot_autograd's training graphs, cached across processes (aot/rebuild.py).
 
 A second compile of the same Dynamo graph with the same inputs' metadata loads the
 forward and backward ATen graphs and aot_autograd's structures instead of running
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynajax
-from dynajax.runtime import aot_rebuild
+from dynajax.aot import rebuild as aot_rebuild
 from tests.helpers import compile_with, run_python
 from tests.models import cnn, mlp
 from tests.tolerances import assert_same

@@ -74,7 +74,7 @@ def main(cache_dir: str) -> None:
                 "misses": dict(stats.cache_misses),
                 "traces": traces,
                 # the training graph's partition never imported inductor's lowerings
-                # (aot.py turns the min-cut partitioner's CSE pass off)
+                # (aot/compile.py turns the min-cut partitioner's CSE pass off)
                 "inductor_lowerings": "torch._inductor.lowering" in sys.modules,
                 "graphs": [g.kind for g in backend.graphs],
                 "partitions": [(p.name, p.op_count, p.ops) for p in report.partitions],

@@ -178,7 +178,7 @@ def test_gradients_through_a_whole_attention(perf_fallbacks) -> None:
         compiled(x).square().mean().backward()
     twin(x_twin).square().mean().backward()
     # The forward's attention in PyTorch's kernel, or whole in JAX; the backward
-    # recomputes it in JAX (aot.py's correction) either way.
+    # recomputes it in JAX (aot/table.py's correction) either way.
     assert _whole_in_jax(backend) != perf_fallbacks
     assert _attention_in_pytorch(backend) == (["PERF"] if perf_fallbacks else [])
     assert_same(x.grad, x_twin.grad)

@@ -25,7 +25,7 @@ import pathlib
 import torch
 
 import dynajax
-from dynajax.aot import decompositions
+from dynajax.aot.table import decompositions
 
 GOLDEN = pathlib.Path(__file__).with_name("core_aten_coverage.txt")
 

@@ -40,7 +40,7 @@ def _run(fn, make_state, make_args, steps=4, **options):
     results and every state tensor after each call; returns the writes chosen."""
     compiled, backend, seen, real, recording = _compile(fn, **options)
     mp = pytest.MonkeyPatch()
-    mp.setattr("dynajax.aot.rewrite_writes", recording)
+    mp.setattr("dynajax.aot.compile.rewrite_writes", recording)
     try:
         state, state_eager = make_state(), make_state()
         for step in range(steps):

@@ -1,5 +1,5 @@
 """The per-call path Dynamo runs: aot_autograd's runtime wrapper only where it has work
-(dynajax/aot.py), the partition called through its guarded entry point
+(dynajax/aot/compile.py), the partition called through its guarded entry point
 (CompiledPartition.run_guarded), and eager's answer after every kind of change to the
 inputs between calls."""
 

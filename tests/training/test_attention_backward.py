@@ -1,4 +1,4 @@
-"""The attention-backward decomposition (dynajax/aot.py) agrees with
+"""The attention-backward decomposition (dynajax/aot/table.py) agrees with
 PyTorch's CPU flash-attention backward kernel fed the kernel's own forward outputs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynajax.aot import corrections
+from dynajax.aot.table import corrections
 from tests.tolerances import assert_same
 
 aten = torch.ops.aten

@@ -56,6 +56,9 @@ OPTIMIZERS = {
     "RMSprop": functools.partial(optim.RMSprop, lr=1e-2, momentum=0.5, centered=True),
     "Rprop": functools.partial(optim.Rprop, lr=1e-2),
     "ASGD": functools.partial(optim.ASGD, lr=1e-2, t0=5),
+    # (its foreach form computes each new eta from the step tensor in float32, where the
+    # single-tensor form rounds a double: training fuzzer seed 132, --float64)
+    "ASGD-foreach": functools.partial(optim.ASGD, lr=5e-2, alpha=0.75, t0=5, foreach=True),
     "user-subclass": functools.partial(ScaledSGD, lr=1e-2),
 }
 
@@ -104,3 +107,49 @@ def _assert_relative(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
     torch.testing.assert_close(
         actual, expected, rtol=1e-12, atol=1e-12 * scale, msg=lambda m: f"{what}: {m}"
     )
+
+
+@pytest.mark.parametrize("name", ["ASGD", "ASGD-foreach", "NAdam"])
+def test_a_rewind_that_casts_scalar_state_to_float64_is_eagers(name: str) -> None:
+    # optimizer.load_state_dict casts each 0-d state entry but ``step`` to its
+    # parameter's dtype (ASGD's eta and mu, NAdam's mu_product: float32 made, float64
+    # loaded); eager then writes each new eta and mu as a float32 (``torch.as_tensor``
+    # of a double) into the float64 entry (training fuzzer seed 132, --float64).
+    make = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    model = _mlp().double()
+    eager = copy.deepcopy(model)
+    eager_opt = make(eager.parameters())
+    optimizer = make(model.parameters())
+    step = dynajax.train_step(model, optimizer, _loss)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (
+            torch.randn(8, 16, generator=g, dtype=torch.float64),
+            torch.randint(0, 5, (8,), generator=g),
+        )
+        for _ in range(6)
+    ]
+
+    def run(train, module: nn.Module, opt: optim.Optimizer) -> None:  # type: ignore[no-untyped-def]
+        train(*batches[0])
+        saved = copy.deepcopy(module.state_dict()), copy.deepcopy(opt.state_dict())
+        train(*batches[1])
+        module.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        for batch in batches[2:]:
+            train(*batch)
+
+    def eager_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        eager_opt.zero_grad()
+        _loss(eager, x, y).backward()
+        eager_opt.step()
+
+    run(eager_step, eager, eager_opt)
+    run(step, model, optimizer)
+    step.sync()
+    for (n, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        _assert_relative(p.detach(), q.detach(), n)
+        got, want = optimizer.state[p], eager_opt.state[q]
+        for key in want:
+            _assert_relative(got[key], want[key], f"{n}: {key}")

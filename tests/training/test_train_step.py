@@ -5,6 +5,7 @@ state tensor after ``step.sync()``."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import weakref
@@ -493,6 +494,36 @@ def test_optimizer_state_edited_while_the_step_holds_it_is_refused(release: bool
         step(x, y)
     assert_same(step.state_dict(), kept)
     step(x, y)  # refused once; the training goes on from its own state
+
+
+def test_a_rewind_that_casts_the_optimizers_state_runs_as_eager() -> None:
+    # optimizer.load_state_dict casts each state entry but ``step`` to its parameter's
+    # dtype: a float64 model's NAdam ``mu_product`` (made float32) comes back float64.
+    # The program for the float32 entry must not be run on it (training fuzzer, seed
+    # 132, run 18, --float64).
+    def nadam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.NAdam(params, lr=1e-2)
+
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", nadam)
+    eager.double()
+    ours.double()
+    batches = [tuple(t.double() for t in b) for b in _batches("mlp")[:3]]
+    step = dynajax.train_step(ours, our_opt, loss_fn)
+
+    def run(train: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+        losses = [train(batches[0])]
+        saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+        losses.append(train(batches[1]))
+        model.load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])
+        losses.append(train(batches[2]))
+        return losses
+
+    expected = run(lambda b: _eager_losses(eager, eager_opt, loss_fn, [b])[0], eager, eager_opt)
+    actual = run(lambda b: float(step(*b)), ours, our_opt)
+    step.sync()
+    assert actual == pytest.approx(expected, rel=1e-12)
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
 
 
 @pytest.mark.parametrize("then", ["sync", "another step", "reload"])

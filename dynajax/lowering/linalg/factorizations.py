@@ -260,8 +260,8 @@ def _linalg_cholesky_ex(A, *, upper=False, check_errors=False):
 
 
 # aten.cholesky has no rule: it raises on a matrix that is not positive definite, which
-# XLA cannot; dynajax/aot.py rewrites it to linalg_cholesky_ex plus the host
-# error check.
+# XLA cannot; dynajax/aot/table.py rewrites it to linalg_cholesky_ex plus the
+# host error check.
 
 
 @lower(aten.cholesky_inverse.default, check=lapack_dtype_check)

@@ -1,7 +1,7 @@
 """aot_autograd's result, cached across processes: its inference graphs, and its training
-graphs with the structures that rebuild their autograd wrapper (``aot_rebuild.py``).
+graphs with the structures that rebuild their autograd wrapper (``rebuild.py``).
 
-A warm process finds each partition's executable by its program (``cache.py``), so
+A warm process finds each partition's executable by its program (``runtime/cache.py``), so
 what its first call still repeats is Dynamo's trace and aot_autograd's: functionalizing
 and decomposing Dynamo's graph into the ATen graphs that dynajax partitions (and, for
 training, the joint trace and the min-cut partition). This module keeps those graphs,
@@ -12,7 +12,7 @@ directory as the executables:
     entry = <dir>/<key>.aot: authenticated as executables are, body (versions(),
             pickle((kind, body))), kind "inference": (GraphPickler bytes of the ATen
             inference graph, the positions of the inputs its first outputs write
-            back); kind "training": aot_rebuild.TrainingRecord (both graphs, and
+            back); kind "training": rebuild.TrainingRecord (both graphs, and
             aot_autograd's metadata and wrappers)
 
     description = entry format | Python version | the modes that change what
@@ -33,9 +33,9 @@ torch, jax, dynajax and a digest of dynajax's sources are compared when an entry
 (``stale entry (torch changed)``).
 
 Inference graphs are stored where aot_autograd's runtime wrapper would do nothing but
-write inputs back (``aot._runtime_wrapper_plan``): for them dynajax already calls the
+write inputs back (``compile._runtime_wrapper_plan``): for them dynajax already calls the
 compiled graph without that wrapper, so a loaded graph runs exactly as a traced one.
-Training graphs are stored with what aot_rebuild.py records while aot_autograd traces
+Training graphs are stored with what rebuild.py records while aot_autograd traces
 them, and a hit rebuilds aot_autograd's autograd.Function with its own code.
 
 On a hit each ATen graph (with its fake-tensor metadata, under Dynamo's fake mode) goes
@@ -133,7 +133,7 @@ class Lookup:
 
     def store(self, kind: str, body: Any) -> None:
         """Stores an inference graph (``body``: its bytes and write-back plan) or a
-        training graph's record (``aot_rebuild.TrainingRecord``)."""
+        training graph's record (``rebuild.TrainingRecord``)."""
         assert self.key is not None and self.cache is not None
         payload = pickle.dumps((kind, body))
         if self.cache.store_value("aot", self.key, payload, f"aot_autograd's {kind} graph"):

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from dynajax.runtime import aot_cache
+import dynajax.aot.cache as aot_cache
 
 log = logging.getLogger("dynajax.cache")
 
