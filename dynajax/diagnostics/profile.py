@@ -163,11 +163,21 @@ def profiled_graph(run: Callable[..., Any], times: GraphTimes) -> Callable[..., 
     """The stitched graph's callable ``run`` (aot_autograd's boxed convention, with its
     ``unboxed`` factory), its calls timed and named ``times.label``."""
 
+    # The first call of the unboxed callable runs aot_autograd's wrapper, which calls
+    # the boxed one: that inner call is the same call, not another (one range, one time).
+    inside = threading.local()
+
     def timed(call: Callable[..., Any]) -> Callable[..., Any]:
         def profiled(*args: Any) -> Any:
-            start = time.perf_counter()
-            with _torch_range(times.label), jax.profiler.TraceAnnotation(times.label):
-                out = call(*args)
+            if getattr(inside, "active", False):
+                return call(*args)
+            inside.active = True
+            try:
+                start = time.perf_counter()
+                with _torch_range(times.label), jax.profiler.TraceAnnotation(times.label):
+                    out = call(*args)
+            finally:
+                inside.active = False
             with times._lock:
                 times.graph.add(time.perf_counter() - start)
             return out
