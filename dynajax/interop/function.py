@@ -50,15 +50,15 @@ from dynajax.interop.autograd import (
     with_torch_backward,
 )
 from dynajax.interop.checked import ValueCheckResult
-from dynajax.interop.signature import NARROWED, Signature
+from dynajax.interop.signature import Signature
 from dynajax.interop.torch_export import export
-from dynajax.lowering.dtypes import JAX_TO_TORCH, TORCH_TO_JAX
+from dynajax.lowering.dtypes import JAX_TO_TORCH
 from dynajax.passes.user import RewriteRecord
 from dynajax.program import Policy, Program, lower
 from dynajax.program.callbacks import eager_errors, from_numpy
 from dynajax.program.interpreter import TRUNCATION_WARNING, SizeBindings
 from dynajax.runtime.conversion import to_jax
-from dynajax.sharding.placement import gather_to_torch, on_auto_axes
+from dynajax.sharding.placement import on_auto_axes
 
 aten = torch.ops.aten
 
@@ -232,28 +232,16 @@ class JaxFunction:
             Exception: eager's exception (``IndexError``, ``RuntimeError``...) when a value
                 check fails in a direct call (no tracers; see the class docstring).
         """
-        self._warn_buffers_dropped()
-        self._warn_inputs_dropped()
+        _warn_buffers_dropped(self)
+        _warn_inputs_dropped(self)
         return self._run_checked(state, args, key).outputs
-
-    def _warn_buffers_dropped(self) -> None:
-        if self.mutated_buffers and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"this model updates buffers in place ({', '.join(self.mutated_buffers)}), "
-                "and fn(state, ...) returns the outputs only, dropping the new values. "
-                "Use fn.with_state(state, ...) -> (outputs, new_state) to keep them (or "
-                "[0] of it to drop them on purpose), or export the model in eval mode.",
-                BufferUpdatesDiscardedWarning,
-                stacklevel=3,
-            )
 
     def with_state(
         self, state: Mapping[str, Any], *args: Any, key: Any = None
     ) -> tuple[Any, State]:
         """``(outputs, new_state)``: ``new_state`` has ``state``'s keys, the buffers the
         model updates (``mutated_buffers``) replaced by their new values."""
-        self._warn_inputs_dropped()
+        _warn_inputs_dropped(self)
         run = self._run_checked(state, args, key)
         return run.outputs, _new_state(state, run.updates)
 
@@ -274,18 +262,6 @@ class JaxFunction:
         ``err.throw()`` outside JAX transformations to raise eager's error."""
         return CheckedJaxFunction(self)
 
-    def _warn_inputs_dropped(self) -> None:
-        if self.mutated_inputs and not self.signature.updates_returned and not self._warned_inputs:
-            self._warned_inputs = True
-            warnings.warn(
-                f"this model updates its inputs in place (positions {list(self.mutated_inputs)} "
-                "of the flattened arguments), and JAX arrays are immutable: fn(...) and "
-                "fn.with_state(...) drop the new values. Use fn.with_updates(state, ...) -> "
-                "(outputs, new_state, new_args) to get them.",
-                InputUpdatesDiscardedWarning,
-                stacklevel=3,
-            )
-
     def _run_checked(self, state: Mapping[str, Any], args: tuple[Any, ...], key: Any) -> _Run:
         """A run that raises eager's error for a failed value check, when the call is
         direct (no tracer among its arguments) and checks are on, and eager's own
@@ -295,19 +271,11 @@ class JaxFunction:
             isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((dict(state), args, key))
         )
         direct = self.checks and not traced
-        run = self._run_raising_eagers_errors(state, args, key, check=direct)
+        with eager_errors():  # (an op run in eager PyTorch raised: eager's exception)
+            run = self._run(state, args, key, check=direct)
         if run.checked is not None:
             run.checked.throw()
         return run
-
-    def _run_raising_eagers_errors(
-        self, state: Mapping[str, Any], args: tuple[Any, ...], key: Any, *, check: bool
-    ) -> _Run:
-        """``_run``, raising eager's own exception where an op run in eager PyTorch (a
-        host callback) raised during the call, not JAX's wrapper of it (``fn`` and
-        ``fn.checked`` alike)."""
-        with eager_errors():
-            return self._run(state, args, key, check=check)
 
     def load_into(self, model: nn.Module, state: Mapping[str, Any], *, copy: bool = True) -> None:
         """Writes ``state`` (the function's state dict, trained in JAX, say) into the
@@ -327,35 +295,7 @@ class JaxFunction:
             JaxFunctionError: an entry the module does not have, or of another shape or
                 dtype; nothing is written then.
         """
-        self.signature.check_state_keys(state)
-        targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        targets.update(model.named_buffers(remove_duplicate=False))
-        problems = []
-        for name, value in state.items():
-            t = targets.get(name)
-            if t is None:
-                problems.append(f"'{name}': the module has no such parameter or buffer")
-            elif tuple(t.shape) != tuple(np.shape(value)):
-                problems.append(
-                    f"'{name}': {tuple(np.shape(value))} here, {tuple(t.shape)} in the module"
-                )
-            elif not _fits(t.dtype, np.dtype(value.dtype)):
-                problems.append(f"'{name}': {value.dtype} here, {t.dtype} in the module")
-        if problems:
-            raise JaxFunctionError(
-                "the state does not fit this module; nothing was written:\n"
-                + "\n".join(f"  - {p}" for p in problems[:10])
-            )
-        with torch.no_grad():
-            for name, value in state.items():
-                t = targets[name]
-                tensor = gather_to_torch(value)
-                if tensor.dtype != t.dtype:
-                    tensor = tensor.to(t.dtype)  # made with JAX's 64-bit mode off
-                if copy or tensor.device != t.device or tensor.dtype != t.dtype:
-                    t.copy_(tensor)
-                else:
-                    t.data = tensor
+        self.signature.load_into(model, state, copy=copy)
 
     def split_state(self, state: Mapping[str, Any]) -> tuple[State, State]:
         """``(parameters, buffers)`` of a state dict: differentiate the first."""
@@ -366,26 +306,7 @@ class JaxFunction:
     @property
     def report(self) -> str:
         """What runs where: the op count in JAX and every host callback."""
-        nodes = [
-            n
-            for n in self.graph_module.graph.nodes
-            if n.op == "call_function"
-            and n.target is not operator.getitem
-            and not _is_host_scalar(n)
-        ]
-        lines = [
-            f"dynajax jax_function: {len(nodes) - len(self.callbacks)}/{len(nodes)} ATen ops "
-            f"in JAX, {len(self.callbacks)} host callback(s)"
-        ]
-        if self.callbacks:
-            lines.append("  run in eager PyTorch through host callbacks:")
-            lines += [f"    {c.describe()}" for c in self.callbacks]
-        if self.random_ops:
-            lines.append(f"  random ops (need key=): {', '.join(self.random_ops)}")
-        if self.mutated_buffers:
-            lines.append(f"  buffers updated (fn.with_state): {', '.join(self.mutated_buffers)}")
-        lines += user_passes.describe(self.rewrites)
-        return "\n".join(lines)
+        return _report(self)
 
     def __repr__(self) -> str:
         return (
@@ -425,7 +346,7 @@ class JaxFunction:
             # that it gives 32 bits, which is this mode's documented behaviour.
             warnings.filterwarnings("ignore", TRUNCATION_WARNING, UserWarning)
             values, sizes = self.signature.values(state, leaves)
-            results, checked = self._interpret(values, key, sizes, check)
+            results, checked = _interpret(self, values, key, sizes, check)
             outputs, updates, new_args = self.signature.decode(results, leaves, spec)
             return _Run(outputs, updates, new_args, checked)
 
@@ -441,74 +362,9 @@ class JaxFunction:
         )
         found = self._variants.get(key)
         if found is None:
-            examples = [_example_like(leaf) for leaf in leaves]
-            args, _ = pytree.tree_unflatten(examples, self.signature.in_spec)
-            try:
-                found = self._rebuild(tuple(args))
-            except DynajaxError:
-                raise
-            except Exception as e:
-                sizes = ", ".join(str(tuple(np.shape(leaf))) for leaf in leaves)
-                raise JaxFunctionError(
-                    f"the model cannot run at these input sizes ({sizes}): torch.export of "
-                    f"it at them failed with {type(e).__name__}: "
-                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                ) from e
+            found = _export_again(self._rebuild, leaves, self.signature.in_spec)
             self._variants[key] = found
         return found
-
-    def _interpret(
-        self, values: list[Any], key: Any, sizes: SizeBindings, check: bool
-    ) -> tuple[list[Any], ValueCheckResult | None]:
-        """The graph's outputs on ``values`` (and its value checks when ``check``),
-        differentiated by torch's backward (``interop/autograd.py``) unless the model
-        draws random numbers."""
-        positions = [i for i, v in enumerate(values) if hasattr(v, "shape")]
-        recorded: list[Any] = []
-
-        def primal(*arrays: Any) -> tuple[tuple[Any, ...], Any]:
-            vals = list(values)
-            for i, a in zip(positions, arrays, strict=True):
-                # JAX may hand a custom VJP's function NumPy-backed constants (empty
-                # arrays): the rules take jax.Arrays.
-                vals[i] = a if isinstance(a, jax.Array) else jnp.asarray(a)
-            results, vector, found = self.program.run(vals, key=key, sizes=sizes, check=check)
-            if not check:
-                return tuple(results), None
-            recorded[:] = found
-            return tuple(results), vector
-
-        arrays = [values[i] for i in positions]
-        inner = self._interpret_arrays
-        results, vector = on_auto_axes(lambda *a: inner(primal, a, values, positions), arrays)
-        checked = ValueCheckResult(vector, recorded) if check else None
-        return list(results), checked
-
-    def _interpret_arrays(
-        self, primal: Callable[..., Any], arrays: Any, values: list[Any], positions: list[int]
-    ) -> tuple[Any, Any]:
-        if self.torch_backward is None or self.random_ops:
-            results, vector = primal(*arrays)
-        else:
-            arg = {v: a for a, v in enumerate(positions)}
-            first: dict[str, int] = {}
-            leaves: dict[int, Any] = {}
-            for i, inp in enumerate(self.signature.inputs):
-                if inp.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                    first.setdefault(inp.name, arg[i])
-                elif inp.kind is InputKind.USER_INPUT:
-                    leaves[int(inp.name)] = arg[i] if i in arg else ("value", values[i])
-            layout = {
-                "state": [first[n] for n in self.torch_backward.state_names],
-                "leaves": [leaves[k] for k in sorted(leaves)],
-                "outputs": [
-                    k
-                    for k, (kind, _) in enumerate(self.signature.outputs)
-                    if kind is OutputKind.USER_OUTPUT
-                ],
-            }
-            results, vector = with_torch_backward(primal, self.torch_backward, layout)(*arrays)
-        return results, vector
 
 
 class CheckedJaxFunction:
@@ -529,9 +385,10 @@ class CheckedJaxFunction:
         self, state: Mapping[str, Any], *args: Any, key: Any = None
     ) -> tuple[Any, ValueCheckResult]:
         """``(outputs, err)``; drops buffer and input updates, warning once as ``fn``."""
-        self.fn._warn_buffers_dropped()
-        self.fn._warn_inputs_dropped()
-        run = self.fn._run_raising_eagers_errors(state, args, key, check=True)
+        _warn_buffers_dropped(self.fn)
+        _warn_inputs_dropped(self.fn)
+        with eager_errors():
+            run = self.fn._run(state, args, key, check=True)
         assert run.checked is not None
         return run.outputs, run.checked
 
@@ -539,7 +396,8 @@ class CheckedJaxFunction:
         self, state: Mapping[str, Any], *args: Any, key: Any = None
     ) -> tuple[Any, State, ValueCheckResult]:
         """``(outputs, new_state, err)``, as ``JaxFunction.with_state``."""
-        run = self.fn._run_raising_eagers_errors(state, args, key, check=True)
+        with eager_errors():
+            run = self.fn._run(state, args, key, check=True)
         assert run.checked is not None
         return run.outputs, _new_state(state, run.updates), run.checked
 
@@ -547,7 +405,8 @@ class CheckedJaxFunction:
         self, state: Mapping[str, Any], *args: Any, key: Any = None
     ) -> tuple[Any, State, tuple[Any, ...], ValueCheckResult]:
         """``(outputs, new_state, new_args, err)``, as ``JaxFunction.with_updates``."""
-        run = self.fn._run_raising_eagers_errors(state, args, key, check=True)
+        with eager_errors():
+            run = self.fn._run(state, args, key, check=True)
         assert run.checked is not None
         return run.outputs, _new_state(state, run.updates), run.new_args, run.checked
 
@@ -562,6 +421,140 @@ def _new_state(state: Mapping[str, Any], updates: Mapping[str, jax.Array]) -> St
 def _is_host_scalar(n: torch.fx.Node) -> bool:
     verdict = verdict_of(n)
     return isinstance(verdict, Unsupported) and verdict.reason is Reason.HOST_SCALAR
+
+
+def _interpret(
+    fn: JaxFunction, values: list[Any], key: Any, sizes: SizeBindings, check: bool
+) -> tuple[list[Any], ValueCheckResult | None]:
+    """``fn``'s graph's outputs on ``values`` (and its value checks when ``check``),
+    differentiated by torch's backward (``interop/autograd.py``) unless the model
+    draws random numbers."""
+    positions = [i for i, v in enumerate(values) if hasattr(v, "shape")]
+    recorded: list[Any] = []
+
+    def primal(*arrays: Any) -> tuple[tuple[Any, ...], Any]:
+        vals = list(values)
+        for i, a in zip(positions, arrays, strict=True):
+            # JAX may hand a custom VJP's function NumPy-backed constants (empty
+            # arrays): the rules take jax.Arrays.
+            vals[i] = a if isinstance(a, jax.Array) else jnp.asarray(a)
+        results, vector, found = fn.program.run(vals, key=key, sizes=sizes, check=check)
+        if not check:
+            return tuple(results), None
+        recorded[:] = found
+        return tuple(results), vector
+
+    arrays = [values[i] for i in positions]
+    results, vector = on_auto_axes(
+        lambda *a: _differentiated(fn, primal, a, values, positions), arrays
+    )
+    checked = ValueCheckResult(vector, recorded) if check else None
+    return list(results), checked
+
+
+def _differentiated(
+    fn: JaxFunction,
+    primal: Callable[..., Any],
+    arrays: Any,
+    values: list[Any],
+    positions: list[int],
+) -> tuple[Any, Any]:
+    """``primal(*arrays)``, with torch's backward as its VJP where ``fn`` has one and
+    draws no random numbers."""
+    if fn.torch_backward is None or fn.random_ops:
+        results, vector = primal(*arrays)
+    else:
+        arg = {v: a for a, v in enumerate(positions)}
+        first: dict[str, int] = {}
+        leaves: dict[int, Any] = {}
+        for i, inp in enumerate(fn.signature.inputs):
+            if inp.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                first.setdefault(inp.name, arg[i])
+            elif inp.kind is InputKind.USER_INPUT:
+                leaves[int(inp.name)] = arg[i] if i in arg else ("value", values[i])
+        layout = {
+            "state": [first[n] for n in fn.torch_backward.state_names],
+            "leaves": [leaves[k] for k in sorted(leaves)],
+            "outputs": [
+                k
+                for k, (kind, _) in enumerate(fn.signature.outputs)
+                if kind is OutputKind.USER_OUTPUT
+            ],
+        }
+        results, vector = with_torch_backward(primal, fn.torch_backward, layout)(*arrays)
+    return results, vector
+
+
+def _warn_buffers_dropped(fn: JaxFunction) -> None:
+    """Once per function: ``fn(state, ...)`` drops the buffers the model updates."""
+    if fn.mutated_buffers and not fn._warned:
+        fn._warned = True
+        warnings.warn(
+            f"this model updates buffers in place ({', '.join(fn.mutated_buffers)}), "
+            "and fn(state, ...) returns the outputs only, dropping the new values. "
+            "Use fn.with_state(state, ...) -> (outputs, new_state) to keep them (or "
+            "[0] of it to drop them on purpose), or export the model in eval mode.",
+            BufferUpdatesDiscardedWarning,
+            stacklevel=3,
+        )
+
+
+def _warn_inputs_dropped(fn: JaxFunction) -> None:
+    """Once per function: ``fn(...)`` and ``fn.with_state(...)`` drop the inputs the
+    model updates in place."""
+    if fn.mutated_inputs and not fn.signature.updates_returned and not fn._warned_inputs:
+        fn._warned_inputs = True
+        warnings.warn(
+            f"this model updates its inputs in place (positions {list(fn.mutated_inputs)} "
+            "of the flattened arguments), and JAX arrays are immutable: fn(...) and "
+            "fn.with_state(...) drop the new values. Use fn.with_updates(state, ...) -> "
+            "(outputs, new_state, new_args) to get them.",
+            InputUpdatesDiscardedWarning,
+            stacklevel=3,
+        )
+
+
+def _report(fn: JaxFunction) -> str:
+    """``fn.report``: the op count in JAX, every host callback, the random ops, the
+    buffers updated and the user's rewrites."""
+    nodes = [
+        n
+        for n in fn.graph_module.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem and not _is_host_scalar(n)
+    ]
+    lines = [
+        f"dynajax jax_function: {len(nodes) - len(fn.callbacks)}/{len(nodes)} ATen ops "
+        f"in JAX, {len(fn.callbacks)} host callback(s)"
+    ]
+    if fn.callbacks:
+        lines.append("  run in eager PyTorch through host callbacks:")
+        lines += [f"    {c.describe()}" for c in fn.callbacks]
+    if fn.random_ops:
+        lines.append(f"  random ops (need key=): {', '.join(fn.random_ops)}")
+    if fn.mutated_buffers:
+        lines.append(f"  buffers updated (fn.with_state): {', '.join(fn.mutated_buffers)}")
+    lines += user_passes.describe(fn.rewrites)
+    return "\n".join(lines)
+
+
+def _export_again(
+    rebuild: Callable[[tuple[Any, ...]], JaxFunction], leaves: list[Any], in_spec: Any
+) -> JaxFunction:
+    """The model exported again at the sizes of ``leaves`` (the flattened arguments),
+    or ``JaxFunctionError`` saying torch.export's reason where it cannot be."""
+    examples = [_example_like(leaf) for leaf in leaves]
+    args, _ = pytree.tree_unflatten(examples, in_spec)
+    try:
+        return rebuild(tuple(args))
+    except DynajaxError:
+        raise
+    except Exception as e:
+        sizes = ", ".join(str(tuple(np.shape(leaf))) for leaf in leaves)
+        raise JaxFunctionError(
+            f"the model cannot run at these input sizes ({sizes}): torch.export of "
+            f"it at them failed with {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        ) from e
 
 
 # -- building ----------------------------------------------------------------------------
@@ -694,13 +687,6 @@ def _build(
         rewrites=records,
         strict=strict,
     )
-
-
-def _fits(dtype: torch.dtype, array_dtype: np.dtype) -> bool:
-    """Whether an array of ``array_dtype`` holds a tensor of ``dtype`` (a 64-bit one as
-    32 bits when made with JAX's 64-bit mode off)."""
-    want = TORCH_TO_JAX.get(dtype)
-    return want is not None and (want == array_dtype or NARROWED.get(want) == array_dtype)
 
 
 def _example_like(leaf: Any) -> Any:

@@ -24,6 +24,7 @@ from dynajax.interop.trees import jax_tree
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.program.interpreter import SizeBindings
 from dynajax.runtime.conversion import to_jax
+from dynajax.sharding.placement import gather_to_torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +266,39 @@ class Signature:
                     "dynamic_shapes whose Dim(min=..., max=...) include this size."
                 )
 
+    def load_into(self, model: torch.nn.Module, state: Mapping[str, Any], *, copy: bool) -> None:
+        """``JaxFunction.load_into``: ``state`` written into ``model``'s parameters and
+        buffers, each entry checked first (nothing written where one does not fit)."""
+        self.check_state_keys(state)
+        targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        targets.update(model.named_buffers(remove_duplicate=False))
+        problems = []
+        for name, value in state.items():
+            t = targets.get(name)
+            if t is None:
+                problems.append(f"'{name}': the module has no such parameter or buffer")
+            elif tuple(t.shape) != tuple(np.shape(value)):
+                problems.append(
+                    f"'{name}': {tuple(np.shape(value))} here, {tuple(t.shape)} in the module"
+                )
+            elif not _fits(t.dtype, np.dtype(value.dtype)):
+                problems.append(f"'{name}': {value.dtype} here, {t.dtype} in the module")
+        if problems:
+            raise JaxFunctionError(
+                "the state does not fit this module; nothing was written:\n"
+                + "\n".join(f"  - {p}" for p in problems[:10])
+            )
+        with torch.no_grad():
+            for name, value in state.items():
+                t = targets[name]
+                tensor = gather_to_torch(value)
+                if tensor.dtype != t.dtype:
+                    tensor = tensor.to(t.dtype)  # made with JAX's 64-bit mode off
+                if copy or tensor.device != t.device or tensor.dtype != t.dtype:
+                    t.copy_(tensor)
+                else:
+                    t.data = tensor
+
 
 def constant_array(ep: ExportedProgram, name: str) -> np.ndarray:
     """A lifted tensor constant as a NumPy copy, made once; each trace embeds it in the
@@ -325,3 +359,10 @@ def as_array(value: Any, example: Any, where: str, *, static_only: bool = False)
                 f"static size {want_size}{dynamic}."
             )
     return value
+
+
+def _fits(dtype: torch.dtype, array_dtype: np.dtype) -> bool:
+    """Whether an array of ``array_dtype`` holds a tensor of ``dtype`` (a 64-bit one as
+    32 bits when made with JAX's 64-bit mode off)."""
+    want = TORCH_TO_JAX.get(dtype)
+    return want is not None and (want == array_dtype or NARROWED.get(want) == array_dtype)
