@@ -146,7 +146,8 @@ class StepPrograms:
 
     def get(
         self,
-        arrays: StepArrays,
+        state_signature: tuple[Any, ...],
+        arrays: Callable[[], StepArrays],
         layout: BatchLayout,
         batch: Sequence[torch.Tensor],
         xs: Sequence[jax.Array],
@@ -156,11 +157,11 @@ class StepPrograms:
     ) -> StepProgram:
         """The program for this batch (its ``layout``, tensors and arrays ``xs``), the
         learning rates ``lrs``, the settings that key programs (``Watch``) and the
-        step's make-up (``structure``): made where there is none yet."""
+        step's make-up (``structure``): made, from ``arrays()``, where there is none yet."""
         key = (
             layout.key(),
             tuple((tuple(x.shape), x.dtype) for x in batch),
-            arrays.state_signature,
+            state_signature,
             _hyperparameters(self.optimizer),
             settings,
             structure,
@@ -180,7 +181,7 @@ class StepPrograms:
                 if set(old[2]) < state:
                     del self._programs[old]
             gradients_key = key[:2] + key[3:]  # (the same but for the optimizer's state)
-            program = self._compile(arrays, layout, batch, xs, lrs, gradients_key)
+            program = self._compile(arrays(), layout, batch, xs, lrs, gradients_key)
             self._programs[key] = program
             # What the trace, the passes and XLA's compiler freed goes back to the
             # system (else it stays resident beside the step's state).

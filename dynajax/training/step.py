@@ -321,8 +321,17 @@ class TrainStep:
     ) -> jax.Array | tuple[jax.Array, Any]:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         xs = [held.layout.put_batch(x) for x in batch]
-        arrays = held.arrays(first_step=self.steps == 0)
-        program = self._programs.get(arrays, layout, batch, xs, lrs, settings, held.structure)
+        first = self.steps == 0
+        program = self._programs.get(
+            held.state_signature,
+            lambda: held.arrays(first_step=first),  # (read only where a program is made)
+            layout,
+            batch,
+            xs,
+            lrs,
+            settings,
+            held.structure,
+        )
         state_in = [held.state[k] for k in program.state_in]
         rng = torch.get_rng_state() if program.random else None
         seed = draw_seed() if program.random else np.int64(0)
