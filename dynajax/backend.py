@@ -33,12 +33,13 @@ from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
 from dynajax.diagnostics.profile import GraphTimes, ProfiledPartition, profiled_graph
 from dynajax.diagnostics.recompiles import DynamoCompile, dynamo_compile
 from dynajax.errors import OptionsError, UnsupportedNodesError
+from dynajax.lowering.interpreter import lower_partition
 from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitched_callable
 from dynajax.passes import run_passes
 from dynajax.passes.user import RewriteRecord, apply_rewrites, passes_at, run_pass_list
 from dynajax.runtime import cpu_client, omp
 from dynajax.runtime.cache import CompileStats, ExecutableCache
-from dynajax.runtime.compiled import compile_partition
+from dynajax.runtime.compiled import CompiledPartition
 from dynajax.sharding import GraphSharding, Placement, StateName, dynamo_input_names
 from dynajax.sharding.names import aten_input_names, partition_input_names
 from dynajax.sharding.placement import crossing
@@ -241,15 +242,14 @@ class Backend:
         )
         for name, sub in list(gm.named_children()):
             if name.startswith(PREFIX) and isinstance(sub, torch.fx.GraphModule):
-                part = compile_partition(
-                    name,
-                    sub,
+                lowered = lower_partition(name, sub, value_checks=self.options.checks)
+                part = CompiledPartition(
+                    lowered,
                     cache=self.cache,
                     stats=stats,
                     max_executables=self.options.max_executables,
                     pad_to_buckets=self.options.pad_to_buckets,
-                    checks=self.options.checks,
-                    crossing=crossing(sub, placement, names.get(name, [])),
+                    crossing=crossing(lowered, placement, names.get(name, [])),
                 )
                 if sharding is not None:
                     sharding.add(part)

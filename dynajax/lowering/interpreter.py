@@ -8,6 +8,7 @@ compiled executable never sees it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -109,14 +110,15 @@ def output_vals(gm: torch.fx.GraphModule) -> list[Any]:
     return []
 
 
-def needs_key(gm: torch.fx.GraphModule) -> bool:
-    """Whether any node of the graph draws random numbers."""
+def random_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes of the graph whose rules draw random numbers (each takes a key)."""
+    found = []
     for node in gm.graph.nodes:
         if node.op == "call_function":
             rule = get_rule(node.target)
             if rule is not None and rule.needs_key:
-                return True
-    return False
+                found.append(node)
+    return found
 
 
 def to_jax_function(
@@ -133,7 +135,7 @@ def to_jax_function(
     of the first failing check (code 0: none failed).
     """
     run: Callable[..., tuple[jax.Array, ...]]
-    if needs_key(gm):
+    if random_nodes(gm):
 
         def fn_with_seed(seed: jax.Array, *arrays: jax.Array) -> tuple[jax.Array, ...]:
             return tuple(JaxInterpreter(gm, jax.random.key(seed)).run(*arrays))
@@ -158,3 +160,42 @@ def to_jax_function(
         return (*outs, found.result()) if found.checks else outs
 
     return checks.CheckedFunction(checked, table)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredPartition:
+    """One JAX partition, lowered: everything placement and the runtime read of it,
+    answered here once (``lower_partition``), so that neither asks the lowering again.
+
+    ``fn`` is ``fn([seed,] *arrays) -> tuple of arrays``; it takes the leading int64
+    seed where ``needs_key``. With value checks on, its traces record them in ``checks``
+    and, where there are any, return the ``[code, *payload]`` vector last.
+    """
+
+    name: str  # jax_<n>, the stitched graph's submodule
+    graph: torch.fx.GraphModule  # the ATen graph it computes (kept for reports)
+    fn: Callable[..., tuple[jax.Array, ...]]
+    input_vals: tuple[Any, ...]  # each input's meta["val"]: fake tensor or SymInt
+    output_vals: tuple[Any, ...]  # each output's meta["val"] (a non-node output itself)
+    random_ops: tuple[torch.fx.Node, ...]  # the nodes that draw from the seed's key
+    checks: checks.CheckTable | None  # the value checks its traces record (None: off)
+
+    @property
+    def needs_key(self) -> bool:
+        return bool(self.random_ops)
+
+
+def lower_partition(
+    name: str, gm: torch.fx.GraphModule, *, value_checks: bool = True
+) -> LoweredPartition:
+    """The partition ``gm`` (a ``jax_<n>`` of the stitched graph) lowered to JAX."""
+    fn = to_jax_function(gm, value_checks=value_checks)
+    return LoweredPartition(
+        name,
+        gm,
+        fn,
+        tuple(input_vals(gm)),
+        tuple(output_vals(gm)),
+        tuple(random_nodes(gm)),
+        fn.table if isinstance(fn, checks.CheckedFunction) else None,
+    )

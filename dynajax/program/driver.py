@@ -59,8 +59,8 @@ from dynajax.errors import CallbackOpsError, DynajaxError
 from dynajax.lowering import checks as value_checks
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import eager_on_cuda
+from dynajax.lowering.interpreter import random_nodes
 from dynajax.lowering.precision import eager_precision
-from dynajax.lowering.registry import get_rule
 from dynajax.passes import run_passes
 from dynajax.program.callbacks import CallbackOp, flat_outputs
 from dynajax.program.interpreter import (
@@ -283,12 +283,9 @@ def random_ops(gm: torch.fx.GraphModule) -> tuple[str, ...]:
     """The nodes JAX runs whose rules draw random numbers (a callback draws from
     torch's generator instead), each named with the model's line."""
     found = []
-    for n in gm.graph.nodes:
+    for n in random_nodes(gm):
         verdict = verdict_of(n)
-        if n.op != "call_function" or (verdict is not None and not verdict.supported):
-            continue
-        rule = get_rule(n.target)
-        if rule is not None and rule.needs_key:
+        if verdict is None or verdict.supported:
             where = source_line(n)
             found.append(target_name(n) + (f" at {where}" if where else ""))
     return tuple(found)

@@ -10,7 +10,7 @@ The per-call path of a partition is, in full:
 
 and, once a call has shown which inputs come back (parameters, buffers) and which are
 new tensors every call (a token, a batch), the same through the executable's direct
-entry point (``_build_direct``): the cached arrays as they are, each new tensor put into
+entry point (``direct.py``): the cached arrays as they are, each new tensor put into
 an array of its own (~3.5 µs), no per-argument checks of the dispatch.
 
 Mutation and aliasing are aot_autograd's: it hands us a functional graph, writes the new
@@ -28,11 +28,10 @@ which XLA must not reuse.
 
 from __future__ import annotations
 
-import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -40,24 +39,23 @@ import numpy as np
 import torch
 import torch.fx
 
-from dynajax.lowering.checks import CheckedFunction, CheckTable
-from dynajax.lowering.interpreter import input_vals, needs_key, output_vals, to_jax_function
+from dynajax.lowering.checks import CheckTable
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.conversion import (
-    cpu_device,
-    fast_to_jax,
     from_source_or,
     quiet_readonly_warning,
     remembering,
     to_torch,
     torch_importer,
 )
+from dynajax.runtime.direct import Direct, DirectEntry, fresh_args
 from dynajax.runtime.executables import Executables
 from dynajax.runtime.inputs import InputCache
-from dynajax.runtime.jax_internals import X64, array_putter, direct_executor, dispatch_of
-from dynajax.runtime.programs import describe_partition
+from dynajax.runtime.jax_internals import X64, dispatch_of
 
-if TYPE_CHECKING:  # placement decides (the backend asks it), the runtime takes its answer
+if TYPE_CHECKING:  # the lowering and placement answer (the backend asks them), the
+    # runtime takes their answers
+    from dynajax.lowering.interpreter import LoweredPartition
     from dynajax.sharding.placement import Crossing
 
 _from_numpy = torch.from_numpy
@@ -79,13 +77,6 @@ _NUMPY_DTYPES = frozenset(
     }
 )
 
-# From this many inputs, a call whose cached inputs are unchanged skips the executable's
-# argument checks (``CompiledPartition._build_direct``). Measured side by side
-# (``benchmarks/overhead.py``), the direct entry point is cheaper from one input up; with
-# a new token tensor every call (``python -m benchmarks.decode --profile``) a decode step
-# costs 6 µs more than with the same tensor, 44 µs more on the dispatch path.
-DIRECT_MIN_INPUTS = 1
-
 
 class CompiledPartition(torch.nn.Module):
     """Calls a jitted JAX function on torch tensors and returns torch tensors.
@@ -95,11 +86,11 @@ class CompiledPartition(torch.nn.Module):
     machinery on the per-call path.
 
     Args:
-        name: the partition's name (``jax_0``).
-        fn: pure JAX function ``fn([seed,] *arrays) -> tuple of arrays``.
-        needs_seed: ``fn`` takes a leading int64 seed for its random ops, drawn from
-            PyTorch's default generator on every call (``torch.manual_seed`` applies).
-        graph: the ATen graph this partition computes (kept for reports).
+        lowered: the partition lowered (``lowering/interpreter.lower_partition``): its
+            name (``jax_0``), its pure JAX function ``fn([seed,] *arrays)``, whose seed
+            (where it has random ops) is drawn from PyTorch's default generator on every
+            call (``torch.manual_seed`` applies), its inputs' and outputs' values, its
+            value checks, and the ATen graph it computes (kept for reports).
         cache: the persistent compilation cache (None: off).
         stats: where compiles, cache hits and misses are counted (the Report's).
         max_executables: executables kept under dynamic shapes (an LRU).
@@ -119,10 +110,7 @@ class CompiledPartition(torch.nn.Module):
 
     def __init__(
         self,
-        name: str,
-        fn: Callable[..., tuple[jax.Array, ...]],
-        needs_seed: bool,
-        graph: torch.fx.GraphModule,
+        lowered: LoweredPartition,
         *,
         cache: ExecutableCache | None = None,
         stats: CompileStats | None = None,
@@ -131,59 +119,41 @@ class CompiledPartition(torch.nn.Module):
         crossing: Crossing,
     ) -> None:
         super().__init__()
-        self.name = name
-        self.needs_seed = needs_seed
-        self.__dict__["graph_module"] = graph  # not a submodule: never called
-        owned = _own_outputs(fn)
-        # The value checks that traces of ``fn`` record (lowering/checks.py): when there
-        # are any, its last output reports the first that failed, and a call raises
-        # eager's error before handing any output back (``_checked``).
-        self.value_checks: CheckTable | None = fn.table if isinstance(fn, CheckedFunction) else None
+        self.name = lowered.name
+        self.needs_seed = lowered.needs_key
+        self.__dict__["graph_module"] = lowered.graph  # not a submodule: never called
+        owned = _own_outputs(lowered.fn)
+        # The value checks that traces of its function record (lowering/checks.py):
+        # when there are any, its last output reports the first that failed, and a call
+        # raises eager's error before handing any output back.
+        self.value_checks: CheckTable | None = lowered.checks
         # The partition's function under plain jax.jit: the raw-JAX floor the benchmarks
         # compare against (the per-call path uses the AOT executable instead).
         self.jitted = jax.jit(owned)
         # Where it runs and how its tensors cross: placement's decision.
-        vals, out_vals = input_vals(graph), output_vals(graph)
         self.crossing = crossing
         self.device_type = crossing.device_type
         self.placement = crossing.partition
         self.device = crossing.device
-        if not crossing.persistent:
-            cache = None  # compiled here (a mesh: see Crossing.persistent)
         self._cpu_outputs = crossing.cpu_outputs
         self.stats = stats if stats is not None else CompileStats()
         self.executables = Executables(
-            name,
+            lowered,
             owned,
-            vals,
-            out_vals,
-            needs_seed,
-            cache=cache if cache is not None else ExecutableCache(None),
+            crossing,
+            cache=cache,
             stats=self.stats,
             max_executables=max_executables,
             pad_to_buckets=pad_to_buckets,
-            sharding=crossing.sharding,
-            platform_name=crossing.platform,
-            out_sharding=crossing.out_sharding,
-            program=(
-                describe_partition(graph, name)
-                if cache is not None and cache.directory is not None
-                else None
-            ),
-            check_table=self.value_checks,
         )
         # What a call of a static-shape partition runs: the AOT executable's dispatch,
         # set at the first call. Benchmarks may set it to ``jitted`` to compare paths.
         self.dispatch: Callable[..., Any] | None = None
         self._compiled: jax.stages.Compiled | None = None
-        # The executable's own entry point, for calls whose cached inputs are unchanged.
-        self._direct: _Direct | None = None
-        # The direct entry point is checked on one device's outputs only.
-        self._direct_failed = crossing.multi_device
-        # A snapshot whose per-call inputs cannot take the direct entry point.
-        self._no_direct: Any = None
-        # The executable whose direct entry point gave the regular path's outputs.
-        self._direct_checked: Any = None
+        # The executable's own entry point, for calls whose cached inputs are unchanged
+        # (direct.py), and whether to take it (checked on one device's outputs only).
+        self._direct: Direct | None = None
+        self._entry = DirectEntry(is_open=not crossing.multi_device, value_checks=self.value_checks)
         self._compile_lock = threading.Lock()
         n_inputs = len(self.executables.tensor_pos)  # static sizes are not converted
         if self.executables.dynamic:
@@ -194,7 +164,7 @@ class CompiledPartition(torch.nn.Module):
         # Outputs that NumPy can view and torch.from_numpy can wrap as they are (CPU,
         # no bfloat16 or float8): wrapped by two C-level maps, no Python frame per output.
         self._numpy_outputs = crossing.zero_copy and all(
-            isinstance(v, torch.Tensor) and v.dtype in _NUMPY_DTYPES for v in out_vals
+            isinstance(v, torch.Tensor) and v.dtype in _NUMPY_DTYPES for v in lowered.output_vals
         )
         # Inputs converted per call reach the direct entry point through a putter.
         self._fresh_by_putter = crossing.zero_copy
@@ -249,13 +219,13 @@ class CompiledPartition(torch.nn.Module):
         """
         direct = self._direct
         if direct is not None and self.inputs.hit_guarded(tensors) is direct.snap:
-            args = _fresh_args(direct.args, direct.fresh, tensors) if direct.fresh else direct.args
+            args = fresh_args(direct.args, direct.fresh, tensors) if direct.fresh else direct.args
             if args is not None:
                 return self._run_direct(direct, args)
         return self.run(tensors)
 
-    def _run_direct(self, direct: Any, args: list[Any]) -> list[torch.Tensor]:
-        """One call through the executable's direct entry point (``_build_direct``),
+    def _run_direct(self, direct: Direct, args: list[Any]) -> list[torch.Tensor]:
+        """One call through the executable's direct entry point (``direct.py``),
         for inputs the caller has found cached in ``direct.snap`` (and ``args``, those
         arrays with the per-call inputs' arrays in their slots)."""
         results = direct.execute(args).consume_with_handlers(direct.handlers)
@@ -278,7 +248,7 @@ class CompiledPartition(torch.nn.Module):
         """The per-call path: a sequence of tensors in, a list of tensors out."""
         direct = self._direct
         if direct is not None and self.inputs.hit(tensors) is direct.snap:
-            args = _fresh_args(direct.args, direct.fresh, tensors) if direct.fresh else direct.args
+            args = fresh_args(direct.args, direct.fresh, tensors) if direct.fresh else direct.args
             if args is not None:
                 return self._run_direct(direct, args)
         token = X64.enable()  # int64/float64 stay 64-bit, as in torch
@@ -286,110 +256,19 @@ class CompiledPartition(torch.nn.Module):
             outs = self._run(tensors)
         finally:
             X64.restore(token)
-        if len(tensors) >= DIRECT_MIN_INPUTS and not self._direct_failed:
-            snap = self.inputs.current
-            if (
-                snap is not None
-                and (direct is None or direct.snap is not snap)
-                and snap is not self._no_direct
-            ):
-                if direct is not None and all(
-                    map(operator.is_, direct.args, [snap.arrays[i] for i in direct.kept])
-                ):  # versions moved on (in-place updates), arrays are the same memory
-                    self._direct = direct._replace(snap=snap)
-                else:
-                    self._direct = self._build_direct(snap, tensors, outs)
-        return outs
-
-    def _build_direct(
-        self, snap: Any, tensors: Sequence[torch.Tensor], outs: list[torch.Tensor]
-    ) -> Any:
-        """The executable's own entry point, for calls whose inputs are cached.
-
-        The C++ dispatch of a compiled function checks every argument's type, shape and
-        placement on each call (~0.5 µs each). When every input is a cached array whose
-        identity, version and pointer ``InputCache.hit`` has just checked, those checks
-        are known to pass, and the loaded executable can run the very same arrays
-        (~0.15 µs per argument), and its outputs are wrapped by the same C++ result
-        handlers the dispatch path uses. Worth it from ``DIRECT_MIN_INPUTS`` inputs up.
-
-        Inputs that are new tensors on every call (a decode step's token, a batch of
-        data, activations between partitions) are ``snap.volatile``: on the CPU each is
-        put into an array of the shape and dtype the executable takes, as the dispatch
-        path would (``jax_internals.array_putter``, ~3.5 µs), in its slot among the
-        cached arrays (``_fresh_args``); a tensor of another shape or dtype takes the
-        regular path. Elsewhere, or where this JAX release lacks the internal, such
-        snapshots keep the regular path.
-
-        Checked once against the regular path's outputs; on any mismatch, or where this
-        JAX release lacks the entry point (``jax_internals.direct_executor``), the
-        regular path stays for good.
-        """
-        compiled = self._compiled
-        found = direct_executor(compiled) if compiled is not None else None
-        if found is None or self.needs_seed or self.executables.dynamic:
-            self._direct_failed = True
-            return None
-        args = [snap.arrays[i] for i in found.kept]
-        fresh: list[_Fresh] = []
-        if snap.volatile:
-            slots = self._fresh_slots(compiled, found.kept, snap.volatile)
-            if slots is None:
-                self._no_direct = snap  # not tried again until the inputs change
-                return None
-            fresh = slots
-            args_now = _fresh_args(args, fresh, tensors)
-            if args_now is None:
-                return None
-        else:
-            args_now = args
-        checks = self.value_checks
-        checked = checks if checks is not None and checks.checks else None
-        if self._direct_checked is compiled:
-            # Checked already with other arrays in its slots (the snapshot changed: an
-            # input re-promoted to the cache, a parameter replaced); what the check
-            # covers is the entry point and the handlers, the same for this executable.
-            return _Direct(snap, found.execute, args, found.kept, found.handlers, checked, fresh)
-        try:
-            results = found.execute(args_now).consume_with_handlers(found.handlers)
-        except (TypeError, ValueError, RuntimeError):  # XLA refused the arguments
-            self._direct_failed = True
-            return None
-        if checked is not None:
-            results = results[:-1]  # the regular path just passed the same inputs
-        check = [self._to_torch(r) for r in results]
-        if not (
-            len(check) == len(outs)
-            and all(
-                a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-                for a, b in zip(check, outs, strict=True)
+        if self._entry.is_open:
+            self._direct = self._entry.after_call(
+                direct,
+                self._compiled,
+                self.inputs.current,
+                tensors,
+                outs,
+                needs_seed=self.needs_seed,
+                dynamic=self.executables.dynamic,
+                by_putter=self._fresh_by_putter,
+                to_torch=self._to_torch,
             )
-        ):
-            self._direct_failed = True
-            return None
-        self._direct_checked = compiled
-        return _Direct(snap, found.execute, args, found.kept, found.handlers, checked, fresh)
-
-    def _fresh_slots(
-        self, compiled: Any, kept: list[int], volatile: list[int]
-    ) -> list[_Fresh] | None:
-        """How each per-call input reaches the direct entry point (``_build_direct``):
-        its slot among XLA's arguments, its input position and its putter; None where
-        it cannot (not on the CPU, or no putter in this JAX release)."""
-        if not self._fresh_by_putter:
-            return None
-        avals = list(compiled.in_avals[0])
-        slot_of = {pos: slot for slot, pos in enumerate(kept)}
-        fresh = []
-        for pos in volatile:
-            if pos not in slot_of:
-                continue  # an input XLA dropped: never read
-            aval = avals[pos]
-            put = array_putter(tuple(aval.shape), aval.dtype, cpu_device())
-            if put is None:
-                return None
-            fresh.append(_Fresh(slot_of[pos], pos, put, tuple(aval.shape), np.dtype(aval.dtype)))
-        return fresh
+        return outs
 
     def _run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         arrays = self.inputs.arrays(tensors)
@@ -497,42 +376,6 @@ class CompiledPartition(torch.nn.Module):
     forward = __call__
 
 
-class _Fresh(NamedTuple):
-    """A per-call input of a direct call: where it goes and how it gets there."""
-
-    slot: int  # its place among the arguments XLA takes
-    pos: int  # its input position
-    put: Callable[[Any], jax.Array]  # NumPy view -> array (jax_internals.array_putter)
-    shape: tuple[int, ...]  # what the executable takes
-    dtype: np.dtype
-
-
-class _Direct(NamedTuple):
-    """What a call whose inputs are cached runs (``CompiledPartition._build_direct``)."""
-
-    snap: Any  # the InputCache snapshot these arguments were taken from
-    execute: Callable[[Sequence[jax.Array]], Any]  # the executable's own entry point
-    args: list[Any]  # the cached arrays XLA takes, in its order (None: a fresh slot)
-    kept: list[int]  # their input positions
-    handlers: list[Any]  # the results' handlers (output arrays as the dispatch makes)
-    checked: CheckTable | None  # the value checks read from the last output, if any
-    fresh: list[_Fresh]  # the per-call inputs among them (snap.volatile XLA reads)
-
-
-def _fresh_args(
-    cached: list[Any], fresh: list[_Fresh], tensors: Sequence[torch.Tensor]
-) -> list[Any] | None:
-    """The cached arrays with this call's arrays of the per-call inputs ``fresh`` in
-    their slots, or None where one is not of the shape and dtype the executable takes."""
-    args = cached.copy()
-    for slot, pos, put, shape, dtype in fresh:
-        view = fast_to_jax(tensors[pos])
-        if not isinstance(view, np.ndarray) or view.shape != shape or view.dtype != dtype:
-            return None
-        args[slot] = put(view)
-    return args
-
-
 def _own_outputs(
     fn: Callable[..., tuple[jax.Array, ...]],
 ) -> Callable[..., tuple[jax.Array, ...]]:
@@ -556,15 +399,3 @@ def draw_seed() -> np.ndarray:
     """A seed for a program with random ops, drawn from PyTorch's default generator
     (so `torch.manual_seed` makes compiled programs reproducible)."""
     return np.asarray(torch.randint(0, 2**62, (), dtype=torch.int64).item(), np.int64)
-
-
-def compile_partition(name: str, gm: torch.fx.GraphModule, **options: Any) -> CompiledPartition:
-    """Lowers the ATen graph ``gm`` to JAX and wraps it for calls from torch.
-
-    ``options``: ``crossing`` (required), ``cache``, ``stats``, ``max_executables``,
-    ``pad_to_buckets`` of ``CompiledPartition``; ``checks`` (default True): the
-    rules' value checks run in the program and raise eager's errors
-    (``lowering/checks.py``).
-    """
-    fn = to_jax_function(gm, value_checks=options.pop("checks", True))
-    return CompiledPartition(name, fn, needs_key(gm), gm, **options)

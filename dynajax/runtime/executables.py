@@ -27,7 +27,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import torch
@@ -42,7 +42,11 @@ from dynajax.runtime.buckets import (
     with_statics,
 )
 from dynajax.runtime.cache import CompileStats, ExecutableCache
-from dynajax.runtime.programs import describe_call
+from dynajax.runtime.programs import describe_call, describe_partition
+
+if TYPE_CHECKING:  # the values the backend hands the runtime
+    from dynajax.lowering.interpreter import LoweredPartition
+    from dynajax.sharding.placement import Crossing
 
 log = logging.getLogger("dynajax.shapes")
 
@@ -51,58 +55,56 @@ class Executables:
     """Compiles and keeps the executables of one partition.
 
     Args:
-        name: the partition's name (for logs).
-        fn: ``fn([seed,] *inputs)``, every input in placeholder order (static ones as
-            Python ints).
-        placeholders: the placeholders' ``meta["val"]`` (fake tensors, SymInts).
-        outputs: the output node's ``meta["val"]`` values.
-        needs_seed: ``fn`` takes a leading int64 seed.
-        cache: the persistent cache; stats: where compiles, hits and misses count.
+        lowered: the partition, lowered (``lowering/interpreter.LoweredPartition``): its
+            name (for logs), its placeholders' and outputs' ``meta["val"]`` (fake
+            tensors, SymInts), whether its function takes a leading int64 seed, and the
+            ``CheckTable`` its traces fill (None: no value checks; an executable loaded
+            without tracing fills it from the cache).
+        fn: its function as compiled, ``fn([seed,] *inputs)``, every input in
+            placeholder order (static ones as Python ints).
+        crossing: where it runs (``sharding/placement.Crossing``): the sharding of
+            inputs that are not ``jax.Array``s (NumPy views, the seed; arrays keep their
+            own; None: JAX's default device), the platform, the outputs' sharding (None:
+            XLA's choice; on a mesh, replicated, so that every process holds whole
+            outputs), and whether the persistent cache may serve it.
+        cache: the persistent cache (None: off); stats: where compiles, hits and misses
+            count. With a cache, the partition's graph is described
+            (``programs.describe_partition``) so that the cache finds an executable
+            without tracing; without, executables are keyed by their lowered text.
         max_executables: the LRU bound under dynamic shapes.
         pad_to_buckets: pad provably safe symbols to powers of two.
-        sharding: the sharding of inputs that are not ``jax.Array``s (NumPy views, the
-            seed); arrays keep their own (None: JAX's default device).
-        platform_name: the platform the executables run on.
-        out_sharding: the outputs' sharding (None: XLA's choice); on a mesh,
-            replicated, so that every process holds whole outputs.
-        program: the partition's graph as ``programs.describe_partition`` describes
-            it, so that the persistent cache finds an executable without tracing; None:
-            it keys executables by their lowered text.
-        check_table: the ``CheckTable`` that traces of ``fn`` fill (None: no value
-            checks); an executable loaded without tracing fills it from the cache.
     """
 
     def __init__(
         self,
-        name: str,
+        lowered: LoweredPartition,
         fn: Callable[..., Any],
-        placeholders: Sequence[Any],
-        outputs: Sequence[Any],
-        needs_seed: bool,
+        crossing: Crossing,
         *,
-        cache: ExecutableCache,
+        cache: ExecutableCache | None,
         stats: CompileStats,
         max_executables: int,
         pad_to_buckets: bool,
-        sharding: Any,
-        platform_name: str,
-        out_sharding: Any = None,
-        program: str | None = None,
-        check_table: Any = None,
     ) -> None:
-        self.name = name
+        if not crossing.persistent:
+            cache = None  # compiled here (a mesh: see Crossing.persistent)
+        self.name = lowered.name
         self.fn = fn
-        self.placeholders = list(placeholders)
-        self.outputs = list(outputs)
-        self.needs_seed = needs_seed
-        self.cache = cache
+        self.placeholders = list(lowered.input_vals)
+        self.outputs = list(lowered.output_vals)
+        self.needs_seed = lowered.needs_key
+        self.cache = cache if cache is not None else ExecutableCache(None)
         self.stats = stats
         self.max_executables = max_executables
-        self.sharding = sharding
-        self.platform_name = platform_name
-        self.out_sharding = out_sharding
-        self.program = program
-        self.check_table = check_table
+        self.sharding = crossing.sharding
+        self.platform_name = crossing.platform
+        self.out_sharding = crossing.out_sharding
+        self.program = (
+            describe_partition(lowered.graph, lowered.name)
+            if cache is not None and cache.directory is not None
+            else None
+        )
+        self.check_table = lowered.checks
         # Every input stays an argument of the executables, also one the program never
         # reads (jax.jit drops those by default): on an accelerator an input may be the
         # fence whose definition event orders the call after torch's stream (InputCache).

@@ -39,7 +39,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -49,7 +49,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 
 from dynajax.errors import OptionsError, ShardingError
 from dynajax.lowering.dtypes import TORCH_TO_JAX
-from dynajax.lowering.interpreter import input_vals, output_vals
 from dynajax.runtime.conversion import (
     accelerator_array,
     committed_cpu,
@@ -62,6 +61,9 @@ from dynajax.runtime.conversion import (
 )
 from dynajax.sharding.names import StateName
 from dynajax.sharding.rules import RulesLike, ShardingRules, describe_spec, misfit
+
+if TYPE_CHECKING:  # what placement reads of a partition, handed over by the backend
+    from dynajax.lowering.interpreter import LoweredPartition
 
 Converter = Callable[[torch.Tensor], Any]
 
@@ -460,14 +462,14 @@ class Crossing:
 
 
 def crossing(
-    graph: torch.fx.GraphModule,
+    lowered: LoweredPartition,
     placement: Placement | None = None,
     names: Sequence[StateName | None] = (),
 ) -> Crossing:
-    """Where the partition ``graph`` runs and how its tensors cross: on ``placement``
+    """Where the partition ``lowered`` runs and how its tensors cross: on ``placement``
     (the backend's ``device=``/``mesh=``; ``names``: each input's parameter or buffer
     name, for the mesh's rules), else where eager runs it, its tensors' device."""
-    vals, out_vals = input_vals(graph), output_vals(graph)
+    vals, out_vals = lowered.input_vals, lowered.output_vals
     # Where eager runs the graph: its inputs' device; with none, its outputs'. A 0-dim
     # CPU tensor may meet a GPU's tensors in one op (PyTorch takes it as a scalar): the
     # partition runs on the GPU and takes that tensor there per call.

@@ -24,7 +24,7 @@ from dynajax.errors import TrainStepError
 from dynajax.runtime.jax_internals import X64
 from dynajax.sharding.placement import Placement, gather_to_torch
 from dynajax.training.graph import StateKey
-from dynajax.training.program import StepArrays
+from dynajax.training.program import StepArrays, StepProgram
 from dynajax.training.state import StateLayout, TrainState, report_lines
 from dynajax.training.view import ModuleView
 from dynajax.training.watch import Watch
@@ -103,6 +103,31 @@ class Holding:
         the same every step)."""
         self._state = state
         self.state_signature = signature
+
+    def taken_by(self, program: StepProgram) -> list[Any]:
+        """What a step of ``program`` takes: the parameters, the buffers and the
+        optimizer's entries it reads (stored by its boundary, where it has one)."""
+        taken = [self.params, self.buffers, [self.state[k] for k in program.state_in]]
+        return program.boundary.stored(taken) if program.boundary is not None else taken
+
+    def not_taken(self, program: StepProgram, taken: list[Any]) -> None:
+        """``taken`` held again: the step of ``program`` raised before it returned
+        (its state was not donated and stays as it was)."""
+        if program.boundary is not None:
+            self.params, self.buffers, state_in = program.boundary.unstored(taken)
+            self._state.update(zip(program.state_in, state_in, strict=True))
+
+    def returned(
+        self, program: StepProgram, params: Any, buffers: Any, state: Any, frozen: Any
+    ) -> dict[StateKey, jax.Array]:
+        """The parameters, buffers and frozen tensors a step of ``program`` returned,
+        held; the optimizer's state it returned, by key (``stepped`` holds it)."""
+        if program.boundary is not None:
+            params, buffers, state = program.boundary.shaped([params, buffers, state])
+        self.params, self.buffers = list(params), list(buffers)
+        for i, a in zip(program.frozen_out, frozen, strict=True):
+            self.frozen[i] = a
+        return dict(zip(program.state_out, state, strict=True))
 
     def _members(self, placement: Placement) -> None:
         """The step's tensors as the module and optimizer have them now: the

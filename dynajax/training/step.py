@@ -332,13 +332,9 @@ class TrainStep:
             settings,
             held.structure,
         )
-        state_in = [held.state[k] for k in program.state_in]
         rng = torch.get_rng_state() if program.random else None
         seed = draw_seed() if program.random else np.int64(0)
-        boundary = program.boundary
-        taken = [held.params, held.buffers, state_in]
-        if boundary is not None:
-            taken = boundary.stored(taken)
+        taken = held.taken_by(program)
         try:
             with eager_errors():  # (an op run in eager PyTorch raised: eager's error)
                 (loss, aux), params, buffers, state, err, frozen = program.run(
@@ -349,20 +345,13 @@ class TrainStep:
                     xs,
                 )
         except BaseException:
-            # The program raised (a host callback: eager's error): the state was not
-            # donated and stays as it was; so does torch's generator.
-            if boundary is not None:
-                held.params, held.buffers, state_in = boundary.unstored(taken)
-                held.state.update(zip(program.state_in, state_in, strict=True))
+            # The program raised (a host callback: eager's error): the state stays as
+            # it was; so does torch's generator.
+            held.not_taken(program, taken)
             if rng is not None:
                 torch.set_rng_state(rng)
             raise
-        if boundary is not None:
-            params, buffers, state = boundary.shaped([params, buffers, state])
-        held.params, held.buffers = list(params), list(buffers)
-        for i, a in zip(program.frozen_out, frozen, strict=True):
-            held.frozen[i] = a
-        new_state = dict(zip(program.state_out, state, strict=True))
+        new_state = held.returned(program, params, buffers, state, frozen)
         if program.checks and value_checks.failed(err):
             # Eager raises on this batch: the program returned the state it took (the
             # parameters, buffers and moments as they were); state the step would have

@@ -264,7 +264,7 @@ def test_new_tensors_every_call_take_the_direct_entry_point(
 ) -> None:
     """A model called with new input tensors on every call (a token, a batch): its
     parameters are cached, the new tensors are put into arrays per call
-    (``CompiledPartition._fresh_slots``), and the executable's direct entry point runs
+    (``runtime/direct.py``), and the executable's direct entry point runs
     them with the cached ones; every answer is eager's (int64 indices included)."""
     model = _Tagger().to(dtype).eval()
     backend = dynajax.Backend(cache_dir="")

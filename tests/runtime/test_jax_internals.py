@@ -14,6 +14,7 @@ import torch
 
 import dynajax
 from dynajax.runtime import compiled as compiled_module
+from dynajax.runtime import direct as direct_module
 from dynajax.runtime import jax_internals
 from tests.tolerances import assert_same
 
@@ -63,7 +64,7 @@ def public_jax_only(monkeypatch):
     """The runtime as it runs on a JAX release without any of the internals."""
     monkeypatch.setattr(compiled_module, "X64", jax_internals._X64Switch(private=False))
     monkeypatch.setattr(compiled_module, "dispatch_of", lambda compiled: compiled)
-    monkeypatch.setattr(compiled_module, "direct_executor", lambda compiled: None)
+    monkeypatch.setattr(direct_module, "direct_executor", lambda compiled: None)
 
 
 @pytest.mark.parametrize("n_inputs", [1, 12])  # 12: past DIRECT_MIN_INPUTS

@@ -297,7 +297,7 @@ def test_many_calls_keep_live_buffers_flat() -> None:
 
 
 def test_many_cached_inputs_take_the_direct_path_and_see_updates() -> None:
-    from dynajax.runtime.compiled import DIRECT_MIN_INPUTS
+    from dynajax.runtime.direct import DIRECT_MIN_INPUTS
 
     n = max(DIRECT_MIN_INPUTS, 6) + 2  # the test updates inputs 0, 1, 3 and 5
 

@@ -16,7 +16,8 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dynajax
-from dynajax.runtime.compiled import compile_partition
+from dynajax.lowering.interpreter import lower_partition
+from dynajax.runtime.compiled import CompiledPartition
 from dynajax.runtime.conversion import fast_to_jax, zero_copy_array
 from dynajax.runtime.inputs import InputCache
 from dynajax.sharding.placement import crossing
@@ -100,7 +101,8 @@ def _partition() -> tuple[Any, list[torch.Tensor]]:
     weights = [torch.randn(16, 32), torch.randn(32), torch.randn(32, 32), torch.randn(32)]
     weights.append(torch.randn(32, 8))
     gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 16), *weights)
-    return (compile_partition("jax_0", gm, crossing=crossing(gm)), f), weights
+    lowered = lower_partition("jax_0", gm)
+    return (CompiledPartition(lowered, crossing=crossing(lowered)), f), weights
 
 
 def test_input_cache_refreshes_racing_give_every_argument() -> None:

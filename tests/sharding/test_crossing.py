@@ -11,16 +11,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from dynajax.lowering.interpreter import LoweredPartition, lower_partition
 from dynajax.runtime import conversion
 from dynajax.sharding.placement import Placement, crossing
 
 
-def _graph(device: str) -> torch.fx.GraphModule:
-    """``x * s, s + 1`` of an (x, s) on ``device`` with ``s`` a 0-dim CPU tensor."""
+def _graph(device: str) -> LoweredPartition:
+    """``x * s, s + 1`` of an (x, s) on ``device`` with ``s`` a 0-dim CPU tensor, lowered."""
     with FakeTensorMode():
         x = torch.empty(3, device=device)
         s = torch.empty(())
-    return make_fx(lambda x, s: (x * s, s + 1), tracing_mode="fake")(x, s)
+    return lower_partition("jax_0", make_fx(lambda x, s: (x * s, s + 1), tracing_mode="fake")(x, s))
 
 
 def test_cpu_tensors_cross_where_they_are_without_copies() -> None:
