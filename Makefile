@@ -28,10 +28,11 @@ graphviz:
 demo: install
 	$(PY) examples/demo.py
 
-# The suite in TEST_WORKERS processes (pytest-xdist; 2 by default, the cores CI has).
+# The suite in TEST_WORKERS processes (pytest-xdist; 2 by default, the cores CI has),
+# printing its 30 slowest tests (CI has 90 minutes for all of .ci/run).
 TEST_WORKERS ?= 2
 test: install graphviz
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=30 tests
 
 # Every OpInfo sample (long; not run in CI).
 opinfo-full: install

@@ -180,10 +180,10 @@ def draw_benchmarks(data: dict[str, Any], table: Table, path: Path) -> None:
         col = table.header.index(peer)
         ys, xs = [], []
         for j, row in enumerate(table.rows):
-            t, base = _seconds(row[col]), _seconds(row[ind])
-            if t and base:
+            t, t_base = _seconds(row[col]), _seconds(row[ind])
+            if t and t_base:
                 ys.append(j + k * height)
-                xs.append(t / base)
+                xs.append(t / t_base)
         ax.barh(ys, xs, height=height, label=peer)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log")

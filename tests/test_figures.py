@@ -100,3 +100,23 @@ def test_a_column_the_figure_lacks_is_named(figure: Path) -> None:
     figure.write_text(figure.read_text().replace("| family | ok | total |", "| family | speed |"))
     (problem,) = figures.problems([figure])
     assert problem.startswith("doc.md, table sweep: no column ['speed']")
+
+
+@pytest.mark.parametrize("peers", [["eager", "inductor", "dynajax"], ["eager", "dynajax"]])
+def test_the_benchmark_plot_names_the_peer_it_divides_by(
+    peers: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    base = "inductor" if "inductor" in peers else "eager"
+    seconds = {"eager": 2e-3, "inductor": 1e-3, "dynajax": 5e-4}
+    data = {
+        "meta": {"time": "2026-12-07T10:00:00", "cpus": 2, "device": "cpu", "peers": peers},
+        "workloads": {
+            "mlp": {"steady": {p: {"status": "ok", "median_s": seconds[p]} for p in peers}},
+        },
+    }
+    drawn: list = []
+    monkeypatch.setattr(figures, "_save", lambda fig, table, path: drawn.append(fig))
+    figures.draw_benchmarks(data, figures.benchmarks_table(data), tmp_path / "b.png")
+    (fig,) = drawn
+    assert fig.axes[0].get_xlabel().startswith(f"time per call / {base}'s ")

@@ -81,6 +81,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch._decomp
 from torch._decomp import core_aten_decompositions
@@ -333,6 +334,21 @@ def _gelu_backward(
     return (g * (s + 2 * x * s * rest * dz)).to(dtype)
 
 
+# Eager's hardsigmoid backward multiplies by a float constant, 1/6 rounded to float32
+# (``one_sixth(1.0f / 6.0f)`` in its CPU and CUDA kernels), in every dtype: a float64
+# gradient is 1.5e-8 relative from the decomposition's double 1/6.
+_ONE_SIXTH_FLOAT = float(np.float32(1.0 / 6.0))
+
+
+def _hardsigmoid_backward(grad_output: torch.Tensor, self: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``hardsigmoid`` as eager's kernels compute it: the slope is 1/6
+    rounded to float32 (``_ONE_SIXTH_FLOAT``); half-precision inputs in float32."""
+    dtype = self.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    x, g = self.to(compute), grad_output.to(compute)
+    return torch.where((x > -3.0) & (x < 3.0), g * _ONE_SIXTH_FLOAT, 0.0).to(dtype)
+
+
 def _nll_loss_forward(
     self: torch.Tensor,
     target: torch.Tensor,
@@ -470,6 +486,7 @@ def corrections() -> dict[Any, Callable[..., Any]]:
         aten.smooth_l1_loss_backward.default: _smooth_l1_loss_backward,
         aten.huber_loss.default: _huber_loss,
         aten.gelu_backward.default: _gelu_backward,
+        aten.hardsigmoid_backward.default: _hardsigmoid_backward,
         aten.nll_loss_forward.default: _nll_loss_forward,
         aten.nll_loss_backward.default: _nll_loss_backward,
         aten.nll_loss2d_backward.default: _nll_loss2d_backward,
