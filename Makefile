@@ -1,37 +1,68 @@
-# One-command setup on a fresh machine. torch==2.13.0 (a CPU build) is installed first
-# so that no dependency resolves an unpinned torch to a multi-GB CUDA build.
+# One-command setup on a fresh machine. torch==$(TORCH_VERSION) is installed first, so
+# that no dependency resolves an unpinned torch, and from PyTorch's own index for the
+# build TORCH_BUILD names:
+#   TORCH_BUILD=cpu     (the default) the CPU build, about 200 MB
+#   TORCH_BUILD=cu128   a CUDA build (cu126, cu128, ...): several GB of NVIDIA libraries
+#   TORCH_BUILD=pypi    the package index's torch: on Linux x86-64 that is a CUDA build
+# Where PyTorch's index cannot be reached (a machine that reaches only the package
+# index, as CI's), the package index's torch, with a note saying so.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+TORCH_BUILD ?= cpu
+TORCH_INDEX := https://download.pytorch.org/whl/$(TORCH_BUILD)
 
-.PHONY: install demo test test-full opinfo-full bench bench-quick lint fuzz docs dist wheel-check newest-torch figures
+# $(call install_torch,<python>): torch as TORCH_BUILD says, into that python's env.
+define install_torch
+	@if [ "$(TORCH_BUILD)" = pypi ]; then \
+		echo "installing torch $(TORCH_VERSION) from the package index"; \
+		$(1) -m pip install -q torch==$(TORCH_VERSION); \
+	else \
+		echo "installing torch $(TORCH_VERSION), the $(TORCH_BUILD) build, from $(TORCH_INDEX)"; \
+		$(1) -m pip install -q --retries 1 --timeout 30 --index-url $(TORCH_INDEX) \
+			torch==$(TORCH_VERSION) || \
+		{ echo "note: $(TORCH_INDEX) did not serve torch $(TORCH_VERSION): installing the package index's (on Linux x86-64, a CUDA build of several GB)"; \
+		$(1) -m pip install -q torch==$(TORCH_VERSION); }; \
+	fi
+endef
 
-$(VENV)/.installed: pyproject.toml
+.PHONY: install install-demo demo test test-full opinfo-full bench bench-quick lint fuzz docs dist wheel-check newest-torch figures graphviz
+
+# What the demo needs: torch, dynajax (jax with it) and transformers.
+$(VENV)/.installed-demo:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(call install_torch,$(PY))
+	$(PIP) install -q -e ".[hf]"
+	touch $@
+
+# Everything the tests, linters, docs and benchmarks use.
+$(VENV)/.installed: pyproject.toml $(VENV)/.installed-demo
 	$(PIP) install -q -e ".[test,viz,bench,lint,docs,hf,release]"
 	touch $@
 
 install: $(VENV)/.installed
 
-# Graphviz's `dot` renders Report.save_svg(); best effort (needs root and apt-get), the
-# test that renders an SVG says why it is skipped when `dot` is missing.
+install-demo: $(VENV)/.installed-demo
+
+# Graphviz's `dot` renders Report.save_svg(): installed with apt-get where it can be (CI
+# runs this; `make test` does not change the system), best effort; the test that renders
+# an SVG says why it is skipped when `dot` is missing.
 graphviz:
 	@command -v dot >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
 		(apt-get install -y -q graphviz || (apt-get update -q && apt-get install -y -q graphviz)) \
 		>/dev/null 2>&1) || \
 		echo "note: graphviz not installed; Report.save_svg() needs its 'dot' program"
 
-demo: install
+demo: install-demo
 	$(PY) examples/demo.py
 
 # The suite in TEST_WORKERS processes (pytest-xdist; 2 by default, the cores CI has),
 # printing its 30 slowest tests (CI has 90 minutes for all of .ci/run).
 TEST_WORKERS ?= 2
-test: install graphviz
+test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=30 tests
 
 # Every OpInfo sample (long; not run in CI).
@@ -73,7 +104,7 @@ wheel-check: dist
 	rm -rf $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(WHEEL_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(call install_torch,$(WHEEL_VENV)/bin/python)
 	$(WHEEL_VENV)/bin/python -m pip install -q "$$(ls dist/dynajax-*.whl)[hf,checkpoint]"
 	cd /tmp && $(WHEEL_VENV)/bin/python $(CURDIR)/tests/smoke_installed.py
 	cd /tmp && $(WHEEL_VENV)/bin/python $(CURDIR)/examples/demo.py
