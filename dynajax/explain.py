@@ -6,8 +6,14 @@ it returns): diagnostics never import the backend."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,8 +23,9 @@ from dynajax.diagnostics.breaks import watch_breaks
 from dynajax.diagnostics.profile import count_ops
 from dynajax.diagnostics.report import Report
 
-# Calls timed after the counted one (the report's times are their mean).
-TIMED_CALLS = 3
+# Rounds of the timing: each times one call compiled and one eager, interleaved, so that
+# both see the same machine (its load, its clock); the report gives the medians.
+ROUNDS = 7
 
 
 def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
@@ -28,38 +35,97 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     share of the program's ATen ops that ran in JAX, and the time of each graph and
     partition (the ``profile`` option).
 
-    It calls ``fn(*args, **kwargs)`` compiled six times: once to compile (graph breaks
-    are recorded), once under ``torch.profiler`` to count the ATen ops that ran
-    outside dynajax's graphs, once more untimed, and ``TIMED_CALLS`` times for the
-    times; then
-    ``TIMED_CALLS`` times eagerly, for eager's time beside them. A function with side
-    effects (a BatchNorm's running statistics in training mode, an optimizer step) has
-    them each time.
+    It calls ``fn(*args, **kwargs)`` compiled ``3 + ROUNDS`` times: once to compile
+    (graph breaks are recorded), once under ``torch.profiler`` to count the ATen ops
+    that ran outside dynajax's graphs, once more untimed, then ``ROUNDS`` times timed,
+    each beside one eager call (after one untimed eager call): the report gives both
+    medians and their spread. A function with side effects (a BatchNorm's running
+    statistics in training mode, an optimizer step) has them each time.
 
     The options come from ``DYNAJAX_*`` environment variables, with ``profile=True``; to
     explain with explicit options, compile with ``b = dynajax.Backend(...)`` and read
     ``dynajax.Report(b.graphs)`` (the graphs only: no graph breaks or ops outside them).
+    A function compiled before with another backend is compiled again (Dynamo's
+    backend guard): the report says that compile was explain's own.
     """
     backend = Backend(profile=True)
     compiled = torch.compile(fn, backend=backend)
     with watch_breaks() as breaks:
         compiled(*args, **kwargs)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    _own_recompiles(backend)
+    with (
+        _quiet_native_stderr(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
         compiled(*args, **kwargs)
     outside, calls = count_ops(prof.events())
     compiled(*args, **kwargs)  # the first call after the profiler's pays for its exit
     for g in backend.graphs:
         if g.times is not None:
             g.times.restart()  # the profiler's call is slower than the program's
-    seconds = _timed(compiled, args, kwargs)
-    eager_s = _timed(fn, args, kwargs)
+    fn(*args, **kwargs)  # eager's first call (its allocations, its kernels' first use)
+    ours, eager = _interleaved(compiled, fn, args, kwargs)
     graph_calls = {g.index: calls.get(f"dynajax/graph{g.index}", 0) for g in backend.graphs}
-    return Report(list(backend.graphs), breaks, outside, graph_calls, seconds, eager_s)
+    return Report(
+        list(backend.graphs),
+        breaks,
+        outside,
+        graph_calls,
+        statistics.median(ours),
+        statistics.median(eager),
+        (min(ours), max(ours)),
+        (min(eager), max(eager)),
+    )
 
 
-def _timed(fn: Callable[..., Any], args: Any, kwargs: Any) -> float:
-    """Mean seconds of ``TIMED_CALLS`` calls of ``fn``."""
-    start = time.perf_counter()
-    for _ in range(TIMED_CALLS):
+def _interleaved(
+    compiled: Callable[..., Any], fn: Callable[..., Any], args: Any, kwargs: Any
+) -> tuple[list[float], list[float]]:
+    """Seconds of ``ROUNDS`` calls of ``compiled`` and of ``fn``, one of each per round."""
+    ours, eager = [], []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        compiled(*args, **kwargs)
+        between = time.perf_counter()
         fn(*args, **kwargs)
-    return (time.perf_counter() - start) / TIMED_CALLS
+        ours.append(between - start)
+        eager.append(time.perf_counter() - between)
+    return ours, eager
+
+
+def _own_recompiles(backend: Backend) -> None:
+    """Names explain's own compile where ``fn`` was compiled before with another backend
+    (Dynamo's backend guard failed because explain's backend is a new one)."""
+    for g in backend.graphs:
+        if g.dynamo is not None and g.dynamo.backends:
+            own = dict.fromkeys(g.dynamo.backends, "dynajax.explain's own, with profile=True")
+            g.dynamo = dataclasses.replace(g.dynamo, backends=own)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Drops the lines PyTorch's profiler writes to the process's stderr (file
+    descriptor 2) as it starts and stops (``USDT: ... profiler_start``): they say
+    nothing to the user of explain. Anything else written there meanwhile is passed on."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to redirect
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [
+                line
+                for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                if not line.startswith("USDT:")
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))

@@ -33,6 +33,8 @@ log = logging.getLogger("dynajax.backend")
 # option) makes on purpose: the report says what changed instead.
 _BACKEND_MATCH = "BACKEND_MATCH failure"
 _ADVICE = " If this is unexpected"
+# A global torch setting (grad mode, deterministic algorithms, the default dtype...).
+_GLOBAL_STATE = "GLOBAL_STATE changed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,8 @@ class DynamoCompile:
             entry, sep, text = first.partition(": ")
             if not sep:
                 entry, text = "", first
+            if text.startswith(_GLOBAL_STATE):  # Dynamo names the setting, no more
+                text = f"{text.strip()} (differs from the call Dynamo compiled for)"
             if text.startswith(_BACKEND_MATCH):
                 change = self.backends.get(entry)
                 text = (

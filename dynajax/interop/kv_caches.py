@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from typing import Any
 
 import torch.fx._pytree as fx_pytree
@@ -242,15 +243,26 @@ def run_decompositions(ep: ExportedProgram, table: dict[Any, Any]) -> ExportedPr
     """
     signature = ep.module_call_graph[0].signature if ep.module_call_graph else None
     if signature is None or not _holds_cache(signature.out_spec):
-        return ep.run_decompositions(table)
+        return _decomposed(ep, table)
     out_spec = signature.out_spec
     signature.out_spec = pytree.tree_structure(tuple(range(out_spec.num_leaves)))
     try:
-        decomposed = ep.run_decompositions(table)
+        decomposed = _decomposed(ep, table)
     finally:
         signature.out_spec = out_spec
     decomposed.module_call_graph[0].signature.out_spec = out_spec
     return decomposed
+
+
+# torch 2.13's own deprecation, raised by its copy of a tree spec inside
+# ``run_decompositions``: nothing the user (or dynajax) can change.
+_LEAF_SPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+def _decomposed(ep: ExportedProgram, table: dict[Any, Any]) -> ExportedProgram:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _LEAF_SPEC_WARNING, FutureWarning)
+        return ep.run_decompositions(table)
 
 
 def jax_spec(spec: pytree.TreeSpec, unflatten: Any) -> pytree.TreeSpec:

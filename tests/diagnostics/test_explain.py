@@ -6,6 +6,7 @@ where the time goes (the ``profile`` option, and the ranges it names in
 from __future__ import annotations
 
 import os
+import time
 
 import jax
 import torch
@@ -240,3 +241,46 @@ def _short_here() -> str:
     import os
 
     return os.path.relpath(__file__)
+
+
+class _ColdFirstCall(nn.Module):
+    """A linear layer whose first eager call is slow (as a kernel's first use is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.cold = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).relu()
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        if self.cold and not torch.compiler.is_compiling():
+            self.cold = False
+            time.sleep(0.2)
+        return super().__call__(*args, **kwargs)
+
+
+def test_eagers_time_is_warmed_and_interleaved_with_a_spread(capfd) -> None:
+    # Eager's baseline is timed as the demo times it: after a first, untimed call, in
+    # rounds beside the compiled calls; medians, with the fastest and slowest call.
+    model, x = _ColdFirstCall(), torch.randn(4, 8)
+    report = dynajax.explain(model, x)
+    assert report.eager_s is not None and report.call_s is not None
+    assert report.eager_s < 0.1  # the 0.2 s first call is not among the timed ones
+    low, high = report.eager_range
+    assert low <= report.eager_s <= high
+    low, high = report.call_range
+    assert low <= report.call_s <= high
+    assert f"eager PyTorch {1e3 * report.eager_s:.3f} ms (" in str(report)
+    assert "USDT" not in capfd.readouterr().err  # the profiler's own lines are dropped
+
+
+def test_explains_own_recompile_is_named_as_such() -> None:
+    # A function compiled before with the default options is compiled again by
+    # explain's own backend: the report says so, not "options changed".
+    model, x = nn.Linear(4, 4), torch.randn(2, 4)
+    torch.compile(model, backend="dynajax")(x)
+    text = str(dynajax.explain(model, x))
+    assert "dynajax.explain's own, with profile=True" in text
+    assert "options changed" not in text

@@ -737,3 +737,16 @@ def test_call_errors_say_what_is_wrong() -> None:
         fn(state, torch.randn(4, 31).numpy())  # torch.export's reason follows
     with pytest.raises(JaxFunctionError, match="nested as the example arguments"):
         fn(state, x, x)
+
+
+def test_the_first_call_warns_of_nothing() -> None:
+    # torch 2.13's run_decompositions copies a tree spec through a deprecated check
+    # (FutureWarning "isinstance(treespec, LeafSpec) is deprecated"): not the user's.
+    import warnings
+
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn, state = dynajax.jax_function(model, x)
+        fn(state, x.numpy())
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
