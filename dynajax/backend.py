@@ -30,7 +30,13 @@ from dynajax.capability.memo import Evaluations
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, graph_report, snapshot_graph
 from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
-from dynajax.diagnostics.profile import GraphTimes, ProfiledPartition, profiled_graph
+from dynajax.diagnostics.profile import (
+    GraphTimes,
+    ProfiledPartition,
+    profiled_graph,
+    ranged_copy,
+    ranged_when_recording,
+)
 from dynajax.diagnostics.recompiles import DynamoCompile, dynamo_compile
 from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.lowering.interpreter import lower_partition
@@ -216,7 +222,15 @@ class Backend:
             for p in report.partitions:
                 setattr(gm, p.name, hook(report, p.name, getattr(gm, p.name)))
         run = stitched_callable(gm)
-        return profiled_graph(run, times) if times is not None else run
+        if times is not None:
+            return profiled_graph(run, times)
+        # Named in a profiler that records, with no option (the graph run then: a copy
+        # whose partitions open their ranges); one check per call otherwise.
+        label = f"dynajax/graph{report.index}"
+        names = [p.name for p in report.partitions]
+        return ranged_when_recording(
+            run, lambda: stitched_callable(ranged_copy(gm, label, names)), label
+        )
 
     def _partitioned(
         self,

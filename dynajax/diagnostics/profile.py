@@ -1,20 +1,21 @@
-"""Where the time goes (option ``profile``): each graph's and partition's calls, timed
-and named in the profilers users already run.
+"""Where the time goes: each graph's and partition's calls named in the profilers users
+already run, and with the option ``profile``, timed.
+
+By default, while ``torch.profiler`` or ``jax.profiler`` records, every call of a
+stitched graph opens a range named ``dynajax/graph<i>`` and each of its partitions one
+named ``dynajax/graph<i>/jax_<n>`` (``torch.profiler.record_function``, and
+``jax.profiler.TraceAnnotation`` while JAX traces), so a Perfetto or TensorBoard trace
+shows dynajax's programs beside PyTorch's kernels. The ranges cover the dispatch, as a
+CUDA kernel's launch range does: nothing waits for XLA's results. When no profiler
+records, a call pays one check (``ranged_when_recording``: two attribute reads and a
+Python frame) and runs the very graph it runs without: its partitions unwrapped.
 
 With ``profile=True`` the backend hands each compiled partition to ``ProfiledPartition``
-and each stitched graph to ``profiled_graph``. Every call then
-
-- opens a range named ``dynajax/graph<i>/jax_<n>`` (a partition) or ``dynajax/graph<i>``
-  (a graph) in ``torch.profiler`` (``record_function``) and in JAX's profiler
-  (``jax.profiler.TraceAnnotation``), so a Perfetto or TensorBoard trace shows
-  dynajax's programs beside PyTorch's kernels;
-- adds its seconds to the graph's ``GraphTimes``: per partition the crossing into JAX,
-  XLA's run (waited for) and the crossing back (``CompiledPartition.run_in_phases``),
-  and per graph the time outside its partitions: PyTorch's ops between them and the
-  stitching around them.
-
-The first call of each is kept apart (it compiles). Without ``profile`` none of this
-exists: the per-call path is the one the benchmarks measure.
+and each stitched graph to ``profiled_graph``. Every call then opens the same ranges
+and adds its seconds to the graph's ``GraphTimes``: per partition the crossing into JAX,
+XLA's run (waited for) and the crossing back (``CompiledPartition.run_in_phases``), and
+per graph the time outside its partitions: PyTorch's ops between them and the stitching
+around them. The first call of each is kept apart (it compiles).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from typing import Any
 
 import jax
 import torch
+import torch.fx
+
+from dynajax.runtime.jax_internals import jax_trace_state
+
+# Set while torch's profiler records (``_is_profiler_enabled``), and while JAX's traces
+# (``profile_session``; None: this JAX release keeps it elsewhere).
+_TORCH_PROFILER = torch.autograd.profiler
+_JAX_TRACE = jax_trace_state()
 
 
 @dataclasses.dataclass
@@ -190,6 +199,120 @@ def profiled_graph(run: Callable[..., Any], times: GraphTimes) -> Callable[..., 
     unboxed = run.unboxed  # type: ignore[attr-defined]
     boxed.unboxed = lambda *a, **k: timed(unboxed(*a, **k))  # type: ignore[attr-defined]
     return boxed
+
+
+class RangedPartition(torch.nn.Module):
+    """A compiled partition whose calls are named ranges in torch's and JAX's profilers
+    (no timing, no wait for XLA's results): the partitions of the graph a call runs
+    while a profiler records (``ranged_when_recording``).
+
+    Args:
+        label: the range's name (``dynajax/graph0/jax_0``).
+        part: the ``CompiledPartition`` (or what the backend's partition hook made of it).
+    """
+
+    part: Any
+
+    def __init__(self, label: str, part: Any) -> None:
+        super().__init__()
+        self.__dict__["part"] = part  # not a submodule: the graph calls this one
+        self.graph_module = part.graph_module
+        self.device_type = getattr(part, "device_type", None)
+        self.label = label
+        self._guarded = getattr(part, "run_guarded", part.run)
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with _ranges(self.label):
+            return self.part.run(tensors)
+
+    def run_guarded(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with _ranges(self.label):
+            return self._guarded(tensors)
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.run(tensors))
+
+    forward = __call__
+
+
+def ranged_copy(gm: torch.fx.GraphModule, label: str, names: Sequence[str]) -> torch.fx.GraphModule:
+    """The stitched graph ``gm`` again, its partitions ``names`` each a ``RangedPartition``
+    named ``label/<name>`` (``gm`` itself keeps its own partitions, unwrapped)."""
+    copy = torch.fx.GraphModule(gm, gm.graph)
+    for name in names:
+        setattr(copy, name, RangedPartition(f"{label}/{name}", getattr(gm, name)))
+    return copy
+
+
+def ranged_when_recording(
+    run: Callable[..., Any], make_ranged: Callable[[], Callable[..., Any]], label: str
+) -> Callable[..., Any]:
+    """The stitched graph's callable (aot_autograd's boxed convention, with its
+    ``unboxed`` factory): ``run``, except while torch's or JAX's profiler records, when
+    a call runs the ranged graph (the same graph, its partitions ``RangedPartition``s;
+    ``make_ranged()`` makes its stitched callable at the first such call) inside a range
+    named ``label``."""
+    inside = threading.local()  # (aot_autograd's first call calls the boxed callable)
+    jax_trace = _JAX_TRACE
+    torch_profiler = _TORCH_PROFILER
+    made: list[Callable[..., Any]] = []
+    lock = threading.Lock()
+
+    def ranged() -> Callable[..., Any]:
+        with lock:
+            if not made:
+                made.append(make_ranged())
+        return made[0]
+
+    def choose(
+        plain: Callable[..., Any], named: Callable[[], Callable[..., Any]]
+    ) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            if not (
+                torch_profiler._is_profiler_enabled
+                or (jax_trace is not None and jax_trace.profile_session is not None)
+            ):
+                return plain(*args)
+            if getattr(inside, "active", False):
+                return named()(*args)
+            inside.active = True
+            try:
+                with _ranges(label):
+                    return named()(*args)
+            finally:
+                inside.active = False
+
+        return call
+
+    boxed = choose(run, ranged)
+    boxed._boxed_call = True  # type: ignore[attr-defined]
+    boxed.graph_module = run.graph_module  # type: ignore[attr-defined]
+    plain_unboxed = run.unboxed  # type: ignore[attr-defined]
+
+    def unboxed(*a: Any, **k: Any) -> Callable[..., Any]:
+        named: list[Callable[..., Any]] = []
+
+        def ranged_unboxed() -> Callable[..., Any]:
+            if not named:  # (two threads may both make it: both are the same graph)
+                named.append(ranged().unboxed(*a, **k))  # type: ignore[attr-defined]
+            return named[0]
+
+        return choose(plain_unboxed(*a, **k), ranged_unboxed)
+
+    boxed.unboxed = unboxed  # type: ignore[attr-defined]
+    return boxed
+
+
+@contextlib.contextmanager
+def _ranges(label: str) -> Iterator[None]:
+    """A range named ``label`` in torch's profiler while it records, and in JAX's while
+    it traces."""
+    tracing = _JAX_TRACE is not None and _JAX_TRACE.profile_session is not None
+    with (
+        _torch_range(label),
+        jax.profiler.TraceAnnotation(label) if tracing else contextlib.nullcontext(),
+    ):
+        yield
 
 
 def _torch_range(label: str) -> contextlib.AbstractContextManager[Any]:

@@ -284,3 +284,46 @@ def test_explains_own_recompile_is_named_as_such() -> None:
     text = str(dynajax.explain(model, x))
     assert "dynajax.explain's own, with profile=True" in text
     assert "options changed" not in text
+
+
+@torch.no_grad()
+def test_with_the_default_options_a_recording_profiler_sees_every_graph_and_partition() -> None:
+    # No option: while torch's profiler records, each call is a range and so is each
+    # of its partitions; the compiled graph keeps its own partitions unwrapped.
+    backend = dynajax.Backend(fallback_ops=["aten.sort"])
+    compiled = torch.compile(mixed, backend=backend)
+    x, w = torch.randn(64, 32), torch.randn(32, 32)
+    compiled(x, w)  # compiles (its first call, outside the profiler)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            out = compiled(x, w)
+    torch.testing.assert_close(out, mixed(x, w))
+    found = {e.key: e.count for e in prof.key_averages()}
+    for name in ("dynajax/graph0", "dynajax/graph0/jax_0", "dynajax/graph0/jax_1"):
+        assert found.get(name) == 3, (name, sorted(k for k in found if "dynajax" in k))
+    [graph] = backend.graphs
+    assert all(type(m) is CompiledPartition for m in graph.graph_module.children())
+    # and outside the profiler, none
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pass
+    compiled(x, w)
+    assert not any("dynajax" in e.key for e in prof.key_averages())
+
+
+def test_a_first_call_under_the_profiler_is_one_range(tmp_path) -> None:
+    # The first call of a training graph runs aot_autograd's wrapper, which calls the
+    # compiled graph again: one call, one range. JAX's profiler names the calls too.
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend="dynajax")
+    x = torch.randn(4, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(x).sum().backward()
+    found = {e.key: e.count for e in prof.key_averages()}
+    assert found.get("dynajax/graph0") == 1 and found.get("dynajax/graph1") == 1, found
+    jax.profiler.start_trace(str(tmp_path))
+    try:
+        compiled(x).sum().backward()
+    finally:
+        jax.profiler.stop_trace()
+    traces = list(tmp_path.rglob("*.xplane.pb"))
+    assert traces and any(b"dynajax/graph0/jax_0" in t.read_bytes() for t in traces)
