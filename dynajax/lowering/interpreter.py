@@ -179,10 +179,7 @@ class LoweredPartition:
     output_vals: tuple[Any, ...]  # each output's meta["val"] (a non-node output itself)
     random_ops: tuple[torch.fx.Node, ...]  # the nodes that draw from the seed's key
     checks: checks.CheckTable | None  # the value checks its traces record (None: off)
-
-    @property
-    def needs_key(self) -> bool:
-        return bool(self.random_ops)
+    needs_key: bool  # it has random ops: ``fn`` takes the seed
 
 
 def lower_partition(
@@ -190,12 +187,14 @@ def lower_partition(
 ) -> LoweredPartition:
     """The partition ``gm`` (a ``jax_<n>`` of the stitched graph) lowered to JAX."""
     fn = to_jax_function(gm, value_checks=value_checks)
+    random_ops = tuple(random_nodes(gm))
     return LoweredPartition(
         name,
         gm,
         fn,
         tuple(input_vals(gm)),
         tuple(output_vals(gm)),
-        tuple(random_nodes(gm)),
+        random_ops,
         fn.table if isinstance(fn, checks.CheckedFunction) else None,
+        bool(random_ops),
     )
