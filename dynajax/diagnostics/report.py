@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import operator
 import os
-import textwrap
 from collections.abc import Callable
 
 import torch.fx
@@ -171,7 +170,7 @@ class GraphReport:
         return out
 
     def __str__(self) -> str:
-        return fitted(self.lines())
+        return "\n".join(self.lines())
 
 
 def _stats_lines(stats: CompileStats, indent: str) -> list[str]:
@@ -398,7 +397,7 @@ class Report:
         said = omp.advice() if self._runs_on_cpu() else None
         if said is not None:
             lines.extend(["", f"note: {said}"])
-        return fitted(lines)
+        return "\n".join(lines)
 
     def _runs_on_cpu(self) -> bool:
         """Whether a partition of these graphs runs on the CPU (where PyTorch's OpenMP
@@ -413,29 +412,3 @@ class Report:
 def _spread(seconds: tuple[float, float] | None) -> str:
     """`` (0.41-0.47)``: the fastest and slowest of the timed calls, in ms."""
     return "" if seconds is None else f" ({1e3 * seconds[0]:.3f}-{1e3 * seconds[1]:.3f})"
-
-
-# The report's width: a terminal's, wider than the 80 of old, narrower than a wide window.
-WIDTH = 100
-
-
-def fitted(lines: list[str], width: int = WIDTH) -> str:
-    """``lines`` as text no wider than ``width``: a longer line wraps at spaces, its
-    continuation indented two past the line's own indent (a word longer than the width,
-    a path, stays whole)."""
-    out = []
-    for line in lines:
-        if len(line) <= width:
-            out.append(line)
-            continue
-        indent = " " * (len(line) - len(line.lstrip()) + 2)
-        out.extend(
-            textwrap.wrap(
-                line,
-                width,
-                subsequent_indent=indent,
-                break_long_words=False,
-                break_on_hyphens=False,
-            )
-        )
-    return "\n".join(out)

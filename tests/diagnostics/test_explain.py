@@ -218,10 +218,8 @@ def test_a_backends_own_report_says_where_its_graphs_ended_at_a_graph_break() ->
     report = dynajax.Report(backend.graphs)
     assert report.graph_breaks == 1
     text = str(report)
-    first = text.split("\n\n")[0]  # the summary's first line, wrapped at 100 columns
-    assert "Dynamo broke the program at 1 place(s)" in " ".join(first.split()[:30])
-    flat = " ".join(text.split())  # (the report wraps at 100 columns)
-    assert f"ends at a graph break at {_short_here()}:{_line_of('# the GRU')}" in flat
+    assert "Dynamo broke the program at 1 place(s)" in text.splitlines()[0]
+    assert f"ends at a graph break at {_short_here()}:{_line_of('# the GRU')}" in text
 
     torch._dynamo.reset()
     backend = dynajax.Backend()
@@ -274,14 +272,8 @@ def test_eagers_time_is_warmed_and_interleaved_with_a_spread(capfd) -> None:
     assert low <= report.eager_s <= high
     low, high = report.call_range
     assert low <= report.call_s <= high
-    assert f"eager PyTorch {1e3 * report.eager_s:.3f} ms (" in " ".join(str(report).split())
+    assert f"eager PyTorch {1e3 * report.eager_s:.3f} ms (" in str(report)
     assert "USDT" not in capfd.readouterr().err  # the profiler's own lines are dropped
-
-
-def test_the_report_fits_a_terminal_of_100_columns() -> None:
-    model, x = _rnn()
-    text = str(dynajax.explain(model, x))
-    assert max(len(line) for line in text.splitlines()) <= 100, text
 
 
 def test_explains_own_recompile_is_named_as_such() -> None:
@@ -289,7 +281,7 @@ def test_explains_own_recompile_is_named_as_such() -> None:
     # explain's own backend: the report says so, not "options changed".
     model, x = nn.Linear(4, 4), torch.randn(2, 4)
     torch.compile(model, backend="dynajax")(x)
-    text = " ".join(str(dynajax.explain(model, x)).split())
+    text = str(dynajax.explain(model, x))
     assert "dynajax.explain's own, with profile=True" in text
     assert "options changed" not in text
 

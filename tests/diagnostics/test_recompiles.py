@@ -46,7 +46,7 @@ def _recompiles(backend) -> list[str]:
     """The lines of the report's ``recompiles`` blocks (each graph's)."""
     out: list[str] = []
     block = None
-    for line in [line for g in report_of(backend).graphs for line in g.lines()]:  # unwrapped
+    for line in str(report_of(backend)).splitlines():
         depth = len(line) - len(line.lstrip())
         if block is not None and depth > block:
             out.append(line)
