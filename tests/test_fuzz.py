@@ -66,20 +66,20 @@ def test_seeded_run_agrees_with_eager(tmp_path: pathlib.Path) -> None:
 
 
 def test_seeded_run_through_jax_function_agrees_with_eager(tmp_path: pathlib.Path) -> None:
-    """Programs 0..59 of seed 0 through ``dynajax.jax_function`` (``--through
+    """Programs 0..34 of seed 0 through ``dynajax.jax_function`` (``--through
     jax_function``): forward, and ``jax.vjp`` of the JAX function against
     ``torch.autograd``; differences torch.export itself makes are upstream."""
     summary = run(
         CI_SEED,
-        programs=60,
+        programs=35,
         out_dir=tmp_path,
         shrink_seconds=0,
         log=print,
         backend=through_jax.BACKEND,
     )
     print("\n".join(summary.lines()))
-    assert summary.programs == 60
-    assert summary.statuses[OK] > 45, summary.lines()
+    assert summary.programs == 35
+    assert summary.statuses[OK] > 26, summary.lines()
     new = [f"{f.signature}: {f.detail}\n  {f.reproducer}" for f in summary.new_failures]
     assert not new, "jax_function differs from eager:\n" + "\n".join(new)
     # ... inputs in other layouts and modules' parameters and buffers among them
