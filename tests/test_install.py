@@ -7,14 +7,11 @@ own index unless ``TORCH_BUILD`` says otherwise, and say so."""
 from __future__ import annotations
 
 import pathlib
-import shutil
 import subprocess
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
 
 
 def _planned(target: str, *variables: str) -> str:
