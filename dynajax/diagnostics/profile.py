@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -255,14 +256,8 @@ def ranged_when_recording(
     inside = threading.local()  # (aot_autograd's first call calls the boxed callable)
     jax_trace = _JAX_TRACE
     torch_profiler = _TORCH_PROFILER
-    made: list[Callable[..., Any]] = []
-    lock = threading.Lock()
-
-    def ranged() -> Callable[..., Any]:
-        with lock:
-            if not made:
-                made.append(make_ranged())
-        return made[0]
+    # (made at the first recording call; two threads may both make it: the same graph)
+    ranged = functools.cache(make_ranged)
 
     def choose(
         plain: Callable[..., Any], named: Callable[[], Callable[..., Any]]
@@ -290,13 +285,7 @@ def ranged_when_recording(
     plain_unboxed = run.unboxed  # type: ignore[attr-defined]
 
     def unboxed(*a: Any, **k: Any) -> Callable[..., Any]:
-        named: list[Callable[..., Any]] = []
-
-        def ranged_unboxed() -> Callable[..., Any]:
-            if not named:  # (two threads may both make it: both are the same graph)
-                named.append(ranged().unboxed(*a, **k))  # type: ignore[attr-defined]
-            return named[0]
-
+        ranged_unboxed = functools.cache(lambda: ranged().unboxed(*a, **k))  # type: ignore[attr-defined]
         return choose(plain_unboxed(*a, **k), ranged_unboxed)
 
     boxed.unboxed = unboxed  # type: ignore[attr-defined]
@@ -317,8 +306,9 @@ def _ranges(label: str) -> Iterator[None]:
 
 def _torch_range(label: str) -> contextlib.AbstractContextManager[Any]:
     """``torch.profiler.record_function(label)`` while torch's profiler records (a
-    range costs a dispatcher call each way; none when nothing records it). JAX's
-    ``TraceAnnotation`` is cheap when JAX's profiler is off, and always opened."""
+    range costs a dispatcher call each way; none when nothing records it). With
+    ``profile=True``, JAX's ``TraceAnnotation`` is always opened beside it (cheap when
+    JAX's profiler is off)."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(label)
     return contextlib.nullcontext()

@@ -177,7 +177,6 @@ class LoweredPartition:
     fn: Callable[..., tuple[jax.Array, ...]]
     input_vals: tuple[Any, ...]  # each input's meta["val"]: fake tensor or SymInt
     output_vals: tuple[Any, ...]  # each output's meta["val"] (a non-node output itself)
-    random_ops: tuple[torch.fx.Node, ...]  # the nodes that draw from the seed's key
     checks: checks.CheckTable | None  # the value checks its traces record (None: off)
     needs_key: bool  # it has random ops: ``fn`` takes the seed
 
@@ -187,14 +186,12 @@ def lower_partition(
 ) -> LoweredPartition:
     """The partition ``gm`` (a ``jax_<n>`` of the stitched graph) lowered to JAX."""
     fn = to_jax_function(gm, value_checks=value_checks)
-    random_ops = tuple(random_nodes(gm))
     return LoweredPartition(
         name,
         gm,
         fn,
         tuple(input_vals(gm)),
         tuple(output_vals(gm)),
-        random_ops,
         fn.table if isinstance(fn, checks.CheckedFunction) else None,
-        bool(random_ops),
+        bool(random_nodes(gm)),
     )

@@ -48,7 +48,7 @@ from dynajax.runtime.conversion import (
     to_torch,
     torch_importer,
 )
-from dynajax.runtime.direct import Direct, DirectEntry, fresh_args
+from dynajax.runtime.direct import DIRECT_MIN_INPUTS, Direct, DirectEntry, fresh_args
 from dynajax.runtime.executables import Executables
 from dynajax.runtime.inputs import InputCache
 from dynajax.runtime.jax_internals import X64, dispatch_of
@@ -256,11 +256,17 @@ class CompiledPartition(torch.nn.Module):
             outs = self._run(tensors)
         finally:
             X64.restore(token)
-        if self._entry.is_open:
-            self._direct = self._entry.after_call(
+        entry = self._entry
+        if entry.is_open and len(tensors) >= DIRECT_MIN_INPUTS:
+            snap = self.inputs.current  # (a new snapshot only: attribute reads per call)
+            if snap is None or snap is entry.refused:
+                return outs
+            if direct is not None and direct.snap is snap:
+                return outs
+            self._direct = entry.after_call(
                 direct,
                 self._compiled,
-                self.inputs.current,
+                snap,
                 tensors,
                 outs,
                 needs_seed=self.needs_seed,

@@ -91,7 +91,7 @@ class DirectEntry:
         self.is_open = is_open
         self.value_checks = value_checks
         # A snapshot whose per-call inputs cannot take the direct entry point.
-        self._refused: Any = None
+        self.refused: Any = None
         # The executable whose direct entry point gave the regular path's outputs.
         self._checked: Any = None
 
@@ -105,16 +105,13 @@ class DirectEntry:
         **how: Any,
     ) -> Direct | None:
         """The ``Direct`` for calls after a regular call of ``tensors`` (outputs
-        ``outs``) that left the input cache at ``snap``: ``current`` where it still
-        holds, a new one where the snapshot changed, None where the entry point is
-        closed (for good: ``is_open`` turns False). ``how``: the partition's
+        ``outs``) that left the input cache at a new snapshot ``snap`` (the caller has
+        checked that it is one: not ``current``'s, not ``refused``): ``current`` moved
+        to it where its arrays are the same, else a new one; None where the entry point
+        is closed (for good: ``is_open`` turns False). ``how``: the partition's
         ``needs_seed``, ``dynamic``, ``by_putter`` (per-call inputs reach the entry
         point through a putter: CPU, zero-copy) and ``to_torch`` (its results as
         tensors, for the one check)."""
-        if len(tensors) < DIRECT_MIN_INPUTS or not self.is_open:
-            return current
-        if snap is None or (current is not None and current.snap is snap) or snap is self._refused:
-            return current
         if current is not None and all(
             map(operator.is_, current.args, [snap.arrays[i] for i in current.kept])
         ):  # versions moved on (in-place updates), arrays are the same memory
@@ -145,7 +142,7 @@ class DirectEntry:
         if snap.volatile:
             slots = _fresh_slots(compiled, found.kept, snap.volatile) if by_putter else None
             if slots is None:
-                self._refused = snap  # not tried again until the inputs change
+                self.refused = snap  # not tried again until the inputs change
                 return None
             fresh = slots
             args_now = fresh_args(args, fresh, tensors)
