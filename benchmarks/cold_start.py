@@ -31,7 +31,7 @@ and, on the ``*-train-step`` rows: aot = the step's trace (the first trace of
 verdicts, lower = the JAX trace and lowering (none on a warm hit), xla as above.
 
 The ratios are medians over the pairs; warm/cold is per peer, and the last column is
-dynajax's warm first step over inductor's. Targets (issue 19): dynajax warm/cold <= 0.3,
+dynajax's warm first step over inductor's. Targets: dynajax warm/cold <= 0.3,
 and dynajax's warm first step below inductor's.
 """
 

@@ -5,7 +5,7 @@
     python -m benchmarks.run --workloads mlp,gpt2 --peers eager,dynajax
 
 Prints a table of per-call medians and ratios, cold first-call times, memory over many
-calls and the issue's targets; writes ``benchmarks/results/<stamp>.json`` (and
+calls and the project's speed targets; writes ``benchmarks/results/<stamp>.json`` (and
 ``latest.json``) and a plot (``<stamp>.png``, ``latest.png``).
 """
 
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(out: dict[str, Any]) -> dict[str, Any]:
-    """Ratios and the issue's targets."""
+    """Ratios and the project's speed targets."""
     rows = out["workloads"]
     s: dict[str, Any] = {"ratios": {}, "targets": {}}
     for name, r in rows.items():
@@ -160,7 +160,7 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
         g = _geomean([s["ratios"][n]["dynajax/inductor"] for n in heavy])
         target("model and training rows geomean: dynajax/inductor", g, 0.9)
     if models:
-        # The earlier issue's targets for the inference rows, kept for comparison.
+        # The inference rows' own geomean targets.
         for peer, limit in (("inductor", 0.7), ("eager", 0.6)):
             g = _geomean([s["ratios"][n][f"dynajax/{peer}"] for n in models])
             target(f"models geomean: dynajax/{peer}", g, limit)
@@ -375,7 +375,7 @@ def plot(out: dict[str, Any], path: Path) -> bool:
 # Environment settings that change the CPU's kernels or threads, read when the libraries
 # load (so as the process started): the OpenMP runtime's spin (runtime/omp.py), the
 # instruction sets PyTorch's kernels, oneDNN, MKL and XLA may use (an AVX2-only CPU is
-# emulated with these on an AVX-512 one; benchmarks/README.md, issue 39).
+# emulated with these on an AVX-512 one; benchmarks/RECORD.md).
 CPU_SETTINGS = (
     "GOMP_SPINCOUNT",
     "OMP_WAIT_POLICY",

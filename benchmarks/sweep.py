@@ -24,7 +24,7 @@ and ends as
 Each model runs in a worker process (one at a time per worker; a worker is replaced
 after a crash, a timeout or ``--recycle`` models), so one model's crash or hang costs
 that model only. ``use_cache`` is off in every config: ``jax_function`` of a model that
-returns a transformers cache is another item of the issue.
+returns a transformers cache is another matter.
 """
 
 from __future__ import annotations

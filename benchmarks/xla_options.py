@@ -1,5 +1,5 @@
 """Candidate XLA:CPU compile choices for dynajax's executables, side by side on the
-benchmark's model rows (issue 19 item 4).
+benchmark's model rows.
 
     python -m benchmarks.xla_options                          # mlp, encoder-layer, gpt2
     python -m benchmarks.xla_options --workloads mlp,mlp-train --rounds 40

@@ -78,7 +78,7 @@ def main() -> None:
         print(f"dynajax / eager time: {median['dynajax'] / median['eager']:.2f}")
         print(
             "(the ratio depends on the machine and its load; the measured tables are in "
-            "README.md and benchmarks/README.md)"
+            "README.md and benchmarks/RECORD.md)"
         )
         print()
         print(dynajax.explain(model, tokens))

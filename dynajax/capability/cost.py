@@ -45,7 +45,7 @@ dtypes: ``capability/memo.py``), and the report lists them with the choice
   convolution alone on most of ResNet's shapes (1.5-2x), but each convolution kept in
   PyTorch cuts the partition around it; on 2026-11-29 ResNet-18's inference graph
   (batch 8, 64x64) ran 21.97 ms with its convolutions in PyTorch and 29.05 ms all in
-  JAX, its training backward 56.64 and 54.75 ms (``benchmarks/README.md``).
+  JAX, its training backward 56.64 and 54.75 ms (``benchmarks/RECORD.md``).
 * ``mode`` and ``kthvalue`` on CPU tensors. PyTorch's kernels select in place on each
   row; the rules sort the rows, and where values tie run PyTorch's own algorithms step
   by step to give its index (``lowering/eager_sorting.py``), a loop per step. Each op
@@ -278,7 +278,7 @@ _MEASURED: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], bool]] = {
 # Of those, the ones measured only in their graph (``in_graph.py``); where the graph
 # cannot be timed they take the defaults (XLA). A network's convolutions are many
 # nodes, and each is cheap: alone, oneDNN's kernel beat XLA's convolution on most of
-# ResNet's shapes (``benchmarks/README.md``, "Convolution algorithms"), yet the model
+# ResNet's shapes (``benchmarks/RECORD.md``, "Convolution algorithms"), yet the model
 # with them in PyTorch pays a crossing and a cut partition per convolution; only the
 # graph tells.
 _IN_GRAPH_ONLY = frozenset({aten.convolution.default, aten.convolution_backward.default})

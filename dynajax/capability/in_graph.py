@@ -5,7 +5,7 @@ with PyTorch's kernel, the JAX partition around the op is cut in two, the tensor
 between XLA's work and the kernel are made and crossed, XLA's fusions around the op are
 lost, and the two runtimes hand their threads over twice. On the benchmark's
 ``attention-512`` row the attention alone took 14.8 ms in PyTorch and 16.1 ms in XLA,
-yet the block ran 3-6% faster all in JAX (``benchmarks/README.md``, 2026-11-29).
+yet the block ran 3-6% faster all in JAX (``benchmarks/RECORD.md``, 2026-11-29).
 
 So where it can, the backend times the choice in place (``choose``): it partitions the
 graph twice, once with every measured candidate (``cost._MEASURED``) in PyTorch and

@@ -1,7 +1,7 @@
 """How a convolution is computed: the algorithm is chosen per call from its shapes.
 
 XLA's CPU convolution is slow or pathological on shapes real networks reach, measured
-against PyTorch's oneDNN kernels (numbers in benchmarks/README.md):
+against PyTorch's oneDNN kernels (numbers in benchmarks/RECORD.md):
 
 * an output extent smaller than the kernel's (a 3x3 kernel over ResNet's 2x2 last
   stage) runs 40-90x slower than the same product written as a matmul;

@@ -6,7 +6,7 @@ set as free fragments that glibc does not return by itself, so a process that co
 holds more than one that did not, for as long as it runs. After ``train_step`` builds
 a program, dynajax asks glibc to return the free pages (``malloc_trim(0)``; 3-5 ms
 after ResNet-18's step, whose steady resident peak falls by 59 MiB,
-``benchmarks/README.md``). Where the C library is not glibc it does nothing.
+``benchmarks/RECORD.md``). Where the C library is not glibc it does nothing.
 """
 
 from __future__ import annotations
