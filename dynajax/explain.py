@@ -35,12 +35,14 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     share of the program's ATen ops that ran in JAX, and the time of each graph and
     partition (the ``profile`` option).
 
-    It calls ``fn(*args, **kwargs)`` compiled ``3 + ROUNDS`` times: once to compile
+    It calls ``fn(*args, **kwargs)`` compiled ``3 + 2 * ROUNDS`` times: once to compile
     (graph breaks are recorded), once under ``torch.profiler`` to count the ATen ops
-    that ran outside dynajax's graphs, once more untimed, then ``ROUNDS`` times timed,
-    each beside one eager call (after one untimed eager call): the report gives both
-    medians and their spread. A function with side effects (a BatchNorm's running
-    statistics in training mode, an optimizer step) has them each time.
+    that ran outside dynajax's graphs, once more untimed, ``ROUNDS`` times with each
+    partition's phases timed (XLA's run waited for), then ``ROUNDS`` times as the
+    program runs without the option (nothing waits inside it), each beside one eager
+    call (after one untimed eager call): the report gives both medians and their spread.
+    A function with side effects (a BatchNorm's running statistics in training mode, an
+    optimizer step) has them each time.
 
     The options come from ``DYNAJAX_*`` environment variables, with ``profile=True``; to
     explain with explicit options, compile with ``b = dynajax.Backend(...)`` and read
@@ -60,11 +62,20 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
         compiled(*args, **kwargs)
     outside, calls = count_ops(prof.events())
     compiled(*args, **kwargs)  # the first call after the profiler's pays for its exit
-    for g in backend.graphs:
-        if g.times is not None:
-            g.times.restart()  # the profiler's call is slower than the program's
-    fn(*args, **kwargs)  # eager's first call (its allocations, its kernels' first use)
-    ours, eager = _interleaved(compiled, fn, args, kwargs)
+    timed = [g.times for g in backend.graphs if g.times is not None]
+    for times in timed:
+        times.restart()  # the profiler's call is slower than the program's
+    for _ in range(ROUNDS):
+        compiled(*args, **kwargs)  # each partition's phases
+    for times in timed:
+        times.timing = False
+    try:
+        compiled(*args, **kwargs)  # (the regular path's first call after the timed ones)
+        fn(*args, **kwargs)  # eager's first call (its allocations, its kernels' first use)
+        ours, eager = _interleaved(compiled, fn, args, kwargs)
+    finally:
+        for times in timed:
+            times.timing = True
     graph_calls = {g.index: calls.get(f"dynajax/graph{g.index}", 0) for g in backend.graphs}
     return Report(
         list(backend.graphs),

@@ -91,6 +91,9 @@ class GraphTimes:
     partitions: dict[str, Times] = dataclasses.field(default_factory=dict)
     # seconds in partitions during the graph's calls after its first
     inside_s: float = 0.0
+    # False: calls take the graph's regular path, untimed (``dynajax.explain`` times the
+    # whole program that way, with no wait for XLA's results inside it)
+    timing: bool = True
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def restart(self) -> None:
@@ -147,16 +150,20 @@ class ProfiledPartition(torch.nn.Module):
         super().__init__()
         self.__dict__["part"] = part  # not a submodule: the graph calls this one
         self.graph_module = part.graph_module
-        self.device_type = part.device_type  # where it runs, as the report reads it
+        self.device_type = getattr(part, "device_type", None)  # where it runs
         self.name = name
         self.label = f"{times.label}/{name}"
         self._times = times
         self._own = times.partitions.setdefault(name, Times())
+        self._in_phases = getattr(part, "run_in_phases", None)
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         start = time.perf_counter()
         with _torch_range(self.label), jax.profiler.TraceAnnotation(self.label):
-            outs, phases = self.part.run_in_phases(tensors)
+            if self._in_phases is not None:
+                outs, phases = self._in_phases(tensors)
+            else:  # a partition hook's wrapper: timed whole
+                outs, phases = self.part.run(tensors), None
         seconds = time.perf_counter() - start
         with self._times._lock:
             if self._own.add(seconds, phases) and self._times.graph.first_s is not None:
@@ -169,16 +176,22 @@ class ProfiledPartition(torch.nn.Module):
     forward = __call__
 
 
-def profiled_graph(run: Callable[..., Any], times: GraphTimes) -> Callable[..., Any]:
+def profiled_graph(
+    run: Callable[..., Any], times: GraphTimes, regular: Callable[..., Any]
+) -> Callable[..., Any]:
     """The stitched graph's callable ``run`` (aot_autograd's boxed convention, with its
-    ``unboxed`` factory), its calls timed and named ``times.label``."""
+    ``unboxed`` factory; its partitions ``ProfiledPartition``s), its calls timed and
+    named ``times.label``; while ``times.timing`` is False, the graph's ``regular``
+    callable (the same convention) instead."""
 
     # The first call of the unboxed callable runs aot_autograd's wrapper, which calls
     # the boxed one: that inner call is the same call, not another (one range, one time).
     inside = threading.local()
 
-    def timed(call: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(call: Callable[..., Any], untimed: Callable[..., Any]) -> Callable[..., Any]:
         def profiled(*args: Any) -> Any:
+            if not times.timing:
+                return untimed(*args)
             if getattr(inside, "active", False):
                 return call(*args)
             inside.active = True
@@ -194,11 +207,13 @@ def profiled_graph(run: Callable[..., Any], times: GraphTimes) -> Callable[..., 
 
         return profiled
 
-    boxed = timed(run)
+    boxed = timed(run, regular)
     boxed._boxed_call = True  # type: ignore[attr-defined]
     boxed.graph_module = run.graph_module  # type: ignore[attr-defined]
-    unboxed = run.unboxed  # type: ignore[attr-defined]
-    boxed.unboxed = lambda *a, **k: timed(unboxed(*a, **k))  # type: ignore[attr-defined]
+    unboxed, regular_unboxed = run.unboxed, regular.unboxed  # type: ignore[attr-defined]
+    boxed.unboxed = lambda *a, **k: timed(  # type: ignore[attr-defined]
+        unboxed(*a, **k), regular_unboxed(*a, **k)
+    )
     return boxed
 
 

@@ -371,8 +371,9 @@ class Report:
                 else ""
             )
             lines.append(
-                f"time per call: {1e3 * self.call_s:.3f} ms{_spread(self.call_range)}, "
-                f"{graphs_ms:.3f} ms of it in dynajax's graphs{eager}"
+                f"time per call: {1e3 * self.call_s:.3f} ms{_spread(self.call_range)}{eager}; "
+                f"timed phase by phase (each partition waited for, below), dynajax's graphs "
+                f"{graphs_ms:.3f} ms"
             )
         if self.breaks:
             lines.append(

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import dynajax
-from dynajax.diagnostics.profile import ProfiledPartition
 from dynajax.runtime.compiled import CompiledPartition
 from tests.helpers import compare_with_eager, measured_faster
 
@@ -199,13 +198,27 @@ def test_without_profile_the_per_call_path_has_no_wrappers() -> None:
     kids = list(graph.graph_module.children())
     assert len(kids) == 2 and all(type(m) is CompiledPartition for m in kids), kids
     assert graph.times is None
-    # with it, the same partitions are wrapped
+    # with it, the graph's regular path is the same; a copy of it, its partitions
+    # wrapped, times the calls while ``times.timing`` holds
     profiled = dynajax.Backend(profile=True, fallback_ops=["aten.sort"])
     torch._dynamo.reset()
-    torch.compile(mixed, backend=profiled)(torch.randn(4, 8), torch.randn(8, 8))
+    fn = torch.compile(mixed, backend=profiled)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    fn(x, w)
     [graph] = profiled.graphs
     kids = list(graph.graph_module.children())
-    assert len(kids) == 2 and all(type(m) is ProfiledPartition for m in kids), kids
+    assert len(kids) == 2 and all(type(m) is CompiledPartition for m in kids), kids
+    times = graph.times
+    assert times is not None and times.graph.first_s is not None
+    assert set(times.partitions) == {"jax_0", "jax_1"}
+    timed_out = fn(x, w)
+    assert times.graph.calls == 1 and all(t.calls == 1 for t in times.partitions.values())
+    times.timing = False  # as explain times the whole program: not counted, not waited
+    torch.testing.assert_close(fn(x, w), timed_out, rtol=0, atol=0)
+    assert times.graph.calls == 1 and all(t.calls == 1 for t in times.partitions.values())
+    times.timing = True
+    fn(x, w)
+    assert times.graph.calls == 2
 
 
 @torch.no_grad()
