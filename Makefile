@@ -28,7 +28,7 @@ define install_torch
 	fi
 endef
 
-.PHONY: install install-demo demo test test-full opinfo-full bench bench-quick lint fuzz docs dist wheel-check newest-torch figures graphviz
+.PHONY: install install-demo demo test test-full opinfo-full bench bench-quick lint fuzz docs site-check dist wheel-check newest-torch figures graphviz
 
 # What the demo needs: torch, dynajax (jax with it) and transformers.
 $(VENV)/.installed-demo:
@@ -89,6 +89,16 @@ lint: install
 # The user guide (docs/, mkdocs.yml) into site/; --strict: a warning or a broken link fails.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The built guide in headless Chromium, every page at 1280 px and 390 px: a table, figure
+# or code block that does not fit fails (tests/site_check.py; SHOTS=dir saves screenshots).
+# Installs Debian's chromium and chromium-driver where they are missing (as root; it says so).
+site-check: docs
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
+		echo "site-check: installing Debian's chromium and chromium-driver (apt-get)"; \
+		apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null); }
+	$(PY) tests/site_check.py site $(if $(SHOTS),--shots $(SHOTS))
 
 # The wheel and sdist, built as a release would be (python -m build) and checked
 # (twine check --strict: metadata, README rendering).

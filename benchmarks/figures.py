@@ -209,7 +209,7 @@ def memory_table(data: dict[str, Any]) -> Table:
     """Per row: each peer's peak resident set during a steady step, dynajax's against
     eager's and inductor's, and dynajax's peak up to its steady step (the compiles)."""
     peers = list(next(iter(data["rows"].values())))
-    header = ["workload", *(f"{p}, steady step" for p in peers)]
+    header = ["workload", *peers]  # (each peer's peak during a steady step)
     header += ["dynajax / eager", "dynajax / inductor", "dynajax, first steps"]
 
     def mib(r: dict[str, Any], key: str) -> str:

@@ -5,6 +5,7 @@ any graph; the report counts them, says why, and how to capture them.
 
     python examples/explain_rnn.py              # as Dynamo does by default
     python examples/explain_rnn.py --allow-rnn  # torch._dynamo.config.allow_rnn = True
+    python examples/explain_rnn.py --width 88   # lines wrapped at 88 columns (100 by default)
 """
 
 from __future__ import annotations  # noqa: I001 (dynajax first: see below)
@@ -37,8 +38,9 @@ def main() -> None:
         torch._dynamo.config.allow_rnn = True
     torch.manual_seed(0)
     model, x = RNNNet().eval(), torch.randn(8, 4, 32)
+    width = int(sys.argv[sys.argv.index("--width") + 1]) if "--width" in sys.argv else 100
     with torch.no_grad():
-        print(dynajax.explain(model, x))
+        print(dynajax.explain(model, x).text(width))
 
 
 if __name__ == "__main__":

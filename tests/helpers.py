@@ -110,7 +110,7 @@ def partition_ops(source: HasGraphs) -> set[str]:
 def assert_no_fallbacks(source: HasGraphs) -> None:
     """Nothing of any graph of ``source`` stayed in PyTorch."""
     report = report_of(source)
-    assert report.fallbacks == [], str(report)
+    assert report.fallbacks == [], report.text(width=None)
 
 
 def assert_ops_in_jax(source: HasGraphs, *ops: str) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import operator
 import os
+import textwrap
 from collections.abc import Callable
 
 import torch.fx
@@ -23,6 +24,9 @@ from dynajax.passes.user import RewriteRecord
 from dynajax.runtime import omp
 from dynajax.runtime.cache import CompileStats, stats_of
 from dynajax.sharding.report import GraphSharding
+
+# The report's width: a terminal of 100 columns.
+WIDTH = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +173,13 @@ class GraphReport:
             out.append(f"  host-scalar bookkeeping, not fallbacks: {names}{more}")
         return out
 
+    def text(self, width: int | None = WIDTH) -> str:
+        """The report as text, its lines wrapped at ``width`` columns (None: unwrapped,
+        one line per item, for a log or a search)."""
+        return fitted(self.lines(), width)
+
     def __str__(self) -> str:
-        return "\n".join(self.lines())
+        return self.text()
 
 
 def _stats_lines(stats: CompileStats, indent: str) -> list[str]:
@@ -337,7 +346,16 @@ class Report:
 
         render(self.to_dot(), path, "png")
 
+    def text(self, width: int | None = WIDTH) -> str:
+        """The report as text, its lines wrapped at ``width`` columns (None: unwrapped,
+        one line per item, for a log or a search)."""
+        return fitted(self.lines(), width)
+
     def __str__(self) -> str:
+        return self.text()
+
+    def lines(self) -> list[str]:
+        """The report's lines, unwrapped."""
         total = self.program_ops
         if total is None:
             lines = [
@@ -398,7 +416,7 @@ class Report:
         said = omp.advice() if self._runs_on_cpu() else None
         if said is not None:
             lines.extend(["", f"note: {said}"])
-        return "\n".join(lines)
+        return lines
 
     def _runs_on_cpu(self) -> bool:
         """Whether a partition of these graphs runs on the CPU (where PyTorch's OpenMP
@@ -413,3 +431,25 @@ class Report:
 def _spread(seconds: tuple[float, float] | None) -> str:
     """`` (0.41-0.47)``: the fastest and slowest of the timed calls, in ms."""
     return "" if seconds is None else f" ({1e3 * seconds[0]:.3f}-{1e3 * seconds[1]:.3f})"
+
+
+def fitted(lines: list[str], width: int | None = WIDTH) -> str:
+    """``lines`` as text no wider than ``width`` (None: as they are): a longer line wraps
+    at spaces, its continuation indented two past the line's own indent (a word longer
+    than the width, a path, stays whole)."""
+    out = []
+    for line in lines:
+        if width is None or len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip()) + 2)
+        out.extend(
+            textwrap.wrap(
+                line,
+                width,
+                subsequent_indent=indent,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+        )
+    return "\n".join(out)

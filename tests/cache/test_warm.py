@@ -74,8 +74,8 @@ def test_fallback_between_partitions(tmp_path, traces) -> None:
     assert traces[0] == traced
     assert _stats(warm).cache_hits == 2 and _stats(warm).xla_compiles == 0
     assert (
-        str(dynajax.Report(warm.graphs)).split("compile")[0]
-        == str(dynajax.Report(cold.graphs)).split("compile")[0]
+        dynajax.Report(warm.graphs).text(width=None).split("compile")[0]
+        == dynajax.Report(cold.graphs).text(width=None).split("compile")[0]
     )
 
 

@@ -93,7 +93,7 @@ def test_the_graph_is_built_both_ways_and_the_faster_kept(monkeypatch, faster: s
     assert reasons == ([Reason.PERF] if faster == "pytorch" else [])
     in_jax = sum(p.op_count for g in report.graphs for p in g.partitions)
     assert (in_jax == 0) == (faster == "pytorch")
-    text = str(report)
+    text = report.text(width=None)
     pytorch_ms, xla_ms = (t * 1e3 for t in times)
     timed_text = f"its graph with PyTorch's kernel {pytorch_ms:.2f} ms, all in JAX {xla_ms:.2f} ms"
     assert timed_text in text
@@ -154,7 +154,7 @@ def test_beside_a_users_op_the_op_is_timed_alone(monkeypatch, faster: str) -> No
     assert (choice.pytorch_s, choice.xla_s, choice.measure_s, choice.scope) == (*times, "op")
     reasons = [f.reason for f in report.fallbacks if f.reason is not Reason.NO_LOWERING]
     assert reasons == ([Reason.PERF] if faster == "pytorch" else [])
-    text = str(report)
+    text = report.text(width=None)
     assert "PyTorch's kernel 1.00 ms" in text or "PyTorch's kernel 2.00 ms" in text
     assert f"runs in {'PyTorch' if faster == 'pytorch' else 'JAX'} (measuring took 0.50 s)" in text
 
@@ -403,7 +403,7 @@ def test_a_failure_in_any_stage_of_timing_a_graph_takes_the_default(monkeypatch,
         assert named in c.error and "RuntimeError: planted failure" in c.error
     assert [f for f in report.fallbacks if f.reason is Reason.PERF] == []
     assert sum(p.op_count for g in report.graphs for p in g.partitions) == report.aten_ops
-    text = str(report)
+    text = report.text(width=None)
     assert "aten.convolution.default  convolution  not measured (timing its graph:" in text
     assert "planted failure): runs in JAX, the default" in text
 
@@ -430,4 +430,4 @@ def test_a_failure_in_any_stage_of_timing_an_op_alone_takes_the_default(monkeypa
     assert named in choice.error and "planted failure" in choice.error
     assert not choice.in_pytorch
     assert [f for f in report.fallbacks if f.reason is Reason.PERF] == []
-    assert "not measured (timing the op:" in str(report)
+    assert "not measured (timing the op:" in report.text(width=None)

@@ -186,7 +186,7 @@ def test_data_dependent_ops_run_eagerly(case) -> None:
     ):
         report = compare_with_eager(lambda x: fn(torch.sin(x)), torch.randn(16))
     producers = _by_target(report, target)
-    assert producers, str(report)
+    assert producers, report.text(width=None)
     assert all(p.reason is Reason.DATA_DEPENDENT_SHAPE for p in producers)
     assert "only known after running the op" in producers[0].detail
     # The sin before is in JAX; the consumer of the unbacked size stays in PyTorch.
@@ -427,7 +427,7 @@ def test_linalg_error_check_runs_on_the_host_after_jax() -> None:
         compiled(torch.zeros(3, 3))
     assert str(got.value) == str(eager.value)
     report = compare_with_eager(torch.linalg.inv, torch.randn(3, 3) + 3 * torch.eye(3))
-    assert report.fallbacks == [], str(report)
+    assert report.fallbacks == [], report.text(width=None)
     assert [v.target for v in report.graphs[0].host_scalars] == [
         "torch.ops.higher_order.with_effects"
     ]

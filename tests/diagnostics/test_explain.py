@@ -55,7 +55,7 @@ def test_an_rnn_dynamo_leaves_to_python_never_reads_as_all_in_jax() -> None:
     assert gb.where.endswith(f"test_explain.py:{_line_of('# the GRU')}")
     assert gb.code.startswith("o, _ = self.gru(h)")
     assert any("torch._dynamo.config.allow_rnn=True" in h for h in gb.hints)
-    text = str(report)
+    text = report.text(width=None)
     assert "4/" in text and "outside any graph" in text and "allow_rnn" in text
 
 
@@ -67,7 +67,7 @@ def test_with_allow_rnn_the_same_net_is_one_graph_in_jax() -> None:
     assert report.breaks == [] and report.outside_ops == 0
     assert report.graph_calls == {0: 1}
     assert report.fraction_in_jax > 0.9 and report.aten_ops > 100
-    assert "no graph breaks" in str(report)
+    assert "no graph breaks" in report.text(width=None)
     with torch._dynamo.config.patch(allow_rnn=True):
         compare_with_eager(model, x)
 
@@ -185,7 +185,7 @@ def test_the_report_gives_each_partitions_time_by_phase(monkeypatch) -> None:
         assert t.calls == 4 and t.xla_s > 0 and t.cross_in_s > 0 and t.cross_out_s > 0
         assert t.cross_in_s + t.xla_s + t.cross_out_s <= t.total_s
     assert 0 < times.between_s < times.graph.total_s
-    text = str(dynajax.Report(backend.graphs))
+    text = dynajax.Report(backend.graphs).text(width=None)
     assert "time per call:" in text and "XLA" in text and "PyTorch " in text
 
 
@@ -230,7 +230,7 @@ def test_a_backends_own_report_says_where_its_graphs_ended_at_a_graph_break() ->
     torch.compile(model, backend=backend)(x)
     report = dynajax.Report(backend.graphs)
     assert report.graph_breaks == 1
-    text = str(report)
+    text = report.text(width=None)
     assert "Dynamo broke the program at 1 place(s)" in text.splitlines()[0]
     assert f"ends at a graph break at {_short_here()}:{_line_of('# the GRU')}" in text
 
@@ -241,13 +241,13 @@ def test_a_backends_own_report_says_where_its_graphs_ended_at_a_graph_break() ->
     # the graph before the .item() ends at its break; the print's break ends a piece
     # with no ops, which Dynamo hands no backend (explain lists both)
     assert report.graph_breaks == 1
-    assert "Unsupported Tensor.item() call" in str(report)
+    assert "Unsupported Tensor.item() call" in report.text(width=None)
 
     torch._dynamo.reset()
     whole = dynajax.Backend()
     torch.compile(mixed, backend=whole)(torch.randn(4, 8), torch.randn(8, 8))
     assert dynajax.Report(whole.graphs).graph_breaks == 0
-    assert "broke" not in str(dynajax.Report(whole.graphs))
+    assert "broke" not in dynajax.Report(whole.graphs).text(width=None)
 
 
 def _short_here() -> str:
@@ -285,8 +285,17 @@ def test_eagers_time_is_warmed_and_interleaved_with_a_spread(capfd) -> None:
     assert low <= report.eager_s <= high
     low, high = report.call_range
     assert low <= report.call_s <= high
-    assert f"eager PyTorch {1e3 * report.eager_s:.3f} ms (" in str(report)
+    assert f"eager PyTorch {1e3 * report.eager_s:.3f} ms (" in report.text(width=None)
     assert "USDT" not in capfd.readouterr().err  # the profiler's own lines are dropped
+
+
+def test_the_report_fits_a_terminal_of_100_columns() -> None:
+    model, x = _rnn()
+    report = dynajax.explain(model, x)
+    text, whole = str(report), report.text(width=None)
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    assert max(len(line) for line in whole.splitlines()) > 100  # (something was wrapped)
+    assert text.split() == whole.split()  # the same words: nothing cut, nothing added
 
 
 def test_explains_own_recompile_is_named_as_such() -> None:
@@ -294,7 +303,7 @@ def test_explains_own_recompile_is_named_as_such() -> None:
     # explain's own backend: the report says so, not "options changed".
     model, x = nn.Linear(4, 4), torch.randn(2, 4)
     torch.compile(model, backend="dynajax")(x)
-    text = str(dynajax.explain(model, x))
+    text = dynajax.explain(model, x).text(width=None)
     assert "dynajax.explain's own, with profile=True" in text
     assert "options changed" not in text
 

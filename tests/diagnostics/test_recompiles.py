@@ -46,7 +46,7 @@ def _recompiles(backend) -> list[str]:
     """The lines of the report's ``recompiles`` blocks (each graph's)."""
     out: list[str] = []
     block = None
-    for line in str(report_of(backend)).splitlines():
+    for line in report_of(backend).lines():
         depth = len(line) - len(line.lstrip())
         if block is not None and depth > block:
             out.append(line)
@@ -75,7 +75,7 @@ def test_an_executable_the_lru_dropped_and_a_new_bucket_are_told_apart() -> None
     for n in (4, 6, 4):
         f(torch.randn(n, 3))
     assert _reasons(backend) == ["first call", NEW_SHAPE, "evicted earlier (max_executables=1)"]
-    assert "evicted earlier (max_executables=1): f32[4,3]" in str(report_of(backend))
+    assert "evicted earlier (max_executables=1): f32[4,3]" in report_of(backend).text(width=None)
 
     torch._dynamo.reset()
     f, backend = _rows(_sin, pad_to_buckets=True)
@@ -106,7 +106,7 @@ def test_a_new_dtype_lists_dynamos_guard_failure_on_each_graph_it_made() -> None
     assert again.compile_id == f"{frame}/1"
     [failure] = again.failures
     assert failure == f"{frame}/0: tensor 'x' dtype mismatch. expected Float, actual Double"
-    text = str(report_of(backend))
+    text = report_of(backend).text(width=None)
     assert text.count(f"Dynamo compiled the frame again (compile {frame}/1):") == 2, text
     assert text.count(f"      {failure}") == 2, text
 
@@ -124,7 +124,7 @@ def test_a_second_backend_with_another_option_is_listed() -> None:
     assert reason.endswith(
         ": BACKEND_MATCH failure: another backend (options changed: min_block_size 1 -> 2)"
     ), reason
-    assert reason in str(report_of(other))
+    assert reason in report_of(other).text(width=None)
 
     same = dynajax.Backend(cache_dir="", min_block_size=2)
     torch.compile(_sin, backend=same)(x)

@@ -68,7 +68,7 @@ def test_what_if_ranks_missing_rules_by_partitions_merged() -> None:
     )
     # The baseline re-run agrees with the partitions actually compiled.
     assert best.jax_ops_before == graph.jax_ops
-    text = str(report)
+    text = report.text(width=None)
     assert "what-if (a rule for this op would give):" in text
     assert "dynajax_diagtest.second.default  4 -> 2 partitions (merges 2), +2 ops" in text
 
@@ -248,4 +248,4 @@ def test_explain_returns_the_report_of_every_graph() -> None:
     assert isinstance(report, dynajax.Report)
     assert [w.op for w in report.what_if()][0] == "dynajax_diagtest.second.default"
     assert isinstance(report.what_if()[0], dynajax.WhatIf)
-    assert "graph 0 (inference)" in str(report)
+    assert "graph 0 (inference)" in report.text(width=None)

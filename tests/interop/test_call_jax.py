@@ -376,8 +376,8 @@ def test_dynajax_inlines_call_jax_into_its_neighbours_partition() -> None:
     x = _rand(16)
     assert_same(compiled(x), _sin_call_cos(x))
     report = dynajax.Report(backend.graphs)
-    assert report.fallbacks == [], str(report)
-    assert [p.name for p in report.partitions] == ["jax_0"], str(report)
+    assert report.fallbacks == [], report.text(width=None)
+    assert [p.name for p in report.partitions] == ["jax_0"], report.text(width=None)
     parts = _partition_of_each(backend.graphs[0])
     assert parts == {
         "aten.sin.default": "jax_0",
@@ -444,10 +444,10 @@ def test_dynajax_training_step_forward_and_backward_in_one_partition_each() -> N
     x = _rand(5, 8)
     assert_same(_train_step(compiled_model, x), _train_step(eager_model, x))
     report = dynajax.Report(backend.graphs)
-    assert report.fallbacks == [], str(report)
+    assert report.fallbacks == [], report.text(width=None)
     assert [g.kind for g in backend.graphs] == ["forward", "backward"]
     for graph in backend.graphs:
-        assert [p.name for p in graph.partitions] == ["jax_0"], str(report)
+        assert [p.name for p in graph.partitions] == ["jax_0"], report.text(width=None)
         assert _partition_of_each(graph)["dynajax.call_jax.default"] == "jax_0"
 
 

@@ -70,7 +70,7 @@ def test_a_report_of_cpu_partitions_says_how_when_torch_came_first(torch_first: 
         import json
         {imports}
         report = dynajax.explain(lambda x: x + 1, torch.ones(2))
-        print(json.dumps({{"note": "GOMP_SPINCOUNT=10000" in str(report)}}))
+        print(json.dumps({{"note": "GOMP_SPINCOUNT=10000" in report.text(width=None)}}))
         """
     )
     assert out == {"note": torch_first}

@@ -68,7 +68,7 @@ def test_symbolic_sizes_run_in_jax(fn) -> None:
         x = torch.randn(n, n + 1, 4)
         assert_same(f(x), fn(x))
     report = report_of(backend)
-    assert report.fallbacks == [], str(report)
+    assert report.fallbacks == [], report.text(width=None)
     # one executable per concrete shape; Dynamo compiled the graph once
     assert len(backend.graphs) == 1
     assert report.compile_stats.xla_compiles == 3
@@ -88,9 +88,9 @@ def test_sizes_of_intermediates_keep_one_partition() -> None:
         cache, new = torch.randn(2, 4, past, 8), torch.randn(2, 4, 1, 8)
         assert_same(f(cache, new), _cache_step(cache, new))
     report = report_of(backend)
-    assert report.fallbacks == [], str(report)
+    assert report.fallbacks == [], report.text(width=None)
     [graph] = report.graphs
-    assert len(graph.partitions) == 1, str(report)
+    assert len(graph.partitions) == 1, report.text(width=None)
     assert "aten.sym_size.int" not in {str(n.target) for n in graph.graph_module.graph.nodes}
 
 
@@ -113,9 +113,9 @@ def test_llama_greedy_generation_with_kv_cache_matches_eager() -> None:
     # eager's tokens, or where a near-tie of two logits parts them, eager's greedy choices
     assert_greedy_decode(lambda t: eager(t).logits, actual, expected, ids.shape[1], eos=0)
     report = report_of(backend)
-    assert report.fallbacks == [], str(report)
+    assert report.fallbacks == [], report.text(width=None)
     # one JAX partition per graph: the cache's growing length never splits them
-    assert all(len(g.partitions) == 1 for g in report.graphs), str(report)
+    assert all(len(g.partitions) == 1 for g in report.graphs), report.text(width=None)
     assert any(g.host_scalars for g in report.graphs), "no decode graph with a symbolic length"
 
 
@@ -140,9 +140,9 @@ def test_llama_generation_with_a_static_cache_compiles_two_executables() -> None
         )
     assert_greedy_decode(lambda t: eager(t).logits, actual, expected, ids.shape[1], eos=0)
     report = report_of(backend)
-    assert report.fallbacks == [], str(report)
-    assert len(report.graphs) == 2, str(report)
-    assert report.compile_stats.xla_compiles == 2, str(report)
+    assert report.fallbacks == [], report.text(width=None)
+    assert len(report.graphs) == 2, report.text(width=None)
+    assert report.compile_stats.xla_compiles == 2, report.text(width=None)
 
 
 def test_mark_dynamic_and_automatic_dynamic() -> None:
@@ -176,10 +176,10 @@ def test_gpt2_dynamic_sequence_length_stays_in_jax() -> None:
             torch._dynamo.mark_dynamic(ids, 1)
             assert_same(f(ids).logits, model(ids).logits, model=True)
     report = report_of(backend)
-    assert len(backend.graphs) == 1, str(report)
+    assert len(backend.graphs) == 1, report.text(width=None)
     symbolic = [f for f in report.fallbacks if "symbolic" in f.detail]
-    assert symbolic == [], str(report)
-    assert report.fraction_in_jax > 0.95, str(report)
+    assert symbolic == [], report.text(width=None)
+    assert report.fraction_in_jax > 0.95, report.text(width=None)
 
 
 def test_encoder_layer_batch_padded_to_buckets() -> None:
@@ -313,6 +313,6 @@ def test_buckets_refused_where_padding_would_leak(fn) -> None:
 def test_report_lists_buckets() -> None:
     f, backend = _compile_rows(lambda x: x.sum(0), pad_to_buckets=True)
     f(torch.randn(3, 2))
-    text = str(report_of(backend))
+    text = report_of(backend).text(width=None)
     assert "compiles: 1 XLA compile(s)" in text
     assert "not padded: jax_0: " in text and "reduce_sum reduces over" in text

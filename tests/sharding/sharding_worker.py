@@ -165,7 +165,7 @@ def strategy(make: Callable[[], Case], mesh: Mesh, rules: Any, **options: Any) -
         id(a) in fw_arrays for a in bw_arrays
     )
     facts["output_is_whole"] = list(case.infer(compiled).shape) == list(case.infer(reference).shape)
-    facts["report"] = str(dynajax.Report(backend.graphs))
+    facts["report"] = dynajax.Report(backend.graphs).text(width=None)
     facts["seconds"] = round(time.perf_counter() - started, 1)
     return facts
 
@@ -226,7 +226,7 @@ def eager_op_between_partitions() -> dict:
         "loss_diff": abs(loss.item() - ref.item()),
         "grad_diff": max(max_diff(p.grad, q.grad) for p, q in pairs),
         "partitions": len(partitions(backend, "forward")),
-        "report": str(dynajax.Report(backend.graphs)),
+        "report": dynajax.Report(backend.graphs).text(width=None),
     }
 
 

@@ -60,7 +60,7 @@ def test_backward_step_matches_eager(name: str) -> None:
         assert err <= 1e-5 * scale, f"{pname}: {err:.3g} off (largest gradient {scale:.3g})"
 
     report = dynajax.Report(backend.graphs)
-    assert {g.kind for g in report.graphs} == {"forward", "backward"}, str(report)
-    assert report.fallbacks == [], str(report)
+    assert {g.kind for g in report.graphs} == {"forward", "backward"}, report.text(width=None)
+    assert report.fallbacks == [], report.text(width=None)
     in_jax = {op for g in report.graphs for p in g.partitions for op in p.ops}
-    assert CUSTOM_OPS.get(name, set()) <= in_jax, str(report)
+    assert CUSTOM_OPS.get(name, set()) <= in_jax, report.text(width=None)
