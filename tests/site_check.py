@@ -71,8 +71,10 @@ const article = document.querySelector("article").getBoundingClientRect();
 document.querySelectorAll("article img").forEach((img) => {
   const r = img.getBoundingClientRect();
   if (!img.complete || img.naturalWidth === 0) out.push(`figure ${img.src} did not load`);
-  else if (r.left < article.left - 1 || r.right > article.right + 1)
-    out.push(`figure ${img.src}: ${Math.round(r.width)} px, outside the ${Math.round(article.width)} px column`);
+  else if (r.left < article.left - 1 || r.right > article.right + 1) {
+    const [w, column] = [Math.round(r.width), Math.round(article.width)];
+    out.push(`figure ${img.src}: ${w} px, outside the ${column} px column`);
+  }
 });
 if (desktop)
   document.querySelectorAll("article pre > code").forEach((c, i) => {
