@@ -42,7 +42,8 @@ from dynajax.errors import OptionsError, UnsupportedNodesError
 from dynajax.lowering.interpreter import lower_partition
 from dynajax.partition import PREFIX, assign_partitions, fuse_partitions, stitched_callable
 from dynajax.passes import run_passes
-from dynajax.passes.user import RewriteRecord, apply_rewrites, passes_at, run_pass_list
+from dynajax.passes.pipeline import run_pass_list
+from dynajax.passes.user import RewriteRecord, apply_rewrites, passes_at
 from dynajax.runtime import cpu_client, omp
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.compiled import CompiledPartition

@@ -110,8 +110,8 @@ class Options:
             may stand alone). ``pre_aot``: Dynamo's torch-level graph, before
             aot_autograd; ``post_aot``: each ATen graph (inference, forward, backward)
             before dynajax's passes; ``post_passes``: after them, before the capability
-            stage. The ATen stages run in dynajax's own ``PassManager``
-            (``dynajax/passes/user.py``). No environment variable.
+            stage. The ATen stages run in dynajax's own pass list
+            (``dynajax/passes/pipeline.py``). No environment variable.
         rewrites: pattern rewrites applied to Dynamo's torch-level graph before the
             ``pre_aot`` passes: ``dynajax.Rewrite(pattern, replacement, ...)`` objects or
             ``(pattern, replacement)`` pairs of functions (the pattern matched by

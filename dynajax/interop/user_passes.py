@@ -9,7 +9,7 @@
   Its parameters and buffers keep their torch names (Dynamo's mangled names are mapped
   back by identity), so the state dict is the model's.
 * ``post_aot`` and ``post_passes`` passes run on the exported ATen graph, before and
-  after dynajax's own passes, in the same ``PassManager`` (``run_passes``).
+  after dynajax's own passes, in the same pass list (``run_passes``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.fx
 from torch import nn
 
 from dynajax.errors import JaxFunctionError
+from dynajax.passes.pipeline import run_pass_list
 from dynajax.passes.user import (
     Rewrite,
     RewriteRecord,
@@ -32,7 +33,6 @@ from dynajax.passes.user import (
     normalize_passes,
     normalize_rewrites,
     passes_at,
-    run_pass_list,
 )
 
 

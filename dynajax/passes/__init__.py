@@ -1,4 +1,5 @@
-"""FX passes over ATen graphs (torch.fx PassManager of PassBase passes)."""
+"""FX passes over ATen graphs (torch.fx ``PassBase`` passes, run in order by
+``pipeline.run_pass_list``)."""
 
 from dynajax.passes.pipeline import run_passes
 

@@ -127,6 +127,4 @@ class FlattenUpdates(PassBase):
         for n in reversed(list(graph.nodes)):
             if n.op == "call_function" and n.target is aten.view.default and not n.users:
                 graph.erase_node(n)
-        graph.lint()
-        graph_module.recompile()
-        return PassResult(graph_module, True)
+        return PassResult(graph_module, True)  # (run_pass_list lints, recompiles)

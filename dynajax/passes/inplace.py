@@ -106,10 +106,7 @@ class OrderInPlaceUpdates(PassBase):
             if not isinstance(new, torch.fx.Node) or new is inputs[i]:
                 continue
             modified |= _order_update(graph, inputs[i], new)
-        if modified:
-            graph.lint()
-            graph_module.recompile()
-        return PassResult(graph_module, modified)
+        return PassResult(graph_module, modified)  # (run_pass_list lints, recompiles)
 
 
 def _order_update(graph: torch.fx.Graph, donated: torch.fx.Node, new: torch.fx.Node) -> bool:

