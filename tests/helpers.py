@@ -416,3 +416,18 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[
 
     monkeypatch.setattr(owner, name, counted)
     return count
+
+
+def count_recompiles(monkeypatch: Any) -> dict[str, int]:
+    """From now on in the test, ``counts["recompiles"]``: the calls of
+    ``torch.fx.GraphModule.recompile`` that make a module's Python code (torch's lazy
+    modules only mark theirs as due, and are not counted until they make it)."""
+    counts = {"recompiles": 0}
+    original = torch.fx.GraphModule.recompile
+
+    def counted(self: torch.fx.GraphModule) -> Any:
+        counts["recompiles"] += 1
+        return original(self)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    return counts

@@ -11,7 +11,7 @@ import torch
 
 from dynajax.passes import run_passes
 from dynajax.passes.user import CallablePass
-from tests.helpers import GraphCase, draws, op_counts, run_graph, trace
+from tests.helpers import GraphCase, count_recompiles, draws, op_counts, run_graph, trace
 from tests.tolerances import assert_same
 
 aten = torch.ops.aten
@@ -96,14 +96,7 @@ def test_the_module_is_recompiled_once_and_fresh_for_a_users_pass(monkeypatch) -
     # (0.17 s a recompile on a deep model's step), and a user's pass after them calls a
     # module whose code is the graph's.
     gm, args = trace(PIPELINE[0])
-    counts = {"recompiles": 0}
-    original = torch.fx.GraphModule.recompile
-
-    def counted(self):  # type: ignore[no-untyped-def]
-        counts["recompiles"] += 1
-        return original(self)
-
-    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    counts = count_recompiles(monkeypatch)
     out = run_passes(gm)
     assert counts["recompiles"] == 1
     assert op_counts(out, [COS])[COS] == 0 and "cos" not in out.code  # code fresh

@@ -20,6 +20,7 @@ from torch import nn
 
 import dynajax
 from dynajax.errors import TrainStepError
+from tests.helpers import count_recompiles
 from tests.tolerances import assert_same
 
 STEPS = 20
@@ -1078,14 +1079,7 @@ def test_a_step_makes_python_code_of_its_traced_graph_only(monkeypatch) -> None:
     # The step's trace is run (its code is made once); the functional graph lowered from
     # it is interpreted, never run, so its code is never made: no GraphModule.recompile
     # per pass (0.17 s each on an 8-layer GPT-2 step, which made 11 of them).
-    counts = {"recompiles": 0}
-    original = torch.fx.GraphModule.recompile
-
-    def counted(self):  # type: ignore[no-untyped-def]
-        counts["recompiles"] += 1
-        return original(self)
-
-    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    counts = count_recompiles(monkeypatch)
     monkeypatch.setenv("DYNAJAX_CACHE_DIR", "")  # (traced, not loaded)
     eager, eager_opt, ours, our_opt, loss_fn = _pair("mlp", OPTIMIZERS["adamw_amsgrad"])
     step = dynajax.train_step(ours, our_opt, loss_fn)
