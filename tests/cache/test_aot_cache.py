@@ -51,7 +51,10 @@ def test_second_compile_loads_the_graph_and_gives_eagers_answer(tmp_path, aot_ru
     assert _aot(warm) == ["loaded from the cache (not traced)"]
     assert "aot_autograd: loaded from the cache (not traced)" in warm.graphs[0].text(width=None)
     # the same verdicts and partitions, and the executable loaded by its program
-    assert warm.graphs[0].text(width=None).split("compile")[0] == cold.graphs[0].text(width=None).split("compile")[0]
+    assert (
+        warm.graphs[0].text(width=None).split("compile")[0]
+        == cold.graphs[0].text(width=None).split("compile")[0]
+    )
     assert dynajax.Report(warm.graphs).compile_stats.xla_compiles == 0
 
 

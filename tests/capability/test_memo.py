@@ -143,7 +143,9 @@ def test_user_rules_are_not_kept_and_a_new_rule_is_evaluated(
         f, backend = _compile(tmp_path, _with_halve)
         assert_same(f(x), _with_halve(x))
         assert evaluations[0] == made + 2
-        assert "rule gives float32[1] where PyTorch gives float32[5]" in backend.graphs[0].text(width=None)
+        assert "rule gives float32[1] where PyTorch gives float32[5]" in backend.graphs[0].text(
+            width=None
+        )
     finally:
         dynajax.unregister_rule("dynajax_test_memo::halve")
 
