@@ -33,9 +33,10 @@ from dynajax.diagnostics.logs import log_fallbacks_once, trace_artifact
 from dynajax.diagnostics.profile import (
     GraphTimes,
     ProfiledPartition,
+    RangedPartition,
     profiled_graph,
-    ranged_copy,
     ranged_when_recording,
+    wrapped_copy,
 )
 from dynajax.diagnostics.recompiles import DynamoCompile, dynamo_compile
 from dynajax.errors import OptionsError, UnsupportedNodesError
@@ -221,17 +222,19 @@ class Backend:
         # whose partitions open their ranges); one check per call otherwise.
         label = f"dynajax/graph{report.index}"
         names = [p.name for p in report.partitions]
-        run = ranged_when_recording(
-            stitched_callable(gm), lambda: stitched_callable(ranged_copy(gm, label, names)), label
-        )
+
+        def ranged() -> Callable[..., Any]:
+            return stitched_callable(
+                wrapped_copy(gm, names, lambda n, part: RangedPartition(f"{label}/{n}", part))
+            )
+
+        run = ranged_when_recording(stitched_callable(gm), ranged, label)
         if not self.options.profile:
             return run
         # Timed: a copy of the graph whose partitions time their phases (XLA's run
         # waited for), while ``times.timing``; the regular ``run`` otherwise.
         times = report.times = GraphTimes(label)
-        timed = torch.fx.GraphModule(gm, gm.graph)
-        for name in names:
-            setattr(timed, name, ProfiledPartition(times, name, getattr(gm, name)))
+        timed = wrapped_copy(gm, names, lambda name, part: ProfiledPartition(times, name, part))
         return profiled_graph(stitched_callable(timed), times, run)
 
     def _partitioned(

@@ -13,7 +13,7 @@ Python frame) and runs the very graph it runs without: its partitions unwrapped.
 With ``profile=True`` the backend hands each compiled partition to ``ProfiledPartition``
 and each stitched graph to ``profiled_graph``. Every call then opens the same ranges
 and adds its seconds to the graph's ``GraphTimes``: per partition the crossing into JAX,
-XLA's run (waited for) and the crossing back (``CompiledPartition.run_in_phases``), and
+XLA's run (waited for) and the crossing back (``runtime.compiled.run_in_phases``), and
 per graph the time outside its partitions: PyTorch's ops between them and the stitching
 around them. The first call of each is kept apart (it compiles).
 """
@@ -32,6 +32,7 @@ import jax
 import torch
 import torch.fx
 
+from dynajax.runtime.compiled import CompiledPartition, run_in_phases
 from dynajax.runtime.jax_internals import jax_trace_state
 
 # Set while torch's profiler records (``_is_profiler_enabled``), and while JAX's traces
@@ -155,13 +156,13 @@ class ProfiledPartition(torch.nn.Module):
         self.label = f"{times.label}/{name}"
         self._times = times
         self._own = times.partitions.setdefault(name, Times())
-        self._in_phases = getattr(part, "run_in_phases", None)
+        self._timed = isinstance(part, CompiledPartition)  # (else a hook's wrapper)
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         start = time.perf_counter()
         with _torch_range(self.label), jax.profiler.TraceAnnotation(self.label):
-            if self._in_phases is not None:
-                outs, phases = self._in_phases(tensors)
+            if self._timed:
+                outs, phases = run_in_phases(self.part, tensors)
             else:  # a partition hook's wrapper: timed whole
                 outs, phases = self.part.run(tensors), None
         seconds = time.perf_counter() - start
@@ -251,12 +252,15 @@ class RangedPartition(torch.nn.Module):
     forward = __call__
 
 
-def ranged_copy(gm: torch.fx.GraphModule, label: str, names: Sequence[str]) -> torch.fx.GraphModule:
-    """The stitched graph ``gm`` again, its partitions ``names`` each a ``RangedPartition``
-    named ``label/<name>`` (``gm`` itself keeps its own partitions, unwrapped)."""
+def wrapped_copy(
+    gm: torch.fx.GraphModule, names: Sequence[str], wrap: Callable[[str, Any], torch.nn.Module]
+) -> torch.fx.GraphModule:
+    """The stitched graph ``gm`` again, each of its partitions ``names`` as
+    ``wrap(name, partition)`` (``gm`` itself keeps its own partitions, unwrapped): the
+    ranged graph (``RangedPartition``s) and the timed one (``ProfiledPartition``s)."""
     copy = torch.fx.GraphModule(gm, gm.graph)
     for name in names:
-        setattr(copy, name, RangedPartition(f"{label}/{name}", getattr(gm, name)))
+        setattr(copy, name, wrap(name, getattr(gm, name)))
     return copy
 
 

@@ -29,6 +29,21 @@ from dynajax.sharding.report import GraphSharding
 WIDTH = 100
 
 
+class _Text:
+    """A report's text: its ``lines()``, wrapped at ``WIDTH`` columns by ``str()``."""
+
+    def lines(self) -> list[str]:
+        raise NotImplementedError
+
+    def text(self, width: int | None = WIDTH) -> str:
+        """The report as text, its lines wrapped at ``width`` columns (None: unwrapped,
+        one line per item, for a log or a search)."""
+        return fitted(self.lines(), width)
+
+    def __str__(self) -> str:
+        return self.text()
+
+
 @dataclasses.dataclass(frozen=True)
 class PartitionInfo:
     """One JAX partition: its name, op count, and op histogram."""
@@ -39,7 +54,7 @@ class PartitionInfo:
 
 
 @dataclasses.dataclass
-class GraphReport:
+class GraphReport(_Text):
     """One ATen graph the backend compiled.
 
     Attributes:
@@ -173,14 +188,6 @@ class GraphReport:
             out.append(f"  host-scalar bookkeeping, not fallbacks: {names}{more}")
         return out
 
-    def text(self, width: int | None = WIDTH) -> str:
-        """The report as text, its lines wrapped at ``width`` columns (None: unwrapped,
-        one line per item, for a log or a search)."""
-        return fitted(self.lines(), width)
-
-    def __str__(self) -> str:
-        return self.text()
-
 
 def _stats_lines(stats: CompileStats, indent: str) -> list[str]:
     out = [f"{indent}compiles: {stats.line()}"]
@@ -240,7 +247,7 @@ def graph_report(
 
 
 @dataclasses.dataclass
-class Report:
+class Report(_Text):
     """Everything dynajax compiled for one function: see ``str(report)``.
 
     ``to_dot()`` draws it (nodes coloured by partition, fallbacks marked);
@@ -345,14 +352,6 @@ class Report:
         from dynajax.diagnostics.dot import render
 
         render(self.to_dot(), path, "png")
-
-    def text(self, width: int | None = WIDTH) -> str:
-        """The report as text, its lines wrapped at ``width`` columns (None: unwrapped,
-        one line per item, for a log or a search)."""
-        return fitted(self.lines(), width)
-
-    def __str__(self) -> str:
-        return self.text()
 
     def lines(self) -> list[str]:
         """The report's lines, unwrapped."""

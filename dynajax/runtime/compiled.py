@@ -291,38 +291,6 @@ class CompiledPartition(torch.nn.Module):
             return list(map(_from_numpy, map(_asarray, outs)))
         return self._outputs(outs)
 
-    def run_in_phases(
-        self, tensors: Sequence[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], tuple[float, float, float] | None]:
-        """``run``, timed (for the ``profile`` option; the regular path, never the
-        direct entry point): the outputs and the seconds of its three phases, the
-        crossing into JAX, XLA's run (waited for) and the crossing back; None for a
-        partition under dynamic shapes, whose padding and LRU are not split."""
-        if self.executables.dynamic:
-            return self.run(tensors), None
-        token = X64.enable()
-        try:
-            start = time.perf_counter()
-            arrays = self.inputs.arrays(tensors)
-            if self.needs_seed:
-                arrays.insert(0, draw_seed())
-            crossed = time.perf_counter()
-            call = self.dispatch
-            outs = self._first_call(tensors, arrays) if call is None else call(*arrays)
-            jax.block_until_ready(outs)
-            ran = time.perf_counter()
-            if (checks := self.value_checks) is not None and checks.checks:
-                checks.raise_if_failed(outs[-1], self.name)
-                outs = outs[:-1]
-            if self._numpy_outputs:
-                result = list(map(_from_numpy, map(_asarray, outs)))
-            else:
-                result = self._outputs(outs)
-            back = time.perf_counter()
-        finally:
-            X64.restore(token)
-        return result, (crossed - start, ran - crossed, back - ran)
-
     def _first_call(self, tensors: Sequence[Any], arrays: list[Any]) -> Any:
         """Compiles (or loads) the one executable of a static-shape graph and calls it."""
         with self._compile_lock:
@@ -405,3 +373,36 @@ def draw_seed() -> np.ndarray:
     """A seed for a program with random ops, drawn from PyTorch's default generator
     (so `torch.manual_seed` makes compiled programs reproducible)."""
     return np.asarray(torch.randint(0, 2**62, (), dtype=torch.int64).item(), np.int64)
+
+
+def run_in_phases(
+    part: CompiledPartition, tensors: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], tuple[float, float, float] | None]:
+    """``part.run``, timed (the ``profile`` option's; the regular path, never the
+    direct entry point): the outputs and the seconds of its three phases, the
+    crossing into JAX, XLA's run (waited for) and the crossing back; None for a
+    partition under dynamic shapes, whose padding and LRU are not split."""
+    if part.executables.dynamic:
+        return part.run(tensors), None
+    token = X64.enable()
+    try:
+        start = time.perf_counter()
+        arrays = part.inputs.arrays(tensors)
+        if part.needs_seed:
+            arrays.insert(0, draw_seed())
+        crossed = time.perf_counter()
+        call = part.dispatch
+        outs = part._first_call(tensors, arrays) if call is None else call(*arrays)
+        jax.block_until_ready(outs)
+        ran = time.perf_counter()
+        if (checks := part.value_checks) is not None and checks.checks:
+            checks.raise_if_failed(outs[-1], part.name)
+            outs = outs[:-1]
+        if part._numpy_outputs:
+            result = list(map(_from_numpy, map(_asarray, outs)))
+        else:
+            result = part._outputs(outs)
+        back = time.perf_counter()
+    finally:
+        X64.restore(token)
+    return result, (crossed - start, ran - crossed, back - ran)
