@@ -171,10 +171,13 @@ class Backend:
             # tensors are; a device or mesh asks for the work on JAX's devices.
             perf=self.options.perf_fallbacks and self.placement is None,
             measure=self.options.measure_costs,
+            # An op without a rule, or measured faster in PyTorch, runs PyTorch's kernel
+            # inside its partition (dynajax/ffi) where the partition runs on the CPU.
+            torch_kernels=self.placement is None,
         )
         refused = checker.annotate(gm)
         if self.options.strict:
-            unwanted = strict_objections(refused)
+            unwanted = strict_objections([*refused, *checker.in_kernels])
             if unwanted:
                 raise UnsupportedNodesError(unwanted, graph=f"{kind} graph")
 

@@ -64,13 +64,25 @@ class Reason(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Supported:
-    """The node runs in JAX."""
+    """The node runs in its JAX partition.
+
+    Attributes:
+        target: the op, e.g. ``aten.add.Tensor``.
+        kernel: where the node runs PyTorch's own kernel inside the XLA program
+            (``dynajax/ffi``), the verdict it would have had otherwise (no rule, a rule
+            that refuses the arguments, or a measured choice of PyTorch's kernel).
+    """
 
     target: str
+    kernel: Unsupported | None = None
 
     @property
     def supported(self) -> bool:
         return True
+
+    def describe(self) -> str:
+        """For a node that runs PyTorch's kernel inside XLA: its refusal's description."""
+        return self.target if self.kernel is None else self.kernel.describe()
 
 
 @dataclasses.dataclass(frozen=True)

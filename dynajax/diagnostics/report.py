@@ -91,6 +91,9 @@ class GraphReport(_Text):
         cost_choices: the nodes whose place (XLA or a PyTorch kernel) was measured on
             this machine (option ``measure_costs``): both times and the choice; or,
             where measuring raised, the error and the default taken (``Unmeasured``).
+        kernels: the nodes whose partition runs PyTorch's own kernel for them inside
+            the XLA program (``dynajax/ffi``), each with the refusal it stands in for
+            (no rule, a rule refusing the arguments, PyTorch's kernel measured faster).
     """
 
     kind: str
@@ -109,6 +112,7 @@ class GraphReport(_Text):
     times: GraphTimes | None = None
     dynamo: DynamoCompile | None = None
     cost_choices: list[CostChoice | Unmeasured] = dataclasses.field(default_factory=list)
+    kernels: list[Unsupported] = dataclasses.field(default_factory=list)
 
     @property
     def jax_ops(self) -> int:
@@ -154,15 +158,12 @@ class GraphReport(_Text):
             )
             more = ", ..." if len(p.ops) > 6 else ""
             out.append(f"  {p.name:<8} {p.op_count:>5} ops   {top}{more}")
+        if self.kernels:
+            out.append("  PyTorch's kernels inside the XLA program (XLA FFI):")
+            out.extend(_verdict_lines(self.kernels))
         if self.fallbacks:
             out.append("  kept in PyTorch:")
-            width = max(len(f.target) for f in self.fallbacks)
-            nwidth = max(len(f.node) for f in self.fallbacks)
-            for f in self.fallbacks:
-                detail = f": {f.detail}" if f.detail else ""
-                out.append(f"    {f.target:<{width}}  {f.node:<{nwidth}}  {f.reason.name}{detail}")
-                if f.source_line:
-                    out.append(f"    {'':<{width}}  at {short_location(f.source_line)}")
+            out.extend(_verdict_lines(self.fallbacks))
         if self.cost_choices:
             out.append("  measured on this machine (option measure_costs):")
             width = max(len(c.op) for c in self.cost_choices)
@@ -189,6 +190,19 @@ class GraphReport(_Text):
         return out
 
 
+def _verdict_lines(verdicts: list[Unsupported]) -> list[str]:
+    """One line per verdict (op, node, reason), and its source line under it."""
+    out = []
+    width = max(len(f.target) for f in verdicts)
+    nwidth = max(len(f.node) for f in verdicts)
+    for f in verdicts:
+        detail = f": {f.detail}" if f.detail else ""
+        out.append(f"    {f.target:<{width}}  {f.node:<{nwidth}}  {f.reason.name}{detail}")
+        if f.source_line:
+            out.append(f"    {'':<{width}}  at {short_location(f.source_line)}")
+    return out
+
+
 def _stats_lines(stats: CompileStats, indent: str) -> list[str]:
     out = [f"{indent}compiles: {stats.line()}"]
     for b in stats.buckets:
@@ -208,6 +222,7 @@ def graph_report(
 ) -> GraphReport:
     """Builds the report of one graph from its annotated nodes and stitched module."""
     fallbacks: list[Unsupported] = []
+    kernels: list[Unsupported] = []
     host: list[Unsupported] = []
     costs: list[CostChoice | Unmeasured] = []
     aten_ops = 0
@@ -223,6 +238,8 @@ def graph_report(
         aten_ops += 1
         if isinstance(v, Unsupported):
             fallbacks.append(v)
+        elif v is not None and v.kernel is not None:
+            kernels.append(v.kernel)
     partitions = []
     for name, sub in stitched.named_children():
         if not name.startswith(PREFIX) or not isinstance(sub, PartitionModule):
@@ -243,6 +260,7 @@ def graph_report(
         snapshot,
         min_block_size,
         cost_choices=costs,
+        kernels=kernels,
     )
 
 

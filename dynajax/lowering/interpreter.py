@@ -17,9 +17,10 @@ import jax
 import torch
 import torch.fx
 
+from dynajax import ffi
 from dynajax.lowering import checks, nan_constants, transposes
 from dynajax.lowering.dtypes import TORCH_TO_JAX
-from dynajax.lowering.registry import LAYOUT_KEY, get_rule
+from dynajax.lowering.registry import KERNEL_KEY, LAYOUT_KEY, get_rule
 
 
 def jax_literal(value: Any) -> Any:
@@ -56,6 +57,8 @@ class JaxInterpreter(torch.fx.Interpreter):
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is operator.getitem:
             return args[0][args[1]]
+        if self._node is not None and self._node.meta.get(KERNEL_KEY):
+            return torch_kernel(self._node, args, kwargs)
         rule = get_rule(target)
         if rule is None:  # the capability pass let no such node in
             raise AssertionError(f"{target} reached JAX without a rule")
@@ -93,6 +96,28 @@ class JaxInterpreter(torch.fx.Interpreter):
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         raise AssertionError("get_attr nodes never enter a JAX partition")
+
+
+def torch_kernel(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
+    """The node by PyTorch's own kernel, a custom call inside the program (``ffi``),
+    its results nested as the node's; the capability stage chose it (``KERNEL_KEY``)."""
+    structure = node.meta["val"]
+    flat = [t for t in _flat(structure) if t is not None]
+    avals = [jax.ShapeDtypeStruct(tuple(t.shape), TORCH_TO_JAX[t.dtype]) for t in flat]
+    outs = iter(ffi.call_kernel(node.target, args, kwargs, avals, [t.dtype for t in flat]))
+
+    def rebuild(value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            return type(value)(rebuild(v) for v in value)
+        return None if value is None else next(outs)
+
+    return rebuild(structure)
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return [leaf for v in value for leaf in _flat(v)]
+    return [value]
 
 
 def input_vals(gm: torch.fx.GraphModule) -> list[Any]:

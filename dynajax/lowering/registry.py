@@ -113,6 +113,11 @@ class NodeLayout:
 # node.meta key of the NodeLayout the capability pass decided (read again by lowering).
 LAYOUT_KEY = "dynajax_layout"
 
+# node.meta key set (True) by the capability stage on a node whose JAX partition runs
+# PyTorch's own kernel for it, inside the XLA program (dynajax/ffi): lowering calls it
+# instead of a rule.
+KERNEL_KEY = "dynajax_kernel"
+
 
 _TABLE: dict[torch._ops.OpOverload, Rule] = {}
 

@@ -33,7 +33,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from dynajax.capability import META_KEY, Reason, Unsupported, target_name
 from dynajax.capability.verdict import source_line
-from dynajax.lowering.registry import get_rule
+from dynajax.lowering.registry import KERNEL_KEY, get_rule
 
 PREFIX = "jax_"
 
@@ -45,6 +45,17 @@ PARTITION_KEY = "dynajax_partition"
 def compute_op_count(nodes: Iterable[torch.fx.Node]) -> int:
     """ATen ops in a set of nodes (getitem is bookkeeping, not an op)."""
     return sum(1 for n in nodes if n.op == "call_function" and n.target is not operator.getitem)
+
+
+def xla_op_count(nodes: Iterable[torch.fx.Node]) -> int:
+    """ATen ops in ``nodes`` that XLA computes (not PyTorch's kernel inside XLA)."""
+    return sum(
+        1
+        for n in nodes
+        if n.op == "call_function"
+        and n.target is not operator.getitem
+        and not n.meta.get(KERNEL_KEY)
+    )
 
 
 def is_free_view(node: torch.fx.Node) -> bool:
@@ -196,7 +207,8 @@ def propose_partitions(
     """The partitions CapabilityBasedPartitioner forms from the verdicts in node.meta.
 
     Single-node partitions are allowed; partitions with no ATen op are ignored, those
-    with fewer than ``min_block_size`` are ``too_small``; views whose users all run in
+    with fewer than ``min_block_size``, or whose every op runs PyTorch's kernel inside
+    XLA (eager with a crossing more), are ``too_small``; views whose users all run in
     PyTorch are taken out first (``views``). Changes nothing in the graph.
 
     Args:
@@ -236,7 +248,8 @@ def propose_partitions(
         ops = compute_op_count(nodes)
         if ops == 0:
             continue
-        (kept if ops >= min_block_size else too_small).append(nodes)
+        worth = ops >= min_block_size and xla_op_count(nodes) > 0
+        (kept if worth else too_small).append(nodes)
     # Deterministic submodule names, in graph order.
     kept.sort(key=lambda nodes: order[nodes[0]])
     return Proposal(kept, too_small, min_block_size, views, aliases)
@@ -263,7 +276,13 @@ def assign_partitions(
     for nodes, reason, why in dissolved:
         ops = compute_op_count(nodes)
         for n in nodes:
-            if n.meta.get(META_KEY) is not None:
+            verdict = n.meta.get(META_KEY)
+            if getattr(verdict, "kernel", None) is not None:
+                # PyTorch's kernel, left outside XLA: eager runs it, for its own reason.
+                n.meta.pop(KERNEL_KEY, None)
+                n.meta[META_KEY] = verdict.kernel
+                continue
+            if verdict is not None:
                 detail = why if reason is Reason.PERF else f"partition of {ops} op(s) {why}"
                 if reason is Reason.PERF and n in proposal.output_aliases:
                     reason_n, detail = Reason.OUTPUT_ALIAS, "returned as a view, as eager does"

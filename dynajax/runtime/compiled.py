@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.fx
 
+from dynajax.ffi import eager_error
 from dynajax.lowering.checks import CheckTable
 from dynajax.runtime.cache import CompileStats, ExecutableCache
 from dynajax.runtime.conversion import (
@@ -221,7 +222,10 @@ class CompiledPartition(torch.nn.Module):
         if direct is not None and self.inputs.hit_guarded(tensors) is direct.snap:
             args = fresh_args(direct.args, direct.fresh, tensors) if direct.fresh else direct.args
             if args is not None:
-                return self._run_direct(direct, args)
+                try:
+                    return self._run_direct(direct, args)
+                except jax.errors.JaxRuntimeError as e:
+                    _raise_eager(e)
         return self.run(tensors)
 
     def _run_direct(self, direct: Direct, args: list[Any]) -> list[torch.Tensor]:
@@ -250,10 +254,15 @@ class CompiledPartition(torch.nn.Module):
         if direct is not None and self.inputs.hit(tensors) is direct.snap:
             args = fresh_args(direct.args, direct.fresh, tensors) if direct.fresh else direct.args
             if args is not None:
-                return self._run_direct(direct, args)
+                try:
+                    return self._run_direct(direct, args)
+                except jax.errors.JaxRuntimeError as e:
+                    _raise_eager(e)
         token = X64.enable()  # int64/float64 stay 64-bit, as in torch
         try:
             outs = self._run(tensors)
+        except jax.errors.JaxRuntimeError as e:
+            _raise_eager(e)
         finally:
             X64.restore(token)
         entry = self._entry
@@ -348,6 +357,15 @@ class CompiledPartition(torch.nn.Module):
         return tuple(self.run(tensors))
 
     forward = __call__
+
+
+def _raise_eager(error: jax.errors.JaxRuntimeError) -> NoReturn:
+    """Raises the exception eager PyTorch raised in a kernel the program ran (``ffi``),
+    else ``error`` itself."""
+    eager = eager_error(error)
+    if eager is None:
+        raise error
+    raise eager from error
 
 
 def _own_outputs(

@@ -1,0 +1,341 @@
+"""Which calls PyTorch's kernel can run inside an XLA program, and the call itself.
+
+``kernel_refusal`` says why an op's call cannot run there (None: it can): the op must be
+an operator whose CPU kernel is C++ (aten's, or a user's C++ custom op: a kernel written
+in Python would need the GIL, which XLA's thread does not hold), functional (it writes
+none of its arguments), not random (its draws would not follow dynajax's keys), with
+tensor results of static shapes and dtypes both PyTorch and JAX have, on the CPU, and
+arguments the call's description can say.
+
+``call_kernel`` writes the call into the trace as ``jax.ffi.ffi_call`` of the handler
+(``torch_op.cc``): the JAX values among the arguments become its operands, the rest
+its description. Where the op has an ``out=`` overload, the handler calls it with XLA's
+result buffers as the outputs; otherwise it copies the results into them.
+
+The handler's errors reach Python as XLA's ``JaxRuntimeError``; ``eager_error`` gives
+back the exception eager PyTorch raised (its type and message), and
+``raise_eager_errors`` re-raises it around a program's run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+
+from dynajax.errors import DynajaxError
+from dynajax.ffi.extension import TARGET, available, unavailable_reason
+
+# c10::ScalarType's codes (its enumeration is part of PyTorch's C++ ABI).
+SCALAR_TYPE = {
+    torch.uint8: 0,
+    torch.int8: 1,
+    torch.int16: 2,
+    torch.int32: 3,
+    torch.int64: 4,
+    torch.float16: 5,
+    torch.float32: 6,
+    torch.float64: 7,
+    torch.complex64: 9,
+    torch.complex128: 10,
+    torch.bool: 11,
+    torch.bfloat16: 15,
+}
+_LAYOUT = {torch.strided: 0}
+_MEMORY_FORMAT = {
+    torch.contiguous_format: 0,
+    torch.preserve_format: 1,
+    torch.channels_last: 2,
+    torch.channels_last_3d: 3,
+}
+# The dispatch keys whose kernel eager's CPU call would run (the first one registered).
+_CPU_KEYS = (
+    "CPU",
+    "CompositeExplicitAutogradNonFunctional[alias]",
+    "CompositeExplicitAutograd[alias]",
+    "CompositeImplicitAutograd[alias]",
+)
+
+
+class NotEncodable(Exception):
+    """An argument the call's description cannot say."""
+
+
+def _python_kernel(op: torch._ops.OpOverload) -> str | None:
+    """Where the kernel eager's CPU call runs is registered, if in a Python file."""
+    lines = torch._C._dispatch_dump(f"{op.namespace}::{op._schema.name.split('::')[-1]}"
+                                    + (f".{op._overloadname}" if op._overloadname != "default" else ""))
+    kernels = dict(
+        line.split(": registered at ", 1) for line in lines.splitlines() if ": registered at " in line
+    )
+    for key in _CPU_KEYS:
+        if key in kernels:
+            where = kernels[key].split(" ::", 1)[0]
+            return where if re.search(r"\.py:\d+$", where.strip()) else None
+    return "no CPU kernel"
+
+
+@functools.cache
+def _op_refusal(op: torch._ops.OpOverload) -> str | None:
+    schema = op._schema
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "it writes its arguments in place"
+    if torch.Tag.nondeterministic_seeded in op.tags or any(
+        "Generator" in str(a.type) for a in schema.arguments
+    ):
+        return "it draws random numbers, which would not follow dynajax's keys"
+    for r in schema.returns:
+        if str(r.type) not in ("Tensor", "List[Tensor]", "Optional[Tensor]"):
+            return f"it returns {r.type}, not tensors"
+    python = _python_kernel(op)
+    if python == "no CPU kernel":
+        return "it has no CPU kernel"
+    if python is not None:
+        return f"its kernel is Python ({python}), which needs the GIL XLA's thread lacks"
+    return None
+
+
+@functools.cache
+def _out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The op's ``out=`` overload (same arguments, then one out tensor per result),
+    if it has one with a C++ kernel."""
+    schema = op._schema
+    if any(str(r.type) != "Tensor" for r in schema.returns):
+        return None
+    packet = getattr(getattr(torch.ops, op.namespace), schema.name.split("::")[-1])
+    inputs = [(a.name, str(a.type)) for a in schema.arguments]
+    for name in packet.overloads():
+        other = getattr(packet, name)
+        args = other._schema.arguments
+        outs = [a for a in args if a.is_out]
+        if (
+            len(outs) == len(schema.returns)
+            and [(a.name, str(a.type)) for a in args if not a.is_out] == inputs
+            and _python_kernel(other) is None
+        ):
+            return other
+    return None
+
+
+def _token(value: Any, jit_type: Any, operand: Callable[[Any], int | None]) -> str:
+    """One argument in the description's syntax (``torch_op.cc``), typed by the schema."""
+    kind = jit_type.kind()
+    if kind == "OptionalType":
+        return "N" if value is None else _token(value, jit_type.getElementType(), operand)
+    if kind == "ListType":
+        if not isinstance(value, list | tuple):
+            raise NotEncodable(f"{value!r} where the schema takes {jit_type}")
+        element = jit_type.getElementType()
+        return "[" + ",".join(_token(v, element, operand) for v in value) + "]"
+    if value is None:
+        return "N"
+    index = operand(value)
+    if index is not None:
+        return f"T{index}"
+    if kind == "TensorType":
+        raise NotEncodable(f"{type(value).__name__} where the schema takes a tensor")
+    if isinstance(value, bool):
+        return "b1" if value else "b0"
+    if isinstance(value, torch.dtype) and value in SCALAR_TYPE:
+        return f"i{SCALAR_TYPE[value]}"
+    if isinstance(value, torch.layout) and value in _LAYOUT:
+        return f"i{_LAYOUT[value]}"
+    if isinstance(value, torch.memory_format) and value in _MEMORY_FORMAT:
+        return f"i{_MEMORY_FORMAT[value]}"
+    if isinstance(value, torch.device):
+        return f"D{len(str(value))}:{value}"
+    if isinstance(value, int | torch.SymInt):
+        number = int(value) if isinstance(value, int) else 0  # (a refusal's check only)
+        return f"f{float(number)!r}" if kind == "FloatType" else f"i{number}"
+    if isinstance(value, float):
+        return f"f{value!r}"
+    if isinstance(value, complex):
+        return f"c{value.real!r},{value.imag!r}"
+    if isinstance(value, str):
+        return f"s{len(value)}:{value}"
+    raise NotEncodable(f"{type(value).__name__} argument {value!r}")
+
+
+def _arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Each schema argument's value by name (defaults filled in)."""
+    values = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            values[a.name] = args[i]
+        elif a.name in kwargs:
+            values[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            values[a.name] = a.default_value
+        else:
+            raise NotEncodable(f"no value for its argument '{a.name}'")
+    return values
+
+
+def _describe(
+    op: torch._ops.OpOverload,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    is_tensor: Callable[[Any], bool],
+    out: bool,
+) -> tuple[torch._ops.OpOverload, str, list[Any]]:
+    """The overload to call, its arguments' description, and the tensors among them
+    (the call's operands) in order."""
+    values = _arguments(op, args, kwargs)
+    target = _out_overload(op) if out else None
+    target = target or op
+    operands: list[Any] = []
+
+    def operand(value: Any) -> int | None:
+        if not is_tensor(value):
+            return None
+        operands.append(value)
+        return len(operands) - 1
+
+    tokens = []
+    results = 0
+    for a in target._schema.arguments:
+        if a.is_out:
+            tokens.append(f"R{results}")
+            results += 1
+        else:
+            tokens.append(_token(values[a.name], a.type, operand))
+    return target, ";".join(tokens), operands
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return [leaf for v in value for leaf in _flat(v)]
+    return [] if value is None else [value]
+
+
+def kernel_refusal(op: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> str | None:
+    """Why PyTorch's kernel cannot run this call (``args``/``kwargs`` with fake tensors,
+    ``out`` its fake result) inside an XLA program; None where it can. Asks for the
+    extension (building it on the first call) last, only for a call it could run."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return "not an operator"
+    refusal = _op_refusal(op)
+    if refusal is not None:
+        return refusal
+    tensors = [v for v in _flat(out)]
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "a result is not a tensor"
+    try:
+        _, _, inputs = _describe(op, args, kwargs, lambda v: isinstance(v, torch.Tensor), False)
+    except NotEncodable as e:
+        return f"an argument the call cannot pass: {e}"
+    for t in [*tensors, *inputs]:
+        if t.device.type != "cpu":
+            return f"a tensor on {t.device} (the handler runs CPU kernels)"
+        if t.dtype not in SCALAR_TYPE:
+            return f"a {t.dtype} tensor"
+    for t in tensors:
+        if not all(isinstance(s, int) for s in t.shape):
+            return f"its result's shape {tuple(t.shape)} is symbolic"
+    if not available():
+        return f"the extension is unavailable: {unavailable_reason()}"
+    return None
+
+
+def call_kernel(
+    op: torch._ops.OpOverload,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    avals: Sequence[jax.ShapeDtypeStruct],
+    result_dtypes: Sequence[torch.dtype],
+    operand_dtypes: Callable[[Sequence[Any]], Sequence[torch.dtype | None]] | None = None,
+) -> tuple[Any, ...]:
+    """``op(*args, **kwargs)`` by PyTorch's kernel, inside the program being traced.
+
+    Args:
+        op: the operator (``kernel_refusal`` said None for it).
+        args, kwargs: its arguments, JAX values where it takes tensors.
+        avals: each result's shape and dtype as the program holds it.
+        result_dtypes: each result's torch dtype (an int64 result is int32 in JAX
+            without 64-bit mode; the handler converts).
+        operand_dtypes: given the operands, the torch dtype the op takes for each
+            (None: the operand's own).
+
+    Returns:
+        The flat results, one JAX value per aval.
+    """
+    exact = all(
+        SCALAR_TYPE[d] == SCALAR_TYPE.get(_torch_dtype(a.dtype), -1)
+        for a, d in zip(avals, result_dtypes, strict=True)
+    )
+    target, text, operands = _describe(op, args, kwargs, _is_jax, exact)
+    wanted = list(operand_dtypes(operands)) if operand_dtypes is not None else []
+    wanted += [None] * (len(operands) - len(wanted))
+    codes = [
+        SCALAR_TYPE[d if d is not None else _torch_dtype(x.dtype)]
+        for x, d in zip(operands, wanted, strict=True)
+    ]
+    description = "|".join(
+        [",".join(map(str, codes)), ",".join(str(SCALAR_TYPE[d]) for d in result_dtypes), text]
+    )
+    overload = target._overloadname
+    call = jax.ffi.ffi_call(TARGET, tuple(avals), vmap_method="sequential")
+    outs = call(
+        *operands,
+        op=target._schema.name,
+        overload="" if overload == "default" else overload,
+        call=description,
+    )
+    return tuple(outs)
+
+
+def _is_jax(value: Any) -> bool:
+    return isinstance(value, jax.Array | np.ndarray)
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    from dynajax.lowering.dtypes import JAX_TO_TORCH
+
+    return JAX_TO_TORCH[np.dtype(dtype)]
+
+
+_ERROR = re.compile(r"dynajax-torch-error\[(\w+)\]: (.*)", re.S)
+_TYPES: dict[str, type[BaseException]] = {
+    "RuntimeError": RuntimeError,
+    "IndexError": IndexError,
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "NotImplementedError": NotImplementedError,
+    "LinAlgError": torch.linalg.LinAlgError,
+    "OutOfMemoryError": torch.OutOfMemoryError,
+    "DynajaxError": DynajaxError,
+}
+
+
+def eager_error(error: BaseException) -> BaseException | None:
+    """The exception eager PyTorch raised inside the handler, from XLA's error
+    reporting it (None: the error is not the handler's)."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return None
+    found = _ERROR.search(str(error))
+    if found is None:
+        return None
+    message = found.group(2).split("; current tracing scope:", 1)[0].rstrip()
+    kind = found.group(1)
+    if kind == "DynajaxError":
+        message += " (in dynajax's call of PyTorch's kernel inside XLA; please report this bug)"
+    return _TYPES.get(kind, RuntimeError)(message)
+
+
+@contextlib.contextmanager
+def raise_eager_errors() -> Iterator[None]:
+    """Runs a program whose custom calls may run PyTorch's kernels: an exception such a
+    kernel raised leaves the block as eager raised it."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        eager = eager_error(e)
+        if eager is None:
+            raise
+        raise eager from e
