@@ -41,13 +41,28 @@ def test_custom_op_in_the_middle_runs_eagerly() -> None:
     assert "dynajax_test.scaled_cumsum.default" in report.text(width=None)
 
 
-def test_aten_op_without_rule_runs_eagerly() -> None:
+def _fake_quantized(x):
+    return torch.fake_quantize_per_tensor_affine(x * 0.5, 0.1, 0, -128, 127) + 1
+
+
+def test_aten_op_without_rule_runs_pytorchs_kernel_inside_the_partition() -> None:
     op = aten.fake_quantize_per_tensor_affine_cachemask.default
     assert op not in dynajax.supported_ops()
+    report = compare_with_eager(_fake_quantized, torch.randn(4, 4))
+    assert report.fallbacks == []
+    [graph] = report.graphs
+    [partition] = graph.partitions
+    assert str(op) in partition.ops and partition.op_count == 3
+    [kernel] = graph.kernels
+    assert (kernel.target, kernel.reason) == (str(op), Reason.NO_LOWERING)
+    assert "PyTorch's kernels inside the XLA program" in report.text(width=None)
 
-    def f(x):
-        return torch.fake_quantize_per_tensor_affine(x * 0.5, 0.1, 0, -128, 127) + 1
 
-    [fallback] = compare_with_eager(f, torch.randn(4, 4)).fallbacks
+def test_aten_op_without_rule_runs_eagerly_with_the_kernels_off(monkeypatch) -> None:
+    monkeypatch.setenv("DYNAJAX_TORCH_KERNELS", "0")
+    op = aten.fake_quantize_per_tensor_affine_cachemask.default
+    report = compare_with_eager(_fake_quantized, torch.randn(4, 4))
+    [fallback] = report.fallbacks
     assert fallback.target == str(op)
     assert fallback.reason is Reason.NO_LOWERING
+    assert len(report.partitions) == 2 and report.graphs[0].kernels == []

@@ -330,6 +330,11 @@ class Report(_Text):
         return [f for g in self.graphs for f in g.fallbacks]
 
     @property
+    def kernels(self) -> list[Unsupported]:
+        """The nodes that run PyTorch's kernel inside an XLA program (``GraphReport.kernels``)."""
+        return [k for g in self.graphs for k in g.kernels]
+
+    @property
     def cost_choices(self) -> list[CostChoice | Unmeasured]:
         """The choices between XLA and a PyTorch kernel timed at the compiles."""
         return [c for g in self.graphs for c in g.cost_choices]

@@ -103,10 +103,12 @@ def _op_refusal(op: torch._ops.OpOverload) -> str | None:
 
 @functools.cache
 def _out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """The op's ``out=`` overload (same arguments, then one out tensor per result),
-    if it has one with a C++ kernel."""
+    """The op's ``out=`` overload (same arguments, then the out tensor), for an op of one
+    result, if it has one with a C++ kernel."""
     schema = op._schema
-    if any(str(r.type) != "Tensor" for r in schema.returns):
+    # One result: an op of several may leave one undefined (a workspace it did not
+    # need), which its out= overload then refuses to copy into XLA's buffer.
+    if [str(r.type) for r in schema.returns] != ["Tensor"]:
         return None
     packet = getattr(getattr(torch.ops, op.namespace), schema.name.split("::")[-1])
     inputs = [(a.name, str(a.type)) for a in schema.arguments]
@@ -265,7 +267,9 @@ def call_kernel(
     Returns:
         The flat results, one JAX value per aval.
     """
-    exact = all(
+    # The out= overload writes XLA's buffers where each result has one, of its dtype
+    # (not where the op was asked to leave a result uncomputed, a None).
+    exact = len(avals) == len(op._schema.returns) and all(
         SCALAR_TYPE[d] == SCALAR_TYPE.get(_torch_dtype(a.dtype), -1)
         for a, d in zip(avals, result_dtypes, strict=True)
     )

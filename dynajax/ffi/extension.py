@@ -5,8 +5,9 @@ process. Its first call builds ``torch_op.cc`` with ``torch.utils.cpp_extension`
 (about 12 s on a 2-core AMD EPYC or Intel Xeon; nothing where a build for the same
 torch, jax, Python and source is in the cache directory), loads it and registers its
 handler with JAX under ``TARGET``. Where that cannot happen (no C++ compiler, a failed
-build, ``DYNAJAX_TORCH_KERNELS=0``) it logs one line saying so and answers False: the
-callers keep their other paths (an eager op between partitions, a host callback).
+build) it logs one line saying so and answers False: the callers keep their other paths
+(an eager op between partitions, a host callback). ``DYNAJAX_TORCH_KERNELS=0`` turns
+the kernels off (read at each compile).
 
 The build directory is ``$DYNAJAX_KERNEL_DIR``, else ``$XDG_CACHE_HOME/dynajax/kernels``
 (``~/.cache/dynajax/kernels``), one subdirectory per torch/jax/Python/source version;
@@ -64,8 +65,11 @@ def compiler() -> str | None:
 
 
 def available() -> bool:
-    """Whether the handler is registered with JAX in this process (built and loaded on
-    the first call; False, with one logged line, where it cannot be)."""
+    """Whether PyTorch's kernels can run inside XLA programs now: the environment
+    allows it (read at each call) and the handler is registered with JAX (built and
+    loaded on the first call; False, with one logged line, where it cannot be)."""
+    if not enabled():
+        return False
     if "ok" in _state:
         return bool(_state["ok"])
     with _lock:
@@ -76,6 +80,8 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     """Why ``available()`` is False ('' where it is True or not asked yet)."""
+    if not enabled():
+        return f"{ENV}={os.environ.get(ENV)}"
     return str(_state.get("why", ""))
 
 
@@ -90,10 +96,6 @@ def _refuse(why: str) -> bool:
 
 
 def _load() -> bool:
-    if not enabled():
-        _state["why"] = f"{ENV}={os.environ.get(ENV)}"
-        log.info("dynajax: PyTorch's kernels inside XLA are off (%s)", _state["why"])
-        return False
     if compiler() is None:
         return _refuse(f"no C++ compiler: {os.environ.get('CXX', 'c++')} is not on PATH")
     directory = build_directory()

@@ -195,7 +195,7 @@ class Parser {
 
 void flatten(const c10::IValue& value, std::vector<at::Tensor>& out) {
   if (value.isTensor()) {
-    out.push_back(value.toTensor());
+    out.push_back(value.toTensor());  // (undefined: a result the op did not compute)
   } else if (value.isTuple()) {
     for (const auto& v : value.toTupleRef().elements()) flatten(v, out);
   } else if (value.isTensorList()) {
@@ -255,10 +255,24 @@ void run(ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view name
   std::vector<at::Tensor> outs;
   for (const auto& v : stack) flatten(v, outs);
   if (outs.size() != results.size()) {
+    // The results the op was asked not to compute are Nones, which XLA has no buffer for.
+    std::vector<at::Tensor> defined;
+    for (const auto& t : outs) {
+      if (t.defined()) defined.push_back(t);
+    }
+    outs = std::move(defined);
+  }
+  if (outs.size() != results.size()) {
     throw BadCall(schema.name() + " returned " + std::to_string(outs.size()) +
                   " tensors where XLA expects " + std::to_string(results.size()));
   }
   for (size_t i = 0; i < outs.size(); ++i) {
+    if (!outs[i].defined()) {
+      // An empty result (a workspace the kernel did not need) may come back undefined.
+      if (targets[i].numel() == 0) continue;
+      throw BadCall(schema.name() + " returned no tensor where its fake tensor promised " +
+                    c10::str(targets[i].sizes()));
+    }
     if (outs[i].sizes() != targets[i].sizes()) {
       throw BadCall(schema.name() + " returned shape " + c10::str(outs[i].sizes()) +
                     " where its fake tensor promised " + c10::str(targets[i].sizes()) +

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dynajax
-from dynajax.capability import Reason, cost, in_graph, memo
+from dynajax.capability import Reason, Unsupported, cost, in_graph, memo
 from tests.tolerances import assert_same
 
 
@@ -28,6 +28,12 @@ def _layer_and_input() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True).eval()
     return layer, torch.randn(2, 16, 64)
+
+
+def _chosen_pytorch(report: dynajax.Report) -> list[Unsupported]:
+    """The nodes measured (or known) faster in PyTorch: each runs PyTorch's kernel,
+    inside its partition (XLA FFI) or, alone, between partitions."""
+    return [v for v in [*report.kernels, *report.fallbacks] if v.reason is Reason.PERF]
 
 
 def _compile(layer: nn.Module, x: torch.Tensor, **options: object) -> dynajax.Report:
@@ -89,10 +95,10 @@ def test_the_graph_is_built_both_ways_and_the_faster_kept(monkeypatch, faster: s
     (choice,) = _choices(report)
     assert (choice.pytorch_s, choice.xla_s, choice.scope) == (*times, "graph")
     assert choice.measure_s > 0
-    reasons = [f.reason for f in report.fallbacks]
+    assert [f.reason for f in report.fallbacks] == []
+    # PyTorch's kernel, chosen, runs inside the layer's partition (XLA FFI).
+    reasons = [k.reason for k in report.kernels]
     assert reasons == ([Reason.PERF] if faster == "pytorch" else [])
-    in_jax = sum(p.op_count for g in report.graphs for p in g.partitions)
-    assert (in_jax == 0) == (faster == "pytorch")
     text = report.text(width=None)
     pytorch_ms, xla_ms = (t * 1e3 for t in times)
     timed_text = f"its graph with PyTorch's kernel {pytorch_ms:.2f} ms, all in JAX {xla_ms:.2f} ms"
@@ -109,7 +115,7 @@ def test_the_graph_is_timed_on_this_machine_without_drawing_random_numbers() -> 
     (choice,) = _choices(report)
     assert choice.scope == "graph"
     assert choice.pytorch_s > 0 and choice.xla_s > 0 and choice.measure_s > 0
-    in_pytorch = [f for f in report.fallbacks if f.reason is Reason.PERF]
+    in_pytorch = _chosen_pytorch(report)
     assert bool(in_pytorch) == (choice.pytorch_s < choice.xla_s)
 
 
@@ -152,7 +158,7 @@ def test_beside_a_users_op_the_op_is_timed_alone(monkeypatch, faster: str) -> No
     report = _compile(_WithUserOp(layer), x, measure_costs=True)
     (choice,) = _choices(report)
     assert (choice.pytorch_s, choice.xla_s, choice.measure_s, choice.scope) == (*times, "op")
-    reasons = [f.reason for f in report.fallbacks if f.reason is not Reason.NO_LOWERING]
+    reasons = [f.reason for f in _chosen_pytorch(report)]
     assert reasons == ([Reason.PERF] if faster == "pytorch" else [])
     text = report.text(width=None)
     assert "PyTorch's kernel 1.00 ms" in text or "PyTorch's kernel 2.00 ms" in text
@@ -165,7 +171,7 @@ def test_the_op_alone_is_timed_on_this_machine() -> None:
     (choice,) = _choices(report)
     assert choice.scope == "op"
     assert choice.pytorch_s > 0 and choice.xla_s > 0 and choice.measure_s > 0
-    in_pytorch = [f for f in report.fallbacks if f.reason is Reason.PERF]
+    in_pytorch = _chosen_pytorch(report)
     assert bool(in_pytorch) == (choice.pytorch_s < choice.xla_s)
 
 
@@ -207,8 +213,8 @@ def test_without_measuring_the_defaults_decide(monkeypatch) -> None:
     report = _compile(layer, torch.randn(8, 128, 256), measure_costs=False)
     assert _choices(report) == []
     # The default for a layer this size (2^25 flops and more): PyTorch's kernel.
-    (fallback,) = report.fallbacks
-    assert fallback.reason is Reason.PERF and "1.4-1.7x" in fallback.detail
+    (chosen,) = _chosen_pytorch(report)
+    assert chosen.reason is Reason.PERF and "1.4-1.7x" in chosen.detail
 
 
 def test_measure_costs_is_an_option_with_an_environment_variable(monkeypatch) -> None:
@@ -255,7 +261,7 @@ def test_a_networks_convolutions_are_timed_together_in_their_graph(monkeypatch, 
     ops = sorted(c.op for c in report.cost_choices)
     assert ops == ["aten.convolution.default", "aten.convolution_backward.default"]
     assert all(c.node.count("convolution") == 2 for c in report.cost_choices)
-    in_pytorch = sorted({str(f.target) for f in report.fallbacks if f.reason is Reason.PERF})
+    in_pytorch = sorted({str(f.target) for f in _chosen_pytorch(report)})
     if faster == "pytorch":
         assert in_pytorch == ops
     else:
@@ -269,7 +275,7 @@ def test_convolutions_beside_a_users_op_take_the_defaults(monkeypatch) -> None:
     cnn, x = _cnn_and_input()
     report = _compile(_WithUserOp(cnn), x, measure_costs=True)
     assert report.cost_choices == []
-    assert [f for f in report.fallbacks if f.reason is Reason.PERF] == []
+    assert _chosen_pytorch(report) == []
 
 
 def test_a_graph_with_large_inputs_is_not_copied_to_be_timed(monkeypatch) -> None:
@@ -401,7 +407,7 @@ def test_a_failure_in_any_stage_of_timing_a_graph_takes_the_default(monkeypatch,
     for c in choices:
         assert isinstance(c, cost.Unmeasured) and c.scope == "graph" and not c.in_pytorch
         assert named in c.error and "RuntimeError: planted failure" in c.error
-    assert [f for f in report.fallbacks if f.reason is Reason.PERF] == []
+    assert _chosen_pytorch(report) == []
     assert sum(p.op_count for g in report.graphs for p in g.partitions) == report.aten_ops
     text = report.text(width=None)
     assert "aten.convolution.default  convolution  not measured (timing its graph:" in text
@@ -429,5 +435,5 @@ def test_a_failure_in_any_stage_of_timing_an_op_alone_takes_the_default(monkeypa
     assert choice.op == "aten._transformer_encoder_layer_fwd.default"
     assert named in choice.error and "planted failure" in choice.error
     assert not choice.in_pytorch
-    assert [f for f in report.fallbacks if f.reason is Reason.PERF] == []
+    assert _chosen_pytorch(report) == []
     assert "not measured (timing the op:" in report.text(width=None)

@@ -58,8 +58,11 @@ def test_mixed_model_gets_the_eager_answer_and_an_exact_report() -> None:
     assert set(fallbacks) == {
         "dynajax_mixtest.soft_clip.default",
         "aten.nonzero.default",
-        "aten.index_put.default",
     }, report.text(width=None)
+    # The masked assignment's shape is static: PyTorch's kernel runs it inside XLA.
+    [kernel] = report.kernels
+    assert kernel.target == "aten.index_put.default"
+    fallbacks[kernel.target] = kernel
     expected = {
         "dynajax_mixtest.soft_clip.default": (Reason.NO_LOWERING, "h = soft_clip(h, 2.0)"),
         "aten.nonzero.default": (Reason.DATA_DEPENDENT_SHAPE, "active = torch.nonzero(h > 0.5)"),
@@ -80,4 +83,4 @@ def test_mixed_model_gets_the_eager_answer_and_an_exact_report() -> None:
     for target in expected:
         assert target in text
     dot = report.to_dot()
-    assert "NO_LOWERING" in dot and "DATA_DEPENDENT_SHAPE" in dot and "CHECK_REFUSED" in dot
+    assert "NO_LOWERING" in dot and "DATA_DEPENDENT_SHAPE" in dot
