@@ -216,10 +216,14 @@ def _flat(value: Any) -> list[Any]:
     return [] if value is None else [value]
 
 
-def kernel_refusal(op: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> str | None:
+def kernel_refusal(
+    op: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, *, static: bool = True
+) -> str | None:
     """Why PyTorch's kernel cannot run this call (``args``/``kwargs`` with fake tensors,
-    ``out`` its fake result) inside an XLA program; None where it can. Asks for the
-    extension (building it on the first call) last, only for a call it could run."""
+    ``out`` its fake result) inside an XLA program; None where it can. With ``static``,
+    a symbolic result shape refuses (the backend's partitions take the fake shapes; the
+    whole-graph driver resolves them against the traced shapes). Asks for the extension
+    (building it on the first call) last, only for a call it could run."""
     if not isinstance(op, torch._ops.OpOverload):
         return "not an operator"
     refusal = _op_refusal(op)
@@ -237,7 +241,7 @@ def kernel_refusal(op: Any, args: Sequence[Any], kwargs: dict[str, Any], out: An
             return f"a tensor on {t.device} (the handler runs CPU kernels)"
         if t.dtype not in SCALAR_TYPE:
             return f"a {t.dtype} tensor"
-    for t in tensors:
+    for t in tensors if static else []:
         if not all(isinstance(s, int) for s in t.shape):
             return f"its result's shape {tuple(t.shape)} is symbolic"
     if not available():

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from dynajax import ffi
 from dynajax.capability import Reason, Unsupported
 from dynajax.errors import DynajaxError, JaxFunctionError
 from dynajax.lowering.dtypes import TORCH_TO_JAX
@@ -79,7 +80,10 @@ def eager_errors() -> Iterator[None]:
         yield
     except jax.errors.JaxRuntimeError as e:
         if not _RAISED:
-            raise
+            eager = ffi.eager_error(e)  # raised by PyTorch's kernel inside XLA
+            if eager is None:
+                raise
+            raise eager from e
         raise _RAISED[-1] from e
 
 
@@ -96,6 +100,8 @@ class CallbackOp:
         differentiable: whether gradients flow through it (it takes and returns
             floating-point tensors; its backward is a second callback running
             ``torch.autograd.grad``).
+        kernel: its forward runs PyTorch's kernel inside the XLA program (``ffi``: a
+            custom call, no Python), not a Python host callback.
     """
 
     op: str
@@ -104,9 +110,12 @@ class CallbackOp:
     detail: str = ""
     source_line: str = ""
     differentiable: bool = False
+    kernel: bool = False
 
     @classmethod
-    def from_verdict(cls, verdict: Unsupported, differentiable: bool) -> CallbackOp:
+    def from_verdict(
+        cls, verdict: Unsupported, differentiable: bool, kernel: bool = False
+    ) -> CallbackOp:
         return cls(
             verdict.target,
             verdict.node,
@@ -114,14 +123,16 @@ class CallbackOp:
             verdict.detail,
             verdict.source_line,
             differentiable,
+            kernel,
         )
 
     def describe(self) -> str:
         """``aten.x.default (node 'x'): NO_LOWERING, differentiable [file:line (code)]``."""
         detail = f": {self.detail}" if self.detail else ""
         grad = ", differentiable" if self.differentiable else ", no gradient"
+        how = ", PyTorch's kernel inside XLA" if self.kernel else ", a Python host callback"
         where = f" [{self.source_line}]" if self.source_line else ""
-        return f"{self.op} (node '{self.node}'): {self.reason.name}{detail}{grad}{where}"
+        return f"{self.op} (node '{self.node}'): {self.reason.name}{detail}{grad}{how}{where}"
 
 
 def is_jax_value(value: Any) -> bool:
@@ -223,13 +234,32 @@ class HostCall:
             out.append(t if dtype is None or t.dtype == dtype else t.to(dtype))
         return out
 
-    def run(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
-        """The op on ``tensors`` (its JAX operands, as torch tensors): its flat outputs."""
+    def arguments(self, values: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
+        """The op's ``(args, kwargs)`` with ``values`` in its operands' places."""
         filled = list(self.leaves)
-        for i, t in zip(self.positions, tensors, strict=True):
+        for i, t in zip(self.positions, values, strict=True):
             filled[i] = t
         args, kwargs = pytree.tree_unflatten(filled, self.spec)
+        return args, kwargs
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """The op on ``tensors`` (its JAX operands, as torch tensors): its flat outputs."""
+        args, kwargs = self.arguments(tensors)
         return flat_outputs(self.target(*args, **kwargs))
+
+    def in_kernel(self, *arrays: Any) -> tuple[Any, ...]:
+        """The op by PyTorch's kernel inside the program (``ffi``), on its JAX operands."""
+        assert isinstance(self.target, torch._ops.OpOverload)
+        args, kwargs = self.arguments(arrays)
+        wanted = dict(zip(map(id, arrays), self.operand_dtypes, strict=True))
+        return ffi.call_kernel(
+            self.target,
+            args,
+            kwargs,
+            self.avals,
+            [t.dtype for t in flat_outputs(self.structure)],
+            lambda operands: [wanted.get(id(x)) for x in operands],
+        )
 
     def forward(self, *arrays: Any) -> tuple[np.ndarray, ...]:
         """The host side of the forward callback."""
@@ -291,6 +321,7 @@ def call_on_host(
     structure: Any,
     avals: list[jax.ShapeDtypeStruct],
     dtypes: Callable[[list[int]], list[torch.dtype | None]] | None = None,
+    kernel: bool = False,
 ) -> tuple[Any, bool]:
     """Calls ``target(*args, **kwargs)`` in eager PyTorch from inside a JAX trace.
 
@@ -305,6 +336,8 @@ def call_on_host(
         dtypes: given the positions of the JAX values among the flattened
             ``(list(args), kwargs)``, the torch dtype the op takes at each (None: as
             it comes).
+        kernel: the forward runs PyTorch's kernel inside the program (``ffi``, which
+            the driver found can run this call) instead of a Python host callback.
 
     Returns:
         The op's result as JAX values, nested as ``structure``; and whether gradients
@@ -322,8 +355,12 @@ def call_on_host(
         target, name, leaves, spec, positions, structure, avals, operand_avals, operand_dtypes
     )
     result_avals = tuple(avals)
+    # (Symbolic sizes, under jax.export, have no buffers to view: a host callback.)
+    kernel = kernel and all(isinstance(d, int) for a in avals for d in a.shape)
 
     def forward(*xs: Any) -> tuple[Any, ...]:
+        if kernel:
+            return call.in_kernel(*xs)
         return tuple(jax.pure_callback(call.forward, result_avals, *xs, vmap_method="sequential"))
 
     diff_in = [i for i, x in enumerate(operands) if _inexact(x.dtype)]

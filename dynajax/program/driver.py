@@ -47,6 +47,7 @@ import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase
 
+from dynajax import ffi
 from dynajax.capability import (
     CapabilityChecker,
     Reason,
@@ -60,6 +61,7 @@ from dynajax.lowering import checks as value_checks
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import eager_on_cuda
 from dynajax.lowering.interpreter import random_nodes
+from dynajax.lowering.registry import KERNEL_KEY
 from dynajax.lowering.precision import eager_precision
 from dynajax.passes import run_passes
 from dynajax.program.callbacks import CallbackOp, flat_outputs
@@ -275,7 +277,10 @@ def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
     unwanted = strict_objections(refused)
     if policy.strict and unwanted:
         raise CallbackOpsError(unwanted)
-    callbacks = tuple(CallbackOp.from_verdict(v, _differentiable(nodes[v.node])) for v in refused)
+    callbacks = tuple(
+        CallbackOp.from_verdict(v, _differentiable(nodes[v.node]), _in_kernel(nodes[v.node], v))
+        for v in refused
+    )
     return Program(gm, callbacks, random_ops(gm), graph_constants(gm), on_cuda(gm))
 
 
@@ -289,6 +294,27 @@ def random_ops(gm: torch.fx.GraphModule) -> tuple[str, ...]:
             where = source_line(n)
             found.append(target_name(n) + (f" at {where}" if where else ""))
     return tuple(found)
+
+
+# The callbacks whose op can run as PyTorch's kernel inside the program (not one that
+# reads eager's storage, which the kernel's dense view of XLA's buffer does not have).
+_KERNEL_CALLBACKS = frozenset(
+    {Reason.NO_LOWERING, Reason.CHECK_REFUSED, Reason.USER_FALLBACK, Reason.PERF}
+)
+
+
+def _in_kernel(n: torch.fx.Node, verdict: Unsupported) -> bool:
+    """Whether the callback node ``n`` runs PyTorch's kernel inside the program
+    (``ffi.kernel_refusal``; marked ``KERNEL_KEY`` for the interpreter) rather than a
+    Python host callback."""
+    n.meta.pop(KERNEL_KEY, None)
+    if verdict.reason not in _KERNEL_CALLBACKS or "val" not in n.meta:
+        return False
+    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+    if ffi.kernel_refusal(n.target, args, kwargs, n.meta["val"], static=False) is not None:
+        return False
+    n.meta[KERNEL_KEY] = True
+    return True
 
 
 def _differentiable(n: torch.fx.Node) -> bool:

@@ -41,6 +41,7 @@ from dynajax.errors import DynajaxError, JaxFunctionError
 from dynajax.lowering import checks as value_checks
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.interpreter import JaxInterpreter
+from dynajax.lowering.registry import KERNEL_KEY
 from dynajax.program.callbacks import call_on_host, flat_outputs
 from dynajax.runtime.conversion import to_jax
 
@@ -229,7 +230,10 @@ class ExportInterpreter(JaxInterpreter):
             return [v.dtype if isinstance(v, torch.Tensor) else None for v in vals]
 
         assert callable(n.target)  # a call_function node
-        result, _ = call_on_host(n.target, verdict.target, args, kwargs, structure, avals, dtypes)
+        kernel = bool(n.meta.get(KERNEL_KEY))  # PyTorch's kernel inside XLA (driver._in_kernel)
+        result, _ = call_on_host(
+            n.target, verdict.target, args, kwargs, structure, avals, dtypes, kernel
+        )
         return result
 
     def host_scalar(self, n: torch.fx.Node, args: Any, kwargs: Any) -> Any:
