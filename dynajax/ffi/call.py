@@ -274,7 +274,7 @@ def call_kernel(
     # The out= overload writes XLA's buffers where each result has one, of its dtype
     # (not where the op was asked to leave a result uncomputed, a None).
     exact = len(avals) == len(op._schema.returns) and all(
-        SCALAR_TYPE[d] == SCALAR_TYPE.get(_torch_dtype(a.dtype), -1)
+        SCALAR_TYPE[d] == SCALAR_TYPE.get(_torch_dtype(jax.dtypes.canonicalize_dtype(a.dtype)), -1)
         for a, d in zip(avals, result_dtypes, strict=True)
     )
     target, text, operands = _describe(op, args, kwargs, _is_jax, exact)
