@@ -38,6 +38,11 @@ def main() -> None:
     files = {str(f) for f in importlib.metadata.files("dynajax") or []}
     check(any(f.endswith("LICENSE") for f in files), "LICENSE in the wheel")
     check(importlib.resources.files("dynajax").joinpath("py.typed").is_file(), "py.typed")
+    source = importlib.resources.files("dynajax").joinpath("ffi", "torch_op.cc")
+    check(source.is_file(), "the FFI handler's source (ffi/torch_op.cc)")
+    from dynajax import ffi
+
+    check(ffi.available(), "PyTorch's kernels inside XLA: the extension builds and registers")
     points = importlib.metadata.entry_points(group="torch_dynamo_backends", name="dynajax")
     check(len(points) == 1, "the torch_dynamo_backends entry point")
 
