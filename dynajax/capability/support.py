@@ -39,9 +39,9 @@ from dynajax.capability.verdict import (
     target_name,
     verdict_of,
 )
+from dynajax.ffi import kernel_refusal
 from dynajax.lowering.dtypes import TORCH_TO_JAX, eager_on_cuda
 from dynajax.lowering.interpreter import jax_literal
-from dynajax.ffi import kernel_refusal
 from dynajax.lowering.registry import KERNEL_KEY, LAYOUT_KEY, Rule, get_rule
 
 log = logging.getLogger("dynajax.capability")

@@ -69,10 +69,14 @@ class NotEncodable(Exception):
 
 def _python_kernel(op: torch._ops.OpOverload) -> str | None:
     """Where the kernel eager's CPU call runs is registered, if in a Python file."""
-    lines = torch._C._dispatch_dump(f"{op.namespace}::{op._schema.name.split('::')[-1]}"
-                                    + (f".{op._overloadname}" if op._overloadname != "default" else ""))
+    lines = torch._C._dispatch_dump(
+        f"{op.namespace}::{op._schema.name.split('::')[-1]}"
+        + (f".{op._overloadname}" if op._overloadname != "default" else "")
+    )
     kernels = dict(
-        line.split(": registered at ", 1) for line in lines.splitlines() if ": registered at " in line
+        line.split(": registered at ", 1)
+        for line in lines.splitlines()
+        if ": registered at " in line
     )
     for key in _CPU_KEYS:
         if key in kernels:
@@ -164,7 +168,9 @@ def _token(value: Any, jit_type: Any, operand: Callable[[Any], int | None]) -> s
     raise NotEncodable(f"{type(value).__name__} argument {value!r}")
 
 
-def _arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _arguments(
+    op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]
+) -> dict[str, Any]:
     """Each schema argument's value by name (defaults filled in)."""
     values = {}
     for i, a in enumerate(op._schema.arguments):

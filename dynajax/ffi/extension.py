@@ -17,7 +17,6 @@ The build directory is ``$DYNAJAX_KERNEL_DIR``, else ``$XDG_CACHE_HOME/dynajax/k
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -49,7 +48,8 @@ def build_directory() -> str:
     )
     with open(SOURCE, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    tag = f"torch{torch.__version__}-jax{jax.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    python = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    tag = f"torch{torch.__version__}-jax{jax.__version__}-{python}"
     return os.path.join(base, f"{tag}-{digest}".replace("+", "_"))
 
 

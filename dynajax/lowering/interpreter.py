@@ -101,6 +101,7 @@ class JaxInterpreter(torch.fx.Interpreter):
 def torch_kernel(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     """The node by PyTorch's own kernel, a custom call inside the program (``ffi``),
     its results nested as the node's; the capability stage chose it (``KERNEL_KEY``)."""
+    assert isinstance(node.target, torch._ops.OpOverload)  # (ffi.kernel_refusal)
     structure = node.meta["val"]
     flat = [t for t in _flat(structure) if t is not None]
     avals = [jax.ShapeDtypeStruct(tuple(t.shape), TORCH_TO_JAX[t.dtype]) for t in flat]

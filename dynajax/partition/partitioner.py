@@ -31,7 +31,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-from dynajax.capability import META_KEY, Reason, Unsupported, target_name
+from dynajax.capability import META_KEY, Reason, Supported, Unsupported, target_name
 from dynajax.capability.verdict import source_line
 from dynajax.lowering.registry import KERNEL_KEY, get_rule
 
@@ -277,7 +277,7 @@ def assign_partitions(
         ops = compute_op_count(nodes)
         for n in nodes:
             verdict = n.meta.get(META_KEY)
-            if getattr(verdict, "kernel", None) is not None:
+            if isinstance(verdict, Supported) and verdict.kernel is not None:
                 # PyTorch's kernel, left outside XLA: eager runs it, for its own reason.
                 n.meta.pop(KERNEL_KEY, None)
                 n.meta[META_KEY] = verdict.kernel

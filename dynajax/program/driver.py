@@ -51,6 +51,7 @@ from dynajax import ffi
 from dynajax.capability import (
     CapabilityChecker,
     Reason,
+    Unsupported,
     strict_objections,
     target_name,
     verdict_of,
@@ -61,8 +62,8 @@ from dynajax.lowering import checks as value_checks
 from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import eager_on_cuda
 from dynajax.lowering.interpreter import random_nodes
-from dynajax.lowering.registry import KERNEL_KEY
 from dynajax.lowering.precision import eager_precision
+from dynajax.lowering.registry import KERNEL_KEY
 from dynajax.passes import run_passes
 from dynajax.program.callbacks import CallbackOp, flat_outputs
 from dynajax.program.interpreter import (

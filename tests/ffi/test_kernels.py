@@ -80,7 +80,10 @@ def _kernel(op, args, kwargs, like):
 
 def test_the_extension_builds_and_answers() -> None:
     assert ffi.available()
-    assert ffi.kernel_refusal(aten.add.Tensor, (torch.ones(2), torch.ones(2)), {}, torch.ones(2)) is None
+    assert (
+        ffi.kernel_refusal(aten.add.Tensor, (torch.ones(2), torch.ones(2)), {}, torch.ones(2))
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -108,7 +111,11 @@ def test_values_are_bit_equal_to_eagers(case: str) -> None:
             (x, 0.1, 0, -128, 127),
             {},
         ),
-        "float64": (aten.addmm.default, (torch.randn(3).double(), torch.randn(3, 5).double(), torch.randn(5, 3).double()), {"beta": 0.5}),
+        "float64": (
+            aten.addmm.default,
+            (torch.randn(3).double(), torch.randn(3, 5).double(), torch.randn(5, 3).double()),
+            {"beta": 0.5},
+        ),
     }
     op, args, kwargs = cases[case]
     if case == "index_put_mask":
@@ -151,7 +158,10 @@ def test_a_users_cpp_op_runs_inside_the_backends_partition(cpp_op) -> None:
     report = report_of(backend)
     assert report.fallbacks == []
     [kernel] = report.kernels
-    assert (kernel.target, kernel.reason) == ("dynajax_cpp_test.checked_scale.default", Reason.NO_LOWERING)
+    assert (kernel.target, kernel.reason) == (
+        "dynajax_cpp_test.checked_scale.default",
+        Reason.NO_LOWERING,
+    )
     assert len(report.partitions) == 1
 
 
@@ -206,7 +216,9 @@ def test_kernels_off_the_backend_runs_the_op_between_partitions(monkeypatch) -> 
     monkeypatch.setenv("DYNAJAX_TORCH_KERNELS", "0")
     assert not ffi.available()
     x = torch.randn(4, 4)
-    compiled, backend = compile_with(lambda x: torch.fake_quantize_per_tensor_affine(x.sin(), 0.1, 0, -128, 127).cos())
+    compiled, backend = compile_with(
+        lambda x: torch.fake_quantize_per_tensor_affine(x.sin(), 0.1, 0, -128, 127).cos()
+    )
     compiled(x)
     [fallback] = report_of(backend).fallbacks
     assert fallback.reason is Reason.NO_LOWERING and report_of(backend).kernels == []
