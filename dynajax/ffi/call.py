@@ -90,10 +90,8 @@ def _op_refusal(op: torch._ops.OpOverload) -> str | None:
     schema = op._schema
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return "it writes its arguments in place"
-    if torch.Tag.nondeterministic_seeded in op.tags or any(
-        "Generator" in str(a.type) for a in schema.arguments
-    ):
-        return "it draws random numbers, which would not follow dynajax's keys"
+    if any("Generator" in str(a.type) for a in schema.arguments):
+        return _RANDOM
     for r in schema.returns:
         if str(r.type) not in ("Tensor", "List[Tensor]", "Optional[Tensor]"):
             return f"it returns {r.type}, not tensors"
@@ -127,6 +125,19 @@ def _out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
         ):
             return other
     return None
+
+
+_RANDOM = "it draws random numbers, which would not follow dynajax's keys"
+
+
+def _draws(op: torch._ops.OpOverload, values: dict[str, Any]) -> bool:
+    """Whether this call of an op tagged random draws: not an attention or dropout
+    called with probability 0 or outside training (the fused CPU attention is tagged
+    for its dropout)."""
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    p = values.get("dropout_p", values.get("p"))
+    return not (values.get("train") is False or (isinstance(p, int | float) and p == 0))
 
 
 def _token(value: Any, jit_type: Any, operand: Callable[[Any], int | None]) -> str:
@@ -239,6 +250,8 @@ def kernel_refusal(
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return "a result is not a tensor"
     try:
+        if _draws(op, _arguments(op, args, kwargs)):
+            return _RANDOM
         _, _, inputs = _describe(op, args, kwargs, lambda v: isinstance(v, torch.Tensor), False)
     except NotEncodable as e:
         return f"an argument the call cannot pass: {e}"
@@ -277,6 +290,10 @@ def call_kernel(
     Returns:
         The flat results, one JAX value per aval.
     """
+    if not available():  # (registers the handler with JAX where this process has not yet)
+        raise DynajaxError(
+            f"PyTorch's kernel for {op} cannot run inside XLA: {unavailable_reason()}"
+        )
     # The out= overload writes XLA's buffers where each result has one, of its dtype
     # (not where the op was asked to leave a result uncomputed, a None).
     exact = len(avals) == len(op._schema.returns) and all(

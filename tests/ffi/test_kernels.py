@@ -88,7 +88,15 @@ def test_the_extension_builds_and_answers() -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["convolution", "max.dim", "index_put_mask", "int64_cumsum", "fake_quantize", "float64"],
+    [
+        "convolution",
+        "max.dim",
+        "index_put_mask",
+        "int64_cumsum",
+        "fake_quantize",
+        "float64",
+        "attention",
+    ],
 )
 def test_values_are_bit_equal_to_eagers(case: str) -> None:
     torch.manual_seed(0)
@@ -100,6 +108,11 @@ def test_values_are_bit_equal_to_eagers(case: str) -> None:
             {},
         ),
         "max.dim": (aten.max.dim, (x, 2, True), {}),
+        "attention": (
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            (torch.randn(2, 4, 64, 16), torch.randn(2, 4, 64, 16), torch.randn(2, 4, 64, 16)),
+            {"dropout_p": 0.0, "is_causal": True, "scale": 0.3},
+        ),
         "index_put_mask": (
             aten.index_put.default,
             (x, [x > 0.5], torch.tensor(0.25)),
@@ -136,6 +149,21 @@ def test_values_are_bit_equal_to_eagers(case: str) -> None:
     assert len(got) == len(flat)
     for g, e in zip(got, flat, strict=True):
         assert g.dtype == e.dtype and torch.equal(g, e), case
+
+
+def test_what_the_kernels_refuse() -> None:
+    x = torch.empty(2, 4, 8, 16)
+    attention = aten._scaled_dot_product_flash_attention_for_cpu.default
+    out = (x, torch.empty(2, 4, 8))
+    assert ffi.kernel_refusal(attention, (x, x, x, 0.0), {}, out) is None
+    assert "random" in ffi.kernel_refusal(attention, (x, x, x, 0.1), {}, out)
+    assert "random" in ffi.kernel_refusal(aten.bernoulli.p, (x, 0.5), {}, x)
+    assert "in place" in ffi.kernel_refusal(aten.add_.Tensor, (x, x), {}, x)
+    assert "symbolic" not in (ffi.kernel_refusal(aten.sin.default, (x,), {}, x) or "")
+    assert "not an operator" in ffi.kernel_refusal(torch.sin, (x,), {}, x)
+    with torch.device("meta"):
+        on_meta = torch.empty(3)
+    assert "meta" in ffi.kernel_refusal(aten.sin.default, (on_meta,), {}, on_meta)
 
 
 def test_a_kernels_error_is_eagers_error() -> None:
