@@ -46,6 +46,12 @@ dtypes: ``capability/memo.py``), and the report lists them with the choice
   PyTorch cuts the partition around it; on 2026-11-29 ResNet-18's inference graph
   (batch 8, 64x64) ran 21.97 ms with its convolutions in PyTorch and 29.05 ms all in
   JAX, its training backward 56.64 and 54.75 ms (``benchmarks/RECORD.md``).
+* ``mm``, ``addmm`` and ``bmm`` on CPU tensors from ``PRODUCT_FLOPS``, timed in their
+  graph only, where PyTorch's kernel runs inside the XLA program (``dynajax/ffi``; the
+  default is XLA). MKL's products and XLA's rank by CPU: on an Intel Xeon with AVX-512
+  and AMX, JAX's MLP (512-2048-512, batch 64) ran 1.13x eager's, below eager on AMD
+  EPYC Zen 4 and 5. A product's transposed weight crosses as the array it was, the
+  kernel's view transposing it (``ffi.Permuted``), as eager's ``t`` costs nothing.
 * ``mode`` and ``kthvalue`` on CPU tensors. PyTorch's kernels select in place on each
   row; the rules sort the rows, and where values tie run PyTorch's own algorithms step
   by step to give its index (``lowering/eager_sorting.py``), a loop per step. Each op
@@ -74,6 +80,7 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import _disable_current_modes
 
+from dynajax import ffi
 from dynajax.lowering import attention
 from dynajax.lowering.registry import Rule
 
@@ -192,9 +199,11 @@ def reported(pytorch_s: float, xla_s: float) -> tuple[float, float]:
 
 
 def times_key() -> tuple[Any, ...]:
-    """What remembered times are keyed by besides the op or graph: the machine (and the
-    test seam's ``fixed_times``)."""
-    return (machine(),) if fixed_times is None else (machine(), fixed_times)
+    """What remembered times are keyed by besides the op or graph: the machine, whether
+    PyTorch's kernel runs inside the XLA program or between partitions (``ffi``: two
+    different builds of the same choice), and the test seam's ``fixed_times``."""
+    key = (machine(), "kernels inside XLA" if ffi.available() else "kernels between")
+    return key if fixed_times is None else (*key, fixed_times)
 
 
 def _ms(s: float) -> str:
@@ -264,6 +273,24 @@ _FASTER_IN_PYTORCH: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], str | 
 }
 
 
+# From this many floating-point operations a matrix product's choice is measured: a
+# smaller one is cheap either way (and the measuring would double its graph's compile).
+PRODUCT_FLOPS = 1 << 24
+
+
+def _large_product(node: torch.fx.Node) -> bool:
+    """A CPU product (``mm``, ``addmm``, ``bmm``) of static sizes, of at least
+    ``PRODUCT_FLOPS``, where PyTorch's kernel can run inside the XLA program (between
+    partitions it would cut its graph at every layer)."""
+    a, b = (_val(x) for x in node.args[-2:])
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or not _static_cpu(node):
+        return False
+    if not a.is_floating_point():
+        return False
+    flops = 2 * a.numel() * b.shape[-1]
+    return flops >= PRODUCT_FLOPS and ffi.available()
+
+
 # Ops whose choice is measured where they run (with measure_costs): which nodes are
 # candidates (PyTorch's kernel could win), whatever the defaults say.
 _MEASURED: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], bool]] = {
@@ -273,6 +300,9 @@ _MEASURED: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], bool]] = {
     aten._transformer_encoder_layer_fwd.default: lambda n: _static_cpu(n),
     aten.convolution.default: lambda n: _static_cpu(n),
     aten.convolution_backward.default: lambda n: _static_cpu(n),
+    aten.mm.default: _large_product,
+    aten.addmm.default: _large_product,
+    aten.bmm.default: _large_product,
 }
 
 # Of those, the ones measured only in their graph (``in_graph.py``); where the graph
@@ -281,7 +311,15 @@ _MEASURED: dict[torch._ops.OpOverload, Callable[[torch.fx.Node], bool]] = {
 # ResNet's shapes (``benchmarks/RECORD.md``, "Convolution algorithms"), yet the model
 # with them in PyTorch pays a crossing and a cut partition per convolution; only the
 # graph tells.
-_IN_GRAPH_ONLY = frozenset({aten.convolution.default, aten.convolution_backward.default})
+_IN_GRAPH_ONLY = frozenset(
+    {
+        aten.convolution.default,
+        aten.convolution_backward.default,
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+    }
+)
 
 # Measures a candidate node, remembered: (node) -> (pytorch_s, xla_s, measure_s), or
 # None where it cannot be measured. The capability stage passes one bound to its cache.

@@ -14,7 +14,20 @@ callback (``program/callbacks.py``). Where the extension cannot be built (no C++
 compiler) or is turned off (``DYNAJAX_TORCH_KERNELS=0``), both keep their other paths.
 """
 
-from dynajax.ffi.call import call_kernel, eager_error, kernel_refusal, raise_eager_errors
+from dynajax.ffi.call import (
+    Permuted,
+    call_kernel,
+    eager_error,
+    kernel_refusal,
+    raise_eager_errors,
+)
 from dynajax.ffi.extension import available
 
-__all__ = ["available", "call_kernel", "eager_error", "kernel_refusal", "raise_eager_errors"]
+__all__ = [
+    "Permuted",
+    "available",
+    "call_kernel",
+    "eager_error",
+    "kernel_refusal",
+    "raise_eager_errors",
+]

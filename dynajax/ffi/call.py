@@ -23,7 +23,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -65,6 +65,15 @@ _CPU_KEYS = (
 
 class NotEncodable(Exception):
     """An argument the call's description cannot say."""
+
+
+class Permuted(NamedTuple):
+    """A tensor argument given as an array and the permutation of its dimensions the op
+    takes (a transpose PyTorch's view makes free, which XLA would copy): the handler
+    permutes its view of ``base``."""
+
+    base: Any
+    dims: tuple[int, ...]
 
 
 def _python_kernel(op: torch._ops.OpOverload) -> str | None:
@@ -152,6 +161,11 @@ def _token(value: Any, jit_type: Any, operand: Callable[[Any], int | None]) -> s
         return "[" + ",".join(_token(v, element, operand) for v in value) + "]"
     if value is None:
         return "N"
+    if isinstance(value, Permuted):
+        index = operand(value.base)
+        if index is None:
+            raise NotEncodable("a permuted argument that is not an array")
+        return f"P{index}:" + ".".join(map(str, value.dims))
     index = operand(value)
     if index is not None:
         return f"T{index}"
@@ -165,7 +179,7 @@ def _token(value: Any, jit_type: Any, operand: Callable[[Any], int | None]) -> s
         return f"i{_LAYOUT[value]}"
     if isinstance(value, torch.memory_format) and value in _MEMORY_FORMAT:
         return f"i{_MEMORY_FORMAT[value]}"
-    if isinstance(value, torch.device):
+    if isinstance(value, torch.device) or (kind == "DeviceObjType" and isinstance(value, str)):
         return f"D{len(str(value))}:{value}"
     if isinstance(value, int | torch.SymInt):
         number = int(value) if isinstance(value, int) else 0  # (a refusal's check only)

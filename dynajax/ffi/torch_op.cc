@@ -16,6 +16,7 @@
 //              each result.
 //   arguments  one value per schema argument, ';'-separated, each one of
 //              N (None)  T<i> (operand i)  R<i> (result i, an out= argument)
+//              P<i>:<d0>.<d1>... (operand i permuted: a transpose XLA need not copy)
 //              i<int>  f<float>  b0 | b1  c<re>,<im>  s<len>:<text>  D<len>:<device>
 //              [<value>,<value>,...] (a list, typed by the schema)
 
@@ -90,6 +91,20 @@ class Parser {
       case 'N': return c10::IValue();
       case 'T': return index(operands_);
       case 'R': return index(results_);
+      case 'P': {
+        c10::IValue base = index(operands_);
+        expect(':');
+        std::string dims = token();
+        std::vector<int64_t> order;
+        size_t start = 0;
+        while (start <= dims.size()) {
+          size_t end = dims.find('.', start);
+          if (end == std::string::npos) end = dims.size();
+          order.push_back(std::strtoll(dims.substr(start, end - start).c_str(), nullptr, 10));
+          start = end + 1;
+        }
+        return c10::IValue(base.toTensor().permute(order));
+      }
       case 'i': return c10::IValue(integer());
       case 'f': return c10::IValue(real());
       case 'b': return c10::IValue(next() == '1');
@@ -120,7 +135,7 @@ class Parser {
     if (next() != c) throw BadCall(std::string("expected '") + c + "' in the call's arguments");
   }
   std::string token() {
-    size_t end = text_.find_first_of(",;]|", pos_);
+    size_t end = text_.find_first_of(",;]|:", pos_);
     if (end == std::string_view::npos) end = text_.size();
     std::string out(text_.substr(pos_, end - pos_));
     pos_ = end;

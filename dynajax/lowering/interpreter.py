@@ -22,6 +22,8 @@ from dynajax.lowering import checks, nan_constants, transposes
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.lowering.registry import KERNEL_KEY, LAYOUT_KEY, get_rule
 
+aten = torch.ops.aten
+
 
 def jax_literal(value: Any) -> Any:
     """Translates torch literals in a node's arguments to their JAX equivalents."""
@@ -58,6 +60,7 @@ class JaxInterpreter(torch.fx.Interpreter):
         if target is operator.getitem:
             return args[0][args[1]]
         if self._node is not None and self._node.meta.get(KERNEL_KEY):
+            args = [_unpermuted(a, v, self.env) for a, v in zip(self._node.args, args, strict=True)]
             return torch_kernel(self._node, args, kwargs)
         rule = get_rule(target)
         if rule is None:  # the capability pass let no such node in
@@ -113,6 +116,31 @@ def torch_kernel(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
         return None if value is None else next(outs)
 
     return rebuild(structure)
+
+
+_PERMUTES = (aten.permute.default, aten.t.default, aten.transpose.int)
+
+
+def _unpermuted(arg: Any, value: Any, env: dict[torch.fx.Node, Any]) -> Any:
+    """A kernel's argument ``value``: where its node is a permutation of another traced
+    array (``t``, ``transpose``, ``permute``: free views in PyTorch, copies in XLA), that
+    array and the permutation, which the kernel's view applies (``ffi.Permuted``)."""
+    if not isinstance(arg, torch.fx.Node) or arg.target not in _PERMUTES:
+        return value
+    base = arg.args[0]
+    if not isinstance(base, torch.fx.Node) or base not in env:
+        return value
+    rank = len(getattr(env[base], "shape", ()))
+    if arg.target is aten.permute.default:
+        dims = [int(d) % rank for d in arg.args[1]]  # type: ignore[union-attr]
+    elif rank < 2:
+        return value  # (t of a vector is the vector)
+    else:
+        swapped = (0, 1) if arg.target is aten.t.default else arg.args[1:3]
+        d0, d1 = (int(a) % rank for a in swapped)  # type: ignore[call-overload]
+        dims = list(range(rank))
+        dims[d0], dims[d1] = dims[d1], dims[d0]
+    return ffi.Permuted(env[base], tuple(dims))
 
 
 def _flat(value: Any) -> list[Any]:

@@ -96,6 +96,8 @@ def test_the_extension_builds_and_answers() -> None:
         "fake_quantize",
         "float64",
         "attention",
+        "string",
+        "device",
     ],
 )
 def test_values_are_bit_equal_to_eagers(case: str) -> None:
@@ -108,6 +110,8 @@ def test_values_are_bit_equal_to_eagers(case: str) -> None:
             {},
         ),
         "max.dim": (aten.max.dim, (x, 2, True), {}),
+        "string": (aten.div.Tensor_mode, (x, x + 3), {"rounding_mode": "floor"}),
+        "device": (aten._to_copy.default, (x,), {"dtype": torch.float64, "device": "cpu"}),
         "attention": (
             aten._scaled_dot_product_flash_attention_for_cpu.default,
             (torch.randn(2, 4, 64, 16), torch.randn(2, 4, 64, 16), torch.randn(2, 4, 64, 16)),
@@ -149,6 +153,21 @@ def test_values_are_bit_equal_to_eagers(case: str) -> None:
     assert len(got) == len(flat)
     for g, e in zip(got, flat, strict=True):
         assert g.dtype == e.dtype and torch.equal(g, e), case
+
+
+def test_a_transposed_argument_crosses_as_its_array() -> None:
+    a, w = torch.randn(6, 5), torch.randn(7, 5)
+    expected = aten.mm.default(a, w.t())
+
+    def program(a, w):
+        aval = jax.ShapeDtypeStruct((6, 7), jnp.float32)
+        permuted = ffi.Permuted(w, (1, 0))
+        return ffi.call_kernel(aten.mm.default, (a, permuted), {}, [aval], [torch.float32])[0]
+
+    lowered = jax.jit(program).lower(jnp.asarray(a.numpy()), jnp.asarray(w.numpy()))
+    assert "transpose" not in lowered.as_text()  # the kernel's view transposes it
+    got = lowered.compile()(jnp.asarray(a.numpy()), jnp.asarray(w.numpy()))
+    assert torch.equal(torch.from_numpy(np.asarray(got)), expected)
 
 
 def test_what_the_kernels_refuse() -> None:
