@@ -132,12 +132,13 @@ def _unpermuted(arg: Any, value: Any, env: dict[torch.fx.Node, Any]) -> Any:
         return value
     rank = len(getattr(env[base], "shape", ()))
     if arg.target is aten.permute.default:
-        dims = [int(d) % rank for d in arg.args[1]]  # type: ignore[union-attr]
+        given: Any = arg.args[1]
+        dims = [int(d) % rank for d in given]
     elif rank < 2:
         return value  # (t of a vector is the vector)
     else:
-        swapped = (0, 1) if arg.target is aten.t.default else arg.args[1:3]
-        d0, d1 = (int(a) % rank for a in swapped)  # type: ignore[call-overload]
+        swapped: Any = (0, 1) if arg.target is aten.t.default else arg.args[1:3]
+        d0, d1 = (int(a) % rank for a in swapped)
         dims = list(range(rank))
         dims[d0], dims[d1] = dims[d1], dims[d0]
     return ffi.Permuted(env[base], tuple(dims))
