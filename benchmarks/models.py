@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 
-def mlp_model() -> tuple[nn.Module, tuple[Any, ...]]:
+def mlp_model(batch: int = 64) -> tuple[nn.Module, tuple[Any, ...]]:
     model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512))
-    return model, (torch.randn(64, 512),)
+    return model, (torch.randn(batch, 512),)
 
 
-def encoder_model() -> tuple[nn.Module, tuple[Any, ...]]:
+def encoder_model(batch: int = 8, tokens: int = 128) -> tuple[nn.Module, tuple[Any, ...]]:
     model = nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True)
-    return model, (torch.randn(8, 128, 256),)
+    return model, (torch.randn(batch, tokens, 256),)
 
 
 class _CausalSelfAttention(nn.Module):
@@ -42,19 +42,24 @@ class _CausalSelfAttention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, t, e))
 
 
-def attention_model() -> tuple[nn.Module, tuple[Any, ...]]:
-    return _CausalSelfAttention(256, 4), (torch.randn(8, 512, 256),)
+def attention_model(batch: int = 8, tokens: int = 512) -> tuple[nn.Module, tuple[Any, ...]]:
+    return _CausalSelfAttention(256, 4), (torch.randn(batch, tokens, 256),)
 
 
 def gpt2_model(
-    layers: int = 4, width: int = 256, heads: int = 4, vocab: int = 1024, batch: int = 4
+    layers: int = 4,
+    width: int = 256,
+    heads: int = 4,
+    vocab: int = 1024,
+    batch: int = 4,
+    seq: int = 128,
 ) -> tuple[nn.Module, tuple[Any, ...]]:
-    """A GPT-2 built from its config, on (batch, 128) tokens (by default the rows'
+    """A GPT-2 built from its config, on (batch, seq) tokens (by default the rows'
     4-layer one)."""
     from tests.models import gpt2, tokens
 
     model = gpt2(layers=layers, width=width, heads=heads, vocab=vocab)
-    return model, (tokens(batch, 128, vocab),)
+    return model, (tokens(batch, seq, vocab),)
 
 
 def gpt2_small_model() -> tuple[nn.Module, tuple[Any, ...]]:
@@ -104,5 +109,5 @@ class ResNet18(nn.Module):
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
 
-def resnet_model() -> tuple[nn.Module, tuple[Any, ...]]:
-    return ResNet18(), (torch.randn(8, 3, 64, 64),)
+def resnet_model(batch: int = 8, pixels: int = 64) -> tuple[nn.Module, tuple[Any, ...]]:
+    return ResNet18(), (torch.randn(batch, 3, pixels, pixels),)

@@ -40,6 +40,7 @@ class Workload:
         no_grad: run the step under ``torch.no_grad()`` (inference rows).
         default: part of a run that names no rows (False: a row too heavy for every run,
             run where named, as ``benchmarks.memory`` names its large model).
+        size_of: for a row of the grid (``--grid``), the model row it is another size of.
     """
 
     name: str
@@ -52,6 +53,7 @@ class Workload:
     memory_calls: int = 0
     no_grad: bool = True
     default: bool = True
+    size_of: str = ""
 
 
 WORKLOADS: dict[str, Workload] = {}
@@ -60,6 +62,16 @@ WORKLOADS: dict[str, Workload] = {}
 def default_rows(workloads: dict[str, Workload] = WORKLOADS) -> list[str]:
     """The rows a run that names none runs (every row but the heavy ones)."""
     return [n for n, w in workloads.items() if w.default]
+
+
+def grid_rows(workloads: dict[str, Workload] = WORKLOADS) -> list[str]:
+    """The grid (``--grid``): each model row between its smaller and its larger size."""
+    rows = []
+    for name, w in workloads.items():
+        if w.group == "model" and not w.size_of:
+            sizes = [n for n, s in workloads.items() if s.size_of == name]
+            rows += [sizes[0], name, *sizes[1:]] if sizes else [name]
+    return rows
 
 
 def register(w: Workload) -> Workload:

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from benchmarks import harness
-    from benchmarks.workloads import WORKLOADS, default_rows, device
+    from benchmarks.workloads import WORKLOADS, default_rows, device, grid_rows
 
     if args.suite:  # the test suite's models: rows built on the fly, not in WORKLOADS
         from benchmarks.suite import suite_workloads
@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         WORKLOADS = suite_workloads(train=args.train)  # noqa: N806
         args.no_first_call = True  # first-call workers look rows up in WORKLOADS
     names = args.workloads.split(",") if args.workloads else default_rows(WORKLOADS)
+    if args.grid and not args.workloads:
+        names = grid_rows(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         sys.exit(f"unknown workload(s) {unknown}; known: {list(WORKLOADS)}")
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "cpu_settings": cpu_settings(),
+            "cpu": cpu_description(),
             "suite": args.suite,
             "device": str(device()),
             "device_name": torch.cuda.get_device_name() if device().type == "cuda" else None,
@@ -221,6 +224,8 @@ def print_report(out: dict[str, Any]) -> None:
     ratios = out["summary"]["ratios"]
     print()
     meta = out["meta"]
+    if meta.get("cpu"):
+        print(f"CPU: {meta['cpu']}")
     print(
         f"load average at start: {meta['load_avg']}  cpus: {meta['cpus']}  "
         f"torch threads: {meta.get('torch_threads')}  XLA_FLAGS: {meta.get('xla_flags') or '-'}"
@@ -395,9 +400,44 @@ def cpu_settings() -> dict[str, str]:
     return found
 
 
+def cpu_description() -> str:
+    """The CPU a speed claim names: vendor, model (family and model numbers) and the
+    instruction sets the kernels may use, from ``/proc/cpuinfo`` (``platform`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    isa = [
+        name
+        for name, flag in (
+            ("AVX2", "avx2"),
+            ("AVX-512", "avx512f"),
+            ("AVX-512 BF16", "avx512_bf16"),
+            ("AMX", "amx_tile"),
+        )
+        if flag in flags
+    ]
+    return (
+        f"{fields.get('vendor_id', '?')} {fields.get('model name', '?')} "
+        f"(family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}); "
+        f"{', '.join(isa) or 'no AVX2'}; {os.cpu_count()} logical CPUs"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="quick rows only, few repeats")
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="every model row at three sizes (its own, a smaller and a larger one)",
+    )
     p.add_argument("--workloads", help="comma-separated names (default: all)")
     p.add_argument(
         "--peers",

@@ -49,6 +49,7 @@ from benchmarks.registry import DEVICE_ENV as DEVICE_ENV
 from benchmarks.registry import WORKLOADS as WORKLOADS
 from benchmarks.registry import Compile, Step, Workload, device, jax_put, placed, register
 from benchmarks.registry import default_rows as default_rows
+from benchmarks.registry import grid_rows as grid_rows
 
 
 def _seeded() -> None:
@@ -203,6 +204,33 @@ register(
         description="ResNet-18-shaped CNN on (8, 3, 64, 64)",
     )
 )
+
+
+# -- the grid: each model row at a smaller and a larger size (``--grid``) --------------
+
+_GRID: list[tuple[str, str, Callable[[], tuple[nn.Module, tuple[Any, ...]]], str]] = [
+    ("mlp", "mlp-b8", lambda: mlp_model(batch=8), "MLP 512-2048-512, batch 8"),
+    ("mlp", "mlp-b512", lambda: mlp_model(batch=512), "MLP 512-2048-512, batch 512"),
+    ("encoder-layer", "encoder-layer-2x64", lambda: encoder_model(2, 64), "on (2, 64, 256)"),
+    ("encoder-layer", "encoder-layer-8x512", lambda: encoder_model(8, 512), "on (8, 512, 256)"),
+    ("gpt2", "gpt2-2x64", lambda: gpt2_model(batch=2, seq=64), "the GPT-2 row on (2, 64)"),
+    ("gpt2", "gpt2-8x256", lambda: gpt2_model(batch=8, seq=256), "the GPT-2 row on (8, 256)"),
+    ("attention-512", "attention-128", lambda: attention_model(8, 128), "on (8, 128, 256)"),
+    ("attention-512", "attention-1024", lambda: attention_model(4, 1024), "on (4, 1024, 256)"),
+    ("resnet18", "resnet18-32px", lambda: resnet_model(8, 32), "on (8, 3, 32, 32)"),
+    ("resnet18", "resnet18-128px", lambda: resnet_model(8, 128), "on (8, 3, 128, 128)"),
+]
+for _base, _name, _build, _what in _GRID:
+    register(
+        Workload(
+            _name,
+            "model",
+            _model_step(_build),
+            description=_what,
+            default=False,
+            size_of=_base,
+        )
+    )
 
 
 # -- interleaved rows: a compiled call, then an eager PyTorch call, repeated -----------
