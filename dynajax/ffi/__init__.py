@@ -15,7 +15,7 @@ compiler) or is turned off (``DYNAJAX_TORCH_KERNELS=0``), both keep their other 
 """
 
 from dynajax.ffi.call import (
-    Permuted,
+    Strided,
     call_kernel,
     eager_error,
     kernel_refusal,
@@ -24,7 +24,7 @@ from dynajax.ffi.call import (
 from dynajax.ffi.extension import available
 
 __all__ = [
-    "Permuted",
+    "Strided",
     "available",
     "call_kernel",
     "eager_error",

@@ -67,13 +67,16 @@ class NotEncodable(Exception):
     """An argument the call's description cannot say."""
 
 
-class Permuted(NamedTuple):
-    """A tensor argument given as an array and the permutation of its dimensions the op
-    takes (a transpose PyTorch's view makes free, which XLA would copy): the handler
-    permutes its view of ``base``."""
+class Strided(NamedTuple):
+    """A tensor argument given as the array it is a view of, and the view (sizes,
+    strides and offset in elements, as eager's view of the same storage): the handler
+    takes the view of its tensor over ``base`` (``as_strided``). A transpose, a slice,
+    an ``unbind`` that PyTorch's views make free then cost XLA no copy either."""
 
     base: Any
-    dims: tuple[int, ...]
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
 
 
 def _python_kernel(op: torch._ops.OpOverload) -> str | None:
@@ -161,11 +164,12 @@ def _token(value: Any, jit_type: Any, operand: Callable[[Any], int | None]) -> s
         return "[" + ",".join(_token(v, element, operand) for v in value) + "]"
     if value is None:
         return "N"
-    if isinstance(value, Permuted):
+    if isinstance(value, Strided):
         index = operand(value.base)
         if index is None:
-            raise NotEncodable("a permuted argument that is not an array")
-        return f"P{index}:" + ".".join(map(str, value.dims))
+            raise NotEncodable("a view whose base is not an array")
+        sizes, strides = (".".join(map(str, v)) for v in (value.sizes, value.strides))
+        return f"S{index}:{sizes}:{strides}:{value.offset}"
     index = operand(value)
     if index is not None:
         return f"T{index}"

@@ -16,7 +16,9 @@
 //              each result.
 //   arguments  one value per schema argument, ';'-separated, each one of
 //              N (None)  T<i> (operand i)  R<i> (result i, an out= argument)
-//              P<i>:<d0>.<d1>... (operand i permuted: a transpose XLA need not copy)
+//              S<i>:<sizes>:<strides>:<offset> (a view of operand i, as eager's view
+//              of the same storage: sizes and strides '.'-separated; a transpose or
+//              a slice XLA then need not copy)
 //              i<int>  f<float>  b0 | b1  c<re>,<im>  s<len>:<text>  D<len>:<device>
 //              [<value>,<value>,...] (a list, typed by the schema)
 
@@ -91,19 +93,22 @@ class Parser {
       case 'N': return c10::IValue();
       case 'T': return index(operands_);
       case 'R': return index(results_);
-      case 'P': {
-        c10::IValue base = index(operands_);
+      case 'S': {
+        at::Tensor base = index(operands_).toTensor();
         expect(':');
-        std::string dims = token();
-        std::vector<int64_t> order;
-        size_t start = 0;
-        while (start <= dims.size()) {
-          size_t end = dims.find('.', start);
-          if (end == std::string::npos) end = dims.size();
-          order.push_back(std::strtoll(dims.substr(start, end - start).c_str(), nullptr, 10));
-          start = end + 1;
+        std::vector<int64_t> sizes = numbers();
+        expect(':');
+        std::vector<int64_t> strides = numbers();
+        expect(':');
+        int64_t offset = integer();
+        if (sizes.size() != strides.size()) throw BadCall("a view's sizes and strides differ in rank");
+        int64_t last = offset;  // the view's last element must lie in the base's buffer
+        for (size_t d = 0; d < sizes.size(); ++d) {
+          if (sizes[d] == 0) last = -1;
+          if (last >= 0) last += (sizes[d] - 1) * strides[d];
         }
-        return c10::IValue(base.toTensor().permute(order));
+        if (offset < 0 || last >= base.numel()) throw BadCall("a view outside its base's buffer");
+        return c10::IValue(base.as_strided(sizes, strides, offset));
       }
       case 'i': return c10::IValue(integer());
       case 'f': return c10::IValue(real());
@@ -142,6 +147,18 @@ class Parser {
     return out;
   }
   int64_t integer() { return std::strtoll(token().c_str(), nullptr, 10); }
+  std::vector<int64_t> numbers() {  // '.'-separated; none for an empty token
+    std::string text = token();
+    std::vector<int64_t> out;
+    size_t start = 0;
+    while (start < text.size()) {
+      size_t end = text.find('.', start);
+      if (end == std::string::npos) end = text.size();
+      out.push_back(std::strtoll(text.substr(start, end - start).c_str(), nullptr, 10));
+      start = end + 1;
+    }
+    return out;
+  }
   double real() { return std::strtod(token().c_str(), nullptr); }
   std::string text() {
     size_t length = static_cast<size_t>(integer());

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import torch
 import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from dynajax import ffi
 from dynajax.lowering import checks, nan_constants, transposes
@@ -60,7 +61,9 @@ class JaxInterpreter(torch.fx.Interpreter):
         if target is operator.getitem:
             return args[0][args[1]]
         if self._node is not None and self._node.meta.get(KERNEL_KEY):
-            args = [_unpermuted(a, v, self.env) for a, v in zip(self._node.args, args, strict=True)]
+            args = [
+                _crossing_view(a, v, self.env) for a, v in zip(self._node.args, args, strict=True)
+            ]
             return torch_kernel(self._node, args, kwargs)
         rule = get_rule(target)
         if rule is None:  # the capability pass let no such node in
@@ -118,30 +121,48 @@ def torch_kernel(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     return rebuild(structure)
 
 
-_PERMUTES = (aten.permute.default, aten.t.default, aten.transpose.int)
-
-
-def _unpermuted(arg: Any, value: Any, env: dict[torch.fx.Node, Any]) -> Any:
-    """A kernel's argument ``value``: where its node is a permutation of another traced
-    array (``t``, ``transpose``, ``permute``: free views in PyTorch, copies in XLA), that
-    array and the permutation, which the kernel's view applies (``ffi.Permuted``)."""
-    if not isinstance(arg, torch.fx.Node) or arg.target not in _PERMUTES:
+def _crossing_view(arg: Any, value: Any, env: dict[torch.fx.Node, Any]) -> Any:
+    """A kernel's argument ``value``: where its node is a view (``t``, ``transpose``,
+    ``permute``, ``unbind``, ``slice``...: free in PyTorch, copies in XLA) of a dense
+    traced array, that array and the view as eager has it over the same storage (the
+    node's fake tensor's sizes, strides and offset), which the kernel takes
+    (``ffi.Strided``); ``value`` otherwise."""
+    fake = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    if not isinstance(fake, torch.Tensor):
         return value
-    base = arg.args[0]
-    if not isinstance(base, torch.fx.Node) or base not in env:
+    base = arg
+    while True:
+        target = base.target
+        if target is operator.getitem and isinstance(base.args[0], torch.fx.Node):
+            base = base.args[0]  # (an output of unbind, split: views too)
+            continue
+        source = base.args[0] if base.args else None
+        if (
+            isinstance(target, torch._ops.OpOverload)
+            and target.is_view
+            and target is not aten.view.dtype
+            and isinstance(source, torch.fx.Node)
+        ):
+            base = source
+            continue
+        break
+    whole = base.meta.get("val")
+    if (
+        base is arg
+        or base not in env
+        or not isinstance(whole, torch.Tensor)
+        or whole.dtype != fake.dtype
+        or not whole.is_contiguous()
+        or whole.storage_offset() != 0
+        or tuple(getattr(env[base], "shape", ())) != tuple(whole.shape)
+        or StorageWeakRef(fake.untyped_storage()) != StorageWeakRef(whole.untyped_storage())
+    ):
         return value
-    rank = len(getattr(env[base], "shape", ()))
-    if arg.target is aten.permute.default:
-        given: Any = arg.args[1]
-        dims = [int(d) % rank for d in given]
-    elif rank < 2:
-        return value  # (t of a vector is the vector)
-    else:
-        swapped: Any = (0, 1) if arg.target is aten.t.default else arg.args[1:3]
-        d0, d1 = (int(a) % rank for a in swapped)
-        dims = list(range(rank))
-        dims[d0], dims[d1] = dims[d1], dims[d0]
-    return ffi.Permuted(env[base], tuple(dims))
+    layout = (*fake.shape, *fake.stride(), fake.storage_offset())
+    if not all(isinstance(v, int) for v in layout):
+        return value
+    offset = int(fake.storage_offset())
+    return ffi.Strided(env[base], tuple(fake.shape), tuple(fake.stride()), offset)
 
 
 def _flat(value: Any) -> list[Any]:

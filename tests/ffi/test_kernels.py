@@ -161,13 +161,35 @@ def test_a_transposed_argument_crosses_as_its_array() -> None:
 
     def program(a, w):
         aval = jax.ShapeDtypeStruct((6, 7), jnp.float32)
-        permuted = ffi.Permuted(w, (1, 0))
-        return ffi.call_kernel(aten.mm.default, (a, permuted), {}, [aval], [torch.float32])[0]
+        transposed = ffi.Strided(w, (5, 7), (1, 5), 0)  # w.t(), over w's buffer
+        return ffi.call_kernel(aten.mm.default, (a, transposed), {}, [aval], [torch.float32])[0]
 
     lowered = jax.jit(program).lower(jnp.asarray(a.numpy()), jnp.asarray(w.numpy()))
     assert "transpose" not in lowered.as_text()  # the kernel's view transposes it
     got = lowered.compile()(jnp.asarray(a.numpy()), jnp.asarray(w.numpy()))
     assert torch.equal(torch.from_numpy(np.asarray(got)), expected)
+
+
+def test_views_cross_as_their_base_array_in_the_backend() -> None:
+    """A kernel's argument that is a view (a transpose, a slice, an unbind, an expand)
+    of an array the partition computed crosses as that array and eager's view of it."""
+
+    def quantized(t):
+        return torch.fake_quantize_per_tensor_affine(t, 0.05, 3, -128, 127)
+
+    def f(x):
+        y = x.sin() * 2
+        a = quantized(y[:, 1:5].t())
+        b = quantized(y.unsqueeze(0).expand(3, -1, -1)).sum(0)
+        c = quantized(y.view(4, 2, 3).unbind(1)[1])
+        return a.cos(), b, c
+
+    x = torch.randn(4, 6)
+    compiled, backend = compile_with(f)
+    for got, expected in zip(compiled(x), f(x), strict=True):
+        assert_same(got, expected)
+    report = report_of(backend)
+    assert len(report.kernels) == 3 and len(report.partitions) == 1
 
 
 def test_what_the_kernels_refuse() -> None:
