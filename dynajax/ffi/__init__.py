@@ -21,9 +21,10 @@ from dynajax.ffi.call import (
     kernel_refusal,
     raise_eager_errors,
 )
-from dynajax.ffi.extension import available
+from dynajax.ffi.extension import TARGET, available
 
 __all__ = [
+    "TARGET",
     "Strided",
     "available",
     "call_kernel",

@@ -54,6 +54,11 @@ _MEMORY_FORMAT = {
     torch.channels_last: 2,
     torch.channels_last_3d: 3,
 }
+# Ops whose result depends on their input's storage, not only its values: eager's
+# as_strided of a view reads memory beyond it, which XLA's buffer does not hold.
+_READS_STORAGE = frozenset(
+    {"as_strided", "as_strided_copy", "as_strided_scatter", "_reshape_alias", "set_"}
+)
 # The dispatch keys whose kernel eager's CPU call would run (the first one registered).
 _CPU_KEYS = (
     "CPU",
@@ -102,6 +107,8 @@ def _op_refusal(op: torch._ops.OpOverload) -> str | None:
     schema = op._schema
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return "it writes its arguments in place"
+    if schema.name.split("::")[-1] in _READS_STORAGE:
+        return "it reads its input's storage, which the kernel's view of XLA's buffer is not"
     if any("Generator" in str(a.type) for a in schema.arguments):
         return _RANDOM
     for r in schema.returns:

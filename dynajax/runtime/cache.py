@@ -67,7 +67,7 @@ import jaxlib
 import torch
 from jax.experimental import serialize_executable
 
-from dynajax import store
+from dynajax import ffi, store
 from dynajax.lowering import attention
 from dynajax.runtime import jax_internals
 
@@ -457,6 +457,9 @@ class ExecutableCache(store.BlobStore):
                 if initialize is None:
                     return None, None, "an executable calling LAPACK (not loadable here)"
                 initialize()
+            if platform_name == "cpu" and ffi.TARGET.encode() in payload and not ffi.available():
+                # It calls PyTorch's kernels (dynajax/ffi): the handler must be registered.
+                return None, None, "an executable calling PyTorch's kernels (not loadable here)"
             compiled = serialize_executable.deserialize_and_load(
                 payload,
                 in_tree,

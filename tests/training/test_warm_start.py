@@ -123,9 +123,22 @@ def test_a_tensor_constant_keys_the_program(tmp_path, monkeypatch) -> None:
     assert third[2].compile_stats.xla_compiles == 0
 
 
+def test_a_step_running_pytorchs_kernel_is_loaded_by_a_second_process(tmp_path) -> None:
+    # An op kept in PyTorch runs its kernel inside the program (dynajax/ffi): the
+    # program is stored, and a fresh process registers the handler to load it.
+    cold = _worker("callback", str(tmp_path))
+    warm = _worker("callback", str(tmp_path))
+    assert (cold["compiles"], cold["hits"]) == (2, 0), cold
+    assert (warm["compiles"], warm["hits"]) == (0, 2), warm
+    assert warm["losses"] == cold["losses"] and warm["params"] == cold["params"]
+    np.testing.assert_allclose(warm["losses"], _eager_losses("callback"), rtol=1e-5)
+
+
 def test_a_step_with_host_callbacks_compiles_in_every_process(tmp_path, monkeypatch) -> None:
-    # An op run by eager PyTorch through a host callback is Python the executable calls:
-    # the program cannot be serialized, so it is compiled again (and gives eager's answer).
+    # An op run by eager PyTorch through a Python host callback (the kernels off) is
+    # Python the executable calls: the program cannot be serialized, so it is compiled
+    # again (and gives eager's answer).
+    monkeypatch.setenv("DYNAJAX_TORCH_KERNELS", "0")
     monkeypatch.setenv("DYNAJAX_CACHE_DIR", str(tmp_path))
     x = torch.randn(8, 4)
     for _ in range(2):

@@ -5,8 +5,9 @@ parameters and the step's compile statistics.
     python -m tests.training.warm_start_worker VARIANT [--bad-batch]
 
 VARIANT picks the model's code: ``relu``, ``gelu`` (the same parameters, another
-forward), ``dropout`` (random: each step draws a seed), ``callback`` (an op run by
-eager PyTorch through a host callback: its program is not stored). ``--bad-batch``
+forward), ``dropout`` (random: each step draws a seed), ``callback`` (relu in
+``fallback_ops``: PyTorch's kernel inside the program, or, with
+``DYNAJAX_TORCH_KERNELS=0``, a Python host callback, whose program is not stored). ``--bad-batch``
 runs a fourth step on a batch with a token index out of range, which must raise eager's
 error with the state unchanged.
 """
