@@ -200,6 +200,9 @@ def test_what_the_kernels_refuse() -> None:
     assert "random" in ffi.kernel_refusal(attention, (x, x, x, 0.1), {}, out)
     assert "random" in ffi.kernel_refusal(aten.bernoulli.p, (x, 0.5), {}, x)
     assert "in place" in ffi.kernel_refusal(aten.add_.Tensor, (x, x), {}, x)
+    square = torch.empty(2, 2)
+    storage = ffi.kernel_refusal(aten.as_strided.default, (x, (2, 2), (1, 1)), {}, square)
+    assert "storage" in storage
     assert "symbolic" not in (ffi.kernel_refusal(aten.sin.default, (x,), {}, x) or "")
     assert "not an operator" in ffi.kernel_refusal(torch.sin, (x,), {}, x)
     with torch.device("meta"):
