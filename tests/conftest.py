@@ -20,9 +20,6 @@ def _private_cache_and_config_homes(tmp_path_factory):
     saved = {k: os.environ.pop(k, None) for k in names}
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache-home"))
     os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config-home"))
-    # The extension running PyTorch's kernels inside XLA (dynajax/ffi) is built once
-    # for the run's workers together, in the directory above their own.
-    os.environ["DYNAJAX_KERNEL_DIR"] = str(tmp_path_factory.getbasetemp().parent / "kernels")
     yield
     for key, value in saved.items():
         if value is None:

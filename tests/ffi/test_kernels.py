@@ -43,12 +43,11 @@ _CPP_OP = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def cpp_op():
+def cpp_op(tmp_path_factory):
     """A user's C++ custom op (with a value check), built for the test, and its fake."""
     from torch.utils import cpp_extension
 
-    directory = os.path.join(os.environ["DYNAJAX_KERNEL_DIR"], "test-op")
-    os.makedirs(directory, exist_ok=True)
+    directory = str(tmp_path_factory.mktemp("cpp-op"))
     cpp_extension.load_inline(
         "dynajax_cpp_test_op",
         cpp_sources=[_CPP_OP],
