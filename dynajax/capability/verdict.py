@@ -80,10 +80,6 @@ class Supported:
     def supported(self) -> bool:
         return True
 
-    def describe(self) -> str:
-        """For a node that runs PyTorch's kernel inside XLA: its refusal's description."""
-        return self.target if self.kernel is None else self.kernel.describe()
-
 
 @dataclasses.dataclass(frozen=True)
 class Unsupported:

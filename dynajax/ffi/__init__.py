@@ -18,8 +18,9 @@ from dynajax.ffi.call import (
     Strided,
     call_kernel,
     eager_error,
+    flat_outputs,
     kernel_refusal,
-    raise_eager_errors,
+    rebuild_outputs,
 )
 from dynajax.ffi.extension import TARGET, available
 
@@ -29,6 +30,7 @@ __all__ = [
     "available",
     "call_kernel",
     "eager_error",
+    "flat_outputs",
     "kernel_refusal",
-    "raise_eager_errors",
+    "rebuild_outputs",
 ]

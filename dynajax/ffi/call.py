@@ -13,16 +13,15 @@ its description. Where the op has an ``out=`` overload, the handler calls it wit
 result buffers as the outputs; otherwise it copies the results into them.
 
 The handler's errors reach Python as XLA's ``JaxRuntimeError``; ``eager_error`` gives
-back the exception eager PyTorch raised (its type and message), and
-``raise_eager_errors`` re-raises it around a program's run.
+back the exception eager PyTorch raised (its type and message), which the drivers
+re-raise (``program/callbacks.eager_errors``, ``runtime/compiled.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +30,7 @@ import torch
 
 from dynajax.errors import DynajaxError
 from dynajax.ffi.extension import TARGET, available, unavailable_reason
+from dynajax.lowering.dtypes import to_torch_dtype
 
 # c10::ScalarType's codes (its enumeration is part of PyTorch's C++ ABI).
 SCALAR_TYPE = {
@@ -86,10 +86,7 @@ class Strided(NamedTuple):
 
 def _python_kernel(op: torch._ops.OpOverload) -> str | None:
     """Where the kernel eager's CPU call runs is registered, if in a Python file."""
-    lines = torch._C._dispatch_dump(
-        f"{op.namespace}::{op._schema.name.split('::')[-1]}"
-        + (f".{op._overloadname}" if op._overloadname != "default" else "")
-    )
+    lines = torch._C._dispatch_dump(op.name())
     kernels = dict(
         line.split(": registered at ", 1)
         for line in lines.splitlines()
@@ -223,14 +220,12 @@ def _arguments(
 
 def _describe(
     op: torch._ops.OpOverload,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
+    values: dict[str, Any],
     is_tensor: Callable[[Any], bool],
     out: bool,
 ) -> tuple[torch._ops.OpOverload, str, list[Any]]:
-    """The overload to call, its arguments' description, and the tensors among them
-    (the call's operands) in order."""
-    values = _arguments(op, args, kwargs)
+    """The overload to call, the description of its arguments (``values``, by name),
+    and the tensors among them (the call's operands) in order."""
     target = _out_overload(op) if out else None
     target = target or op
     operands: list[Any] = []
@@ -252,10 +247,21 @@ def _describe(
     return target, ";".join(tokens), operands
 
 
-def _flat(value: Any) -> list[Any]:
+def flat_outputs(value: Any) -> list[Any]:
+    """The leaves of a node's output (a tensor, or nested tuples/lists of them), with
+    Nones (outputs an op was asked not to compute) left out; the order of
+    ``rebuild_outputs`` and of a kernel's results."""
     if isinstance(value, list | tuple):
-        return [leaf for v in value for leaf in _flat(v)]
+        return [leaf for v in value for leaf in flat_outputs(v)]
     return [] if value is None else [value]
+
+
+def rebuild_outputs(structure: Any, leaves: Any) -> Any:
+    """``structure`` (a node's fake output) with its tensors replaced by ``leaves``
+    (an iterator, in ``flat_outputs`` order)."""
+    if isinstance(structure, list | tuple):
+        return type(structure)(rebuild_outputs(v, leaves) for v in structure)
+    return None if structure is None else next(leaves)
 
 
 def kernel_refusal(
@@ -271,13 +277,14 @@ def kernel_refusal(
     refusal = _op_refusal(op)
     if refusal is not None:
         return refusal
-    tensors = [v for v in _flat(out)]
+    tensors = flat_outputs(out)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return "a result is not a tensor"
     try:
-        if _draws(op, _arguments(op, args, kwargs)):
+        values = _arguments(op, args, kwargs)
+        if _draws(op, values):
             return _RANDOM
-        _, _, inputs = _describe(op, args, kwargs, lambda v: isinstance(v, torch.Tensor), False)
+        _, _, inputs = _describe(op, values, lambda v: isinstance(v, torch.Tensor), False)
     except NotEncodable as e:
         return f"an argument the call cannot pass: {e}"
     for t in [*tensors, *inputs]:
@@ -322,14 +329,14 @@ def call_kernel(
     # The out= overload writes XLA's buffers where each result has one, of its dtype
     # (not where the op was asked to leave a result uncomputed, a None).
     exact = len(avals) == len(op._schema.returns) and all(
-        SCALAR_TYPE[d] == SCALAR_TYPE.get(_torch_dtype(jax.dtypes.canonicalize_dtype(a.dtype)), -1)
+        SCALAR_TYPE[d] == SCALAR_TYPE.get(to_torch_dtype(jax.dtypes.canonicalize_dtype(a.dtype)))
         for a, d in zip(avals, result_dtypes, strict=True)
     )
-    target, text, operands = _describe(op, args, kwargs, _is_jax, exact)
+    target, text, operands = _describe(op, _arguments(op, args, kwargs), _is_jax, exact)
     wanted = list(operand_dtypes(operands)) if operand_dtypes is not None else []
     wanted += [None] * (len(operands) - len(wanted))
     codes = [
-        SCALAR_TYPE[d if d is not None else _torch_dtype(x.dtype)]
+        SCALAR_TYPE[d if d is not None else to_torch_dtype(x.dtype)]
         for x, d in zip(operands, wanted, strict=True)
     ]
     description = "|".join(
@@ -348,12 +355,6 @@ def call_kernel(
 
 def _is_jax(value: Any) -> bool:
     return isinstance(value, jax.Array | np.ndarray)
-
-
-def _torch_dtype(dtype: Any) -> torch.dtype:
-    from dynajax.lowering.dtypes import JAX_TO_TORCH
-
-    return JAX_TO_TORCH[np.dtype(dtype)]
 
 
 _ERROR = re.compile(r"dynajax-torch-error\[(\w+)\]: (.*)", re.S)
@@ -382,16 +383,3 @@ def eager_error(error: BaseException) -> BaseException | None:
     if kind == "DynajaxError":
         message += " (in dynajax's call of PyTorch's kernel inside XLA; please report this bug)"
     return _TYPES.get(kind, RuntimeError)(message)
-
-
-@contextlib.contextmanager
-def raise_eager_errors() -> Iterator[None]:
-    """Runs a program whose custom calls may run PyTorch's kernels: an exception such a
-    kernel raised leaves the block as eager raised it."""
-    try:
-        yield
-    except jax.errors.JaxRuntimeError as e:
-        eager = eager_error(e)
-        if eager is None:
-            raise
-        raise eager from e

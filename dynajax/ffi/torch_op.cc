@@ -321,25 +321,24 @@ ffi::Error error(const char* type, const std::string& message) {
                     std::string("dynajax-torch-error[") + type + "]: " + message);
 }
 
+// The Python exception eager raises for a c10 error (torch/csrc/Exceptions.h's mapping).
+const char* python_type(const c10::Error& e) {
+  if (dynamic_cast<const c10::IndexError*>(&e)) return "IndexError";
+  if (dynamic_cast<const c10::ValueError*>(&e)) return "ValueError";
+  if (dynamic_cast<const c10::TypeError*>(&e)) return "TypeError";
+  if (dynamic_cast<const c10::NotImplementedError*>(&e)) return "NotImplementedError";
+  if (dynamic_cast<const c10::LinAlgError*>(&e)) return "LinAlgError";
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) return "OutOfMemoryError";
+  return "RuntimeError";
+}
+
 ffi::Error TorchOpImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view name,
                        std::string_view overload, std::string_view call) {
   try {
     run(args, rets, name, overload, call);
     return ffi::Error::Success();
-  } catch (const c10::IndexError& e) {
-    return error("IndexError", e.what_without_backtrace());
-  } catch (const c10::ValueError& e) {
-    return error("ValueError", e.what_without_backtrace());
-  } catch (const c10::TypeError& e) {
-    return error("TypeError", e.what_without_backtrace());
-  } catch (const c10::NotImplementedError& e) {
-    return error("NotImplementedError", e.what_without_backtrace());
-  } catch (const c10::LinAlgError& e) {
-    return error("LinAlgError", e.what_without_backtrace());
-  } catch (const c10::OutOfMemoryError& e) {
-    return error("OutOfMemoryError", e.what_without_backtrace());
   } catch (const c10::Error& e) {
-    return error("RuntimeError", e.what_without_backtrace());
+    return error(python_type(e), e.what_without_backtrace());
   } catch (const BadCall& e) {
     return error("DynajaxError", e.what());
   } catch (const std::exception& e) {

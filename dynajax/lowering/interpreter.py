@@ -109,16 +109,10 @@ def torch_kernel(node: torch.fx.Node, args: Any, kwargs: Any) -> Any:
     its results nested as the node's; the capability stage chose it (``KERNEL_KEY``)."""
     assert isinstance(node.target, torch._ops.OpOverload)  # (ffi.kernel_refusal)
     structure = node.meta["val"]
-    flat = [t for t in _flat(structure) if t is not None]
+    flat = ffi.flat_outputs(structure)
     avals = [jax.ShapeDtypeStruct(tuple(t.shape), TORCH_TO_JAX[t.dtype]) for t in flat]
-    outs = iter(ffi.call_kernel(node.target, args, kwargs, avals, [t.dtype for t in flat]))
-
-    def rebuild(value: Any) -> Any:
-        if isinstance(value, list | tuple):
-            return type(value)(rebuild(v) for v in value)
-        return None if value is None else next(outs)
-
-    return rebuild(structure)
+    outs = ffi.call_kernel(node.target, args, kwargs, avals, [t.dtype for t in flat])
+    return ffi.rebuild_outputs(structure, iter(outs))
 
 
 def _crossing_view(arg: Any, value: Any, env: dict[torch.fx.Node, Any]) -> Any:
@@ -163,12 +157,6 @@ def _crossing_view(arg: Any, value: Any, env: dict[torch.fx.Node, Any]) -> Any:
         return value
     offset = int(fake.storage_offset())
     return ffi.Strided(env[base], tuple(fake.shape), tuple(fake.stride()), offset)
-
-
-def _flat(value: Any) -> list[Any]:
-    if isinstance(value, list | tuple):
-        return [leaf for v in value for leaf in _flat(v)]
-    return [value]
 
 
 def input_vals(gm: torch.fx.GraphModule) -> list[Any]:

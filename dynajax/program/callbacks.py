@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from dynajax import ffi
 from dynajax.capability import Reason, Unsupported
 from dynajax.errors import DynajaxError, JaxFunctionError
+from dynajax.ffi import flat_outputs, rebuild_outputs
 from dynajax.lowering.dtypes import TORCH_TO_JAX
 from dynajax.runtime.conversion import quiet_readonly_warning, to_jax
 
@@ -142,23 +143,6 @@ def is_jax_value(value: Any) -> bool:
 
 def _inexact(dtype: Any) -> bool:
     return bool(np.issubdtype(np.dtype(dtype), np.inexact))
-
-
-def flat_outputs(value: Any) -> list[Any]:
-    """The leaves of a node's output (a tensor, or nested tuples/lists of them), with
-    Nones (outputs an op was asked not to compute) left out; the order of
-    ``rebuild_outputs``."""
-    if isinstance(value, list | tuple):
-        return [leaf for v in value for leaf in flat_outputs(v)]
-    return [] if value is None else [value]
-
-
-def rebuild_outputs(structure: Any, leaves: Any) -> Any:
-    """``structure`` (a node's fake output) with its tensors replaced by ``leaves``
-    (an iterator, in ``flat_outputs`` order)."""
-    if isinstance(structure, list | tuple):
-        return type(structure)(rebuild_outputs(v, leaves) for v in structure)
-    return None if structure is None else next(leaves)
 
 
 def from_numpy(array: Any) -> torch.Tensor:

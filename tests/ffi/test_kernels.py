@@ -16,6 +16,7 @@ import torch
 
 import dynajax
 from dynajax import Reason, ffi
+from dynajax.program.callbacks import eager_errors
 from tests.helpers import compile_with, report_of
 from tests.tolerances import assert_same
 
@@ -72,7 +73,7 @@ def _kernel(op, args, kwargs, like):
         avals = [jax.ShapeDtypeStruct(t.shape, np.dtype(str(t.dtype).split(".")[1])) for t in flat]
         return ffi.call_kernel(op, filled, kwargs, avals, [t.dtype for t in flat])
 
-    with ffi.raise_eager_errors(), jax.enable_x64(True):  # (as the backend's partitions)
+    with eager_errors(), jax.enable_x64(True):  # (64-bit as the backend's partitions)
         outs = jax.jit(program)(*(jnp.asarray(t.numpy()) for t in leaves))
     return [torch.from_numpy(np.asarray(o).copy()) for o in outs]
 
