@@ -26,6 +26,7 @@ import torch.fx
 from dynajax.aot import cache as aot_cache
 from dynajax.aot.compile import aot_compile
 from dynajax.capability import CapabilityChecker, strict_objections
+from dynajax.capability.kernels import kernel_verdicts
 from dynajax.capability.memo import Evaluations
 from dynajax.config import Options
 from dynajax.diagnostics import GraphReport, graph_report, snapshot_graph
@@ -177,7 +178,7 @@ class Backend:
         )
         refused = checker.annotate(gm)
         if self.options.strict:
-            unwanted = strict_objections([*refused, *checker.in_kernels])
+            unwanted = strict_objections([*refused, *kernel_verdicts(gm)])
             if unwanted:
                 raise UnsupportedNodesError(unwanted, graph=f"{kind} graph")
 

@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dynajax.capability import cost, in_graph
+from dynajax.capability import cost, in_graph, kernels
 from dynajax.capability.cost import Measure, faster_in_pytorch
 from dynajax.capability.eager_kernel import eager_refusal
 from dynajax.capability.layout import keep_eager_storage, node_layout
@@ -39,7 +39,6 @@ from dynajax.capability.verdict import (
     target_name,
     verdict_of,
 )
-from dynajax.ffi import kernel_refusal
 from dynajax.lowering.dtypes import TORCH_TO_JAX, eager_on_cuda
 from dynajax.lowering.interpreter import jax_literal
 from dynajax.lowering.registry import KERNEL_KEY, LAYOUT_KEY, Rule, get_rule
@@ -161,10 +160,8 @@ class CapabilityChecker:
     8. With ``perf``: was PyTorch's kernel measured faster for these arguments
        (``cost.faster_in_pytorch``)?  -> PERF, with the measurement
 
-    With ``torch_kernels`` (the backend's), a node refused at 6-8 whose call PyTorch's
-    kernel can run inside an XLA program (``ffi.kernel_refusal``: a C++ kernel, static
-    shapes, no randomness, no writes) is Supported with that refusal as its ``kernel``:
-    its partition calls the kernel (XLA FFI) instead of being cut around it.
+    With ``torch_kernels`` (the backend's), a node refused at 6-8 may run PyTorch's
+    kernel inside its partition instead (``kernels.inside``).
 
     Data-dependence and dtypes come before the table: a rule for ``nonzero``, for an
     op on complex32 tensors or for ``abs`` of bool (eager raises) could not help, so
@@ -181,12 +178,7 @@ class CapabilityChecker:
         torch_kernels: bool = False,
     ) -> None:
         self.fallback_ops = frozenset(fallback_ops)
-        # Whether a node JAX has no rule for, or one measured faster in PyTorch, runs
-        # PyTorch's kernel inside its partition where it can (``_inside``).
-        self.torch_kernels = torch_kernels
-        # The refusals of the nodes that run PyTorch's kernel inside XLA (strict mode
-        # objects to those that are no choice, as to fallbacks).
-        self.in_kernels: list[Unsupported] = []
+        self.torch_kernels = torch_kernels  # (see the class doc)
         # Whether ops measured faster in PyTorch (cost.py) stay there, reason PERF.
         self.perf = perf
         # With perf: whether the choices cost.py lists are measured on this machine.
@@ -210,7 +202,9 @@ class CapabilityChecker:
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
-            verdict = self._inside(node, self.decide(node))
+            verdict = self.decide(node)
+            if self.torch_kernels:
+                verdict = kernels.inside(node, verdict)
             node.meta[META_KEY] = verdict
             if isinstance(verdict, Unsupported) and verdict.reason.is_fallback:
                 refused.append(verdict)
@@ -317,11 +311,10 @@ class CapabilityChecker:
         """Sets the verdict of a candidate whose choice was measured (PERF with ``why``,
         or supported), and of the getitems that pick its outputs."""
         node.meta.pop(KERNEL_KEY, None)
-        node.meta[META_KEY] = (
-            self._inside(node, self._refuse(node, Reason.PERF, why))
-            if in_pytorch
-            else Supported(target_name(node))
-        )
+        verdict: Verdict = Supported(target_name(node))
+        if in_pytorch:
+            verdict = self._refuse(node, Reason.PERF, why)
+        node.meta[META_KEY] = kernels.inside(node, verdict) if self.torch_kernels else verdict
         for user in node.users:
             if user.target is operator.getitem:
                 user.meta[META_KEY] = self._decide_getitem(user, target_name(user))
@@ -440,33 +433,8 @@ class CapabilityChecker:
             return self._refuse(node, pv.reason, f"output of '{producer.name}'")
         return self._refuse(node, Reason.NO_LOWERING, "getitem of a value kept in PyTorch")
 
-    def _inside(self, node: torch.fx.Node, verdict: Verdict) -> Verdict:
-        """``verdict``, or Supported with it as its ``kernel`` where the node's call can
-        run PyTorch's kernel inside its partition (see the class doc)."""
-        if (
-            not self.torch_kernels
-            or not isinstance(verdict, Unsupported)
-            or verdict.reason not in _KERNEL_REASONS
-            or "val" not in node.meta
-        ):
-            return verdict
-        vals = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        refusal = kernel_refusal(node.target, vals[0], vals[1], node.meta["val"])
-        if refusal is not None:
-            log.debug("%s stays out of XLA: %s", node.name, refusal)
-            return verdict
-        node.meta[KERNEL_KEY] = True
-        self.in_kernels.append(verdict)
-        return Supported(verdict.target, kernel=verdict)
-
     def _refuse(self, node: torch.fx.Node, reason: Reason, detail: str) -> Unsupported:
         return Unsupported(reason, node.name, target_name(node), detail, source_line(node))
-
-
-# The refusals PyTorch's kernel inside XLA can stand in for: no rule, a rule refusing
-# the arguments, a kernel measured faster (the others are the user's choice, sizes and
-# dtypes no program holds, or eager's own error).
-_KERNEL_REASONS = frozenset({Reason.NO_LOWERING, Reason.CHECK_REFUSED, Reason.PERF})
 
 
 def _sizes_and_scalars(value: Any) -> list[Any]:

@@ -47,11 +47,11 @@ import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase
 
-from dynajax import ffi
 from dynajax.capability import (
     CapabilityChecker,
     Reason,
     Unsupported,
+    kernels,
     strict_objections,
     target_name,
     verdict_of,
@@ -63,7 +63,6 @@ from dynajax.lowering.checks import Check
 from dynajax.lowering.dtypes import eager_on_cuda
 from dynajax.lowering.interpreter import random_nodes
 from dynajax.lowering.precision import eager_precision
-from dynajax.lowering.registry import KERNEL_KEY
 from dynajax.passes import run_passes
 from dynajax.program.callbacks import CallbackOp, flat_outputs
 from dynajax.program.interpreter import (
@@ -297,25 +296,17 @@ def random_ops(gm: torch.fx.GraphModule) -> tuple[str, ...]:
     return tuple(found)
 
 
-# The callbacks whose op can run as PyTorch's kernel inside the program (not one that
-# reads eager's storage, which the kernel's dense view of XLA's buffer does not have).
-_KERNEL_CALLBACKS = frozenset(
-    {Reason.NO_LOWERING, Reason.CHECK_REFUSED, Reason.USER_FALLBACK, Reason.PERF}
-)
+# The callbacks whose op can run as PyTorch's kernel inside the program: the user's
+# fallback_ops too, which ask for PyTorch's kernel, not for a Python callback (not one
+# that reads eager's storage, which the kernel's dense view of XLA's buffer lacks).
+_KERNEL_CALLBACKS = kernels.KERNEL_REASONS | {Reason.USER_FALLBACK}
 
 
 def _in_kernel(n: torch.fx.Node, verdict: Unsupported) -> bool:
-    """Whether the callback node ``n`` runs PyTorch's kernel inside the program
-    (``ffi.kernel_refusal``; marked ``KERNEL_KEY`` for the interpreter) rather than a
-    Python host callback."""
-    n.meta.pop(KERNEL_KEY, None)
-    if verdict.reason not in _KERNEL_CALLBACKS or "val" not in n.meta:
-        return False
-    args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-    if ffi.kernel_refusal(n.target, args, kwargs, n.meta["val"], static=False) is not None:
-        return False
-    n.meta[KERNEL_KEY] = True
-    return True
+    """Whether the callback node ``n`` runs PyTorch's kernel inside the program rather
+    than a Python host callback (``kernels.mark``: the interpreter reads its mark; sizes
+    resolved against the traced shapes)."""
+    return kernels.mark(n, verdict, _KERNEL_CALLBACKS, static=False)
 
 
 def _differentiable(n: torch.fx.Node) -> bool:
