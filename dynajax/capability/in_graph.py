@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils._python_dispatch import _disable_current_modes
 
 from dynajax.capability import cost
@@ -103,7 +104,7 @@ def copy_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[Any
     out = graph.graph_copy(gm.graph, nodes)
     graph.output(out)
     graph._codegen = gm.graph._codegen
-    return torch.fx.GraphModule(gm, graph), nodes
+    return _LazyGraphModule(gm, graph), nodes  # (its code made only if it is called)
 
 
 def fingerprint(gm: torch.fx.GraphModule) -> str:

@@ -27,6 +27,7 @@ from collections.abc import Set as AbstractSet
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
@@ -228,9 +229,6 @@ def propose_partitions(
         # The partitioner only walks the graph; get_attr values are never read.
         root = {n.target: torch.empty(0) for n in graph.nodes if n.op == "get_attr"}
         gm = torch.fx.GraphModule(root, graph)
-    partitioner = CapabilityBasedPartitioner(
-        gm, support or VerdictSupport(), allows_single_node_partition=True
-    )
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     kept: list[list[torch.fx.Node]] = []
     too_small: list[list[torch.fx.Node]] = []
@@ -241,8 +239,8 @@ def propose_partitions(
         for n in gm.graph.nodes
         if getattr(n.meta.get(META_KEY), "reason", None) is Reason.OUTPUT_ALIAS
     }
-    for p in partitioner.propose_partitions():
-        nodes, trimmed = trim_views(sorted(p.nodes, key=order.__getitem__), aliases)
+    for proposed in _proposed(gm, support or VerdictSupport()):
+        nodes, trimmed = trim_views(sorted(proposed, key=order.__getitem__), aliases)
         if trimmed:
             views.append(sorted(trimmed, key=order.__getitem__))
         ops = compute_op_count(nodes)
@@ -253,6 +251,19 @@ def propose_partitions(
     # Deterministic submodule names, in graph order.
     kept.sort(key=lambda nodes: order[nodes[0]])
     return Proposal(kept, too_small, min_block_size, views, aliases)
+
+
+def _proposed(gm: torch.fx.GraphModule, support: OperatorSupportBase) -> list[list[torch.fx.Node]]:
+    """The node sets CapabilityBasedPartitioner proposes. Where every op is supported
+    (the usual model), that is one partition of them all, found without it: its merges
+    end there (no node outside the partition lies between two of its nodes), and it
+    costs about 0.3 ms per node (1.2 s on a 24-layer GPT-2's 4,000 nodes)."""
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    modules = dict(gm.named_modules())
+    if ops and all(support.is_node_supported(modules, n) for n in ops):
+        return [ops]
+    partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
+    return [list(p.nodes) for p in partitioner.propose_partitions()]
 
 
 def assign_partitions(
@@ -300,15 +311,20 @@ def assign_partitions(
 
 
 def fuse_partitions(gm: torch.fx.GraphModule, proposal: Proposal) -> torch.fx.GraphModule:
-    """Fuses ``proposal.kept[n]`` into the submodule ``jax_<n>`` (in place).
+    """Fuses ``proposal.kept[n]`` into the submodule ``jax_<n>`` (``gm``'s graph in
+    place; the module returned is a lazy one over it).
 
     Each submodule returns a tuple, even of one value, so callers index it uniformly.
     """
     if not proposal.kept:
         return gm
-    return fuse_by_partitions(
-        gm,
-        [dict.fromkeys(nodes) for nodes in proposal.kept],
-        prefix=PREFIX,
-        always_return_tuple=True,
-    )
+    # Lazy modules: a partition's graph is lowered by interpreting it, so its Python
+    # code (0.1 s per 1,000 nodes) is made only if something calls or prints it; the
+    # stitched graph's, at its first call.
+    with _use_lazy_graph_module(True):
+        return fuse_by_partitions(
+            _LazyGraphModule.from_graphmodule(gm),
+            [dict.fromkeys(nodes) for nodes in proposal.kept],
+            prefix=PREFIX,
+            always_return_tuple=True,
+        )

@@ -14,6 +14,7 @@ from dynajax.passes.flat_updates import FlattenUpdates
 from dynajax.passes.inplace import OrderInPlaceUpdates
 from dynajax.passes.noop import EliminateDeadCode, RemoveNoopOps
 from dynajax.passes.recompute import KeepRecomputation
+from dynajax.passes.regions import InlineRegions
 from dynajax.passes.sizes import ComputeSizesFromInputs
 from dynajax.passes.unused_vectors import DropUnusedVectors
 
@@ -79,6 +80,9 @@ def run_passes(
 
     The order, for both drivers:
 
+        InlineRegions          each call of a region traced once
+                               (``torch.compiler.nested_compile_region``) by
+                               the region's ops
         before                 the user's passes at stage ``post_aot`` (option
                                ``passes``; ``jax_function(passes=...)``)
         RemoveNoopOps          ops that return their input unchanged
@@ -99,6 +103,7 @@ def run_passes(
     (The aot stage rewrites in-place writes, ``passes/writes.py``, inside
     aot_autograd's trace, before any of these.)
     """
+    regions = InlineRegions()
     own: list[PassBase] = [
         RemoveNoopOps(),
         ComputeSizesFromInputs(),
@@ -111,4 +116,4 @@ def run_passes(
         own.append(FlattenUpdates(flatten))
     if donated:
         own.append(OrderInPlaceUpdates(donated))
-    return run_pass_list(gm, [*before, *own, *after], own=own)
+    return run_pass_list(gm, [regions, *before, *own, *after], own=[regions, *own])

@@ -109,6 +109,28 @@ def test_assume_supported_is_a_what_if() -> None:
     assert len(_ops(whole)) == 8
 
 
+def two_chains(x, y):
+    # Every op supported: two chains with no edge between them, a multi-output op (and
+    # its getitems), a view returned.
+    values, indices = torch.sort(x.sin())
+    return values.exp() + indices, y.cos().t(), torch.tanh(y)
+
+
+def test_every_op_supported_proposes_what_the_partitioner_merges() -> None:
+    # The short path (one partition of every op) is torch's partitioner's result.
+    gm = _aten_graph(two_chains, torch.randn(4), torch.randn(3, 2))
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+
+    torch_partitions = CapabilityBasedPartitioner(
+        gm, VerdictSupport(), allows_single_node_partition=True
+    ).propose_partitions()
+    assert [set(p.nodes) for p in torch_partitions] == [
+        {n for n in gm.graph.nodes if n.op == "call_function"}
+    ]
+    [kept] = propose_partitions(gm, 1).kept
+    assert set(kept) == set(torch_partitions[0].nodes)
+
+
 def test_block_too_small_nodes_stay_capable_for_what_ifs() -> None:
     # Re-proposing on an assigned graph (as the what-if does) sees dissolved blocks.
     gm = _aten_graph(islands, torch.randn(4))
