@@ -146,3 +146,34 @@ def test_gpt2_with_its_blocks_marked_gives_eager_answer(monkeypatch):
         assert_same(compiled(ids).logits, model(ids).logits, model=True)
     assert seen == [3], seen
     assert_no_fallbacks(backend)
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.eye(width))
+            self.linear.bias.zero_()
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.linear(x), 0.5, training=True)
+
+
+def test_each_call_of_a_region_draws_its_own_dropout_mask():
+    # Identity layers on ones: an element survives three calls only where all three
+    # masks keep it (1/8 of them, each 2**3), where one shared mask would keep 1/2.
+    model = nn.Sequential(*(DropoutBlock(64) for _ in range(3)))
+    x = torch.ones(64, 64, requires_grad=True)
+    compiled, _ = compile_with(model)
+    torch.manual_seed(0)
+    out = compiled(x)
+    out.sum().backward()
+    kept = out != 0
+    assert set(out[kept].tolist()) == {8.0}
+    assert 0.09 < kept.float().mean().item() < 0.16
+    # The backward multiplies by the forward's masks; the same seed draws them again.
+    assert torch.equal(x.grad != 0, kept)
+    torch.manual_seed(0)
+    assert torch.equal(compiled(x), out)
