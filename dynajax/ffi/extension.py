@@ -125,9 +125,20 @@ def _build(directory: str) -> str:
             "(once per torch and jax version, about 15 s) in %s",
             directory,
         )
+    # Built from the directory's own copy of the source: cpp_extension rebuilds where
+    # a source's path changes, which two installs of one version sharing the cache
+    # directory (two checkouts, two environments) would otherwise do at every switch.
+    source = os.path.join(directory, os.path.basename(SOURCE))
+    with open(SOURCE, "rb") as f:
+        text = f.read()
+    if not os.path.exists(source) or open(source, "rb").read() != text:
+        staged = f"{source}.{os.getpid()}"
+        with open(staged, "wb") as f:
+            f.write(text)
+        os.replace(staged, source)  # (atomic: a concurrent build reads a whole file)
     path = cpp_extension.load(
         name,
-        [SOURCE],
+        [source],
         extra_include_paths=[jax.ffi.include_dir()],
         extra_cflags=["-O2"],
         build_directory=directory,

@@ -86,6 +86,23 @@ def test_the_extension_builds_and_answers() -> None:
     )
 
 
+def test_the_extension_is_built_from_its_directorys_copy_of_the_source(monkeypatch) -> None:
+    # One path per build directory, whichever install asks: cpp_extension rebuilds
+    # where a source's path changes.
+    from torch.utils import cpp_extension
+
+    from dynajax.ffi import extension
+
+    asked = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: asked.append(sources))
+    directory = extension.build_directory()
+    extension._build(directory)
+    [[source]] = asked
+    assert os.path.dirname(source) == directory
+    with open(source, "rb") as copy, open(extension.SOURCE, "rb") as original:
+        assert copy.read() == original.read()
+
+
 @pytest.mark.parametrize(
     "case",
     [
