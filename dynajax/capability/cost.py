@@ -321,6 +321,13 @@ _IN_GRAPH_ONLY = frozenset(
     }
 )
 
+# Of those, the ones timed alone where their graph is one program (``train_step``'s),
+# whose kernels cut nothing: on the CPUs measured, a step's convolutions through
+# oneDNN inside XLA won alone and in the step (ResNet-18's step 1.04 -> 0.79-0.83x
+# eager, Intel Xeon, 2026-12-07), while its matrix products, faster alone through MKL
+# at the MLP's and GPT-2's sizes, made those steps slower (``benchmarks/RECORD.md``).
+_ALONE_IN_ONE_PROGRAM = frozenset({aten.convolution.default, aten.convolution_backward.default})
+
 # Measures a candidate node, remembered: (node) -> (pytorch_s, xla_s, measure_s), or
 # None where it cannot be measured. The capability stage passes one bound to its cache.
 Measure = Callable[[torch.fx.Node], "tuple[float, float, float] | None"]
@@ -332,13 +339,20 @@ def is_measured(node: torch.fx.Node) -> bool:
     return candidate is not None and candidate(node)
 
 
-def faster_in_pytorch(node: torch.fx.Node, measure: Measure | None = None) -> str | None:
+def faster_in_pytorch(
+    node: torch.fx.Node, measure: Measure | None = None, *, one_program: bool = False
+) -> str | None:
     """Why ``node``, which JAX can run, runs faster in PyTorch; None where it does not.
     With ``measure``, the ops of ``_MEASURED`` are timed (``CostChoice``, stored in
-    ``node.meta``) instead of judged by the defaults."""
+    ``node.meta``) instead of judged by the defaults; with ``one_program`` (the
+    whole-graph driver's: a kernel cuts nothing there), the convolutions too
+    (``_ALONE_IN_ONE_PROGRAM``)."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return None
-    if measure is not None and is_measured(node) and node.target not in _IN_GRAPH_ONLY:
+    alone = node.target not in _IN_GRAPH_ONLY or (
+        one_program and node.target in _ALONE_IN_ONE_PROGRAM
+    )
+    if measure is not None and is_measured(node) and alone:
         times = measure(node)
         if times is not None:
             choice = CostChoice(str(node.target), node.name, *times)

@@ -319,14 +319,15 @@ class CapabilityChecker:
             if user.target is operator.getitem:
                 user.meta[META_KEY] = self._decide_getitem(user, target_name(user))
 
-    def measure_alone(self) -> None:
+    def measure_alone(self, *, one_program: bool = False) -> None:
         """Places each candidate whose choice is not made yet by timing its op alone
-        (``cost.measure``)."""
+        (``cost.measure``); ``one_program`` as in ``cost.faster_in_pytorch``."""
         for c in self.candidates:
             if cost.COST_KEY in c.node.meta:
                 continue  # (decided, or its measuring failed: measure_in_graph)
             try:
-                faster = faster_in_pytorch(c.node, self._measure(c.key, c.rule))
+                measure = self._measure(c.key, c.rule)
+                faster = faster_in_pytorch(c.node, measure, one_program=one_program)
             except Exception as e:  # noqa: BLE001 - measuring must not fail the compile
                 self._unmeasured([c.node], e, "op")
                 continue

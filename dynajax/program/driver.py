@@ -48,6 +48,7 @@ import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase
 
 from dynajax.capability import (
+    META_KEY,
     CapabilityChecker,
     Reason,
     Unsupported,
@@ -108,6 +109,7 @@ class Policy:
     keep_recomputation: bool = False
     donated: tuple[tuple[int, int], ...] = ()
     flatten: tuple[int, ...] = ()
+    measure_costs: bool = False
 
 
 @dataclasses.dataclass
@@ -249,7 +251,19 @@ def lower(gm: torch.fx.GraphModule, policy: Policy) -> Program:
         flatten=policy.flatten,
         donated=policy.donated,
     )
-    refused = CapabilityChecker(policy.fallback_ops).annotate(gm)
+    checker = CapabilityChecker(
+        policy.fallback_ops, perf=policy.measure_costs, measure=policy.measure_costs
+    )
+    refused = checker.annotate(gm)
+    if checker.candidates:
+        # PyTorch's kernel or XLA's, each op timed alone on this machine (the whole
+        # program built twice would double its compile); the faster runs inside.
+        checker.measure_alone(one_program=True)
+        refused = [
+            v
+            for n in gm.graph.nodes
+            if isinstance(v := n.meta.get(META_KEY), Unsupported) and v.reason.is_fallback
+        ]
     impossible = [v for v in refused if v.reason in policy.impossible]
     if impossible:
         raise policy.error(

@@ -16,6 +16,7 @@ which the ``TrainStep`` holding the state hands over (``training/step.py``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -28,7 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from dynajax.capability import Reason
+from dynajax import ffi
+from dynajax.capability import Reason, cost
 from dynajax.config import Options
 from dynajax.errors import TrainStepError
 from dynajax.lowering import precision
@@ -137,6 +139,8 @@ class StepPrograms:
         # Per batch signature and settings, the trace up to the optimizer's update as
         # the cache keys it (``_compile``).
         self._gradients: dict[Any, tuple[str | None, list[int], list[bool], bool, str]] = {}
+        # The ops of the last program that run PyTorch's kernel, measured faster.
+        self.kernels: list[str] = []
         options = Options.resolve({})
         self.cache = ExecutableCache.from_option(options.cache_dir, options.cache_max_bytes)
         self.compile_stats = CompileStats()
@@ -204,6 +208,11 @@ class StepPrograms:
             lines.append(f"  of which loaded from the persistent cache: {stats.cache_hits}")
             lines.append(f"  XLA: {stats.line()}")
         lines.append(f"  persistent cache: {self.keyed_by()}")
+        if self.kernels:
+            ops = ", ".join(
+                f"{op} x{n}" for op, n in sorted(collections.Counter(self.kernels).items())
+            )
+            lines.append(f"  PyTorch's kernels inside the program, measured faster: {ops}")
         if self.retraces:
             lines.append(
                 "  retraced for a change of the module, optimizer or loss (step.retraces):"
@@ -376,19 +385,22 @@ class StepPrograms:
                     traced["state_shapes"],
                     traced["frozen_out"],
                     traced["aux"],
+                    traced["kernels"],
                 ),
                 event=event,
                 missed=found,
             )
         if stored is not None:  # loaded without tracing: what its trace recorded
-            checks[:], random, state_out, state_shapes, frozen_out, aux = stored
+            checks[:], random, state_out, state_shapes, frozen_out, aux, kernels = stored
             traced.update(
                 random=random,
                 state_out=state_out,
                 state_shapes=state_shapes,
                 frozen_out=frozen_out,
                 aux=aux,
+                kernels=kernels,
             )
+        self.kernels = traced["kernels"]
         return StepProgram(
             state_in,
             traced["state_out"],
@@ -416,7 +428,8 @@ def _describe(
     settings = (
         f"train_step {(len(arrays.params), len(arrays.buffers), *layout)!r} "
         f"fallback_ops={sorted(fallback_ops)!r} strict={strict} "
-        f"deterministic={torch.are_deterministic_algorithms_enabled()}"
+        f"deterministic={torch.are_deterministic_algorithms_enabled()} "
+        f"costs={cost.times_key() if _measured_here(arrays) else None!r}"
     )
     leaves = jax.tree.leaves(args)
     # (a sharding's repr names its mesh's shape, not which devices, in which order)
@@ -472,6 +485,7 @@ def _lower_step(
                 if boundary
                 else ()
             ),
+            measure_costs=_measured_here(arrays),
         ),
     )
     traced.update(
@@ -480,14 +494,26 @@ def _lower_step(
         state_shapes=state_shapes,
         frozen_out=step.frozen_out,
         aux=aux_text(step.aux),
+        kernels=sorted(c.op for c in program.callbacks if c.kernel and c.reason is Reason.PERF),
     )
     fn = _step_function(program, step, checks, check, boundary)
     out_shardings = _out_shardings(arrays.layout, step.frozen_out, step.state_out, state_shapes)
     # Donated, the state's buffers are gone once the program starts; a host callback
-    # (eager PyTorch) can still raise then, so a step with callbacks keeps them. The
-    # outputs keep the state's layout (on a mesh, FSDP's shards stay shards).
-    donate = () if program.callbacks else (0,)
+    # (eager PyTorch) can still raise then, so a step with callbacks keeps them, but
+    # for the kernels chosen as faster (products, convolutions of the shapes the trace
+    # checked). The outputs keep the state's layout (on a mesh, FSDP's shards stay
+    # shards).
+    chosen = all(c.kernel and c.reason is Reason.PERF for c in program.callbacks)
+    donate = (0,) if chosen else ()
     return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
+
+
+def _measured_here(arrays: StepArrays) -> bool:
+    """Whether the step's choices between PyTorch's kernel and XLA's (``cost.py``: the
+    convolutions) are measured on this machine: on one CPU device, where the kernel
+    runs inside the program (``ffi``). (In a GPU's or a mesh's program, XLA's.)"""
+    placement = arrays.layout.placement
+    return placement.mesh is None and placement.platform == "cpu" and ffi.available()
 
 
 def _boundary(

@@ -20,7 +20,7 @@ from torch import nn
 
 import dynajax
 from dynajax.errors import TrainStepError
-from tests.helpers import count_recompiles
+from tests.helpers import count_recompiles, measured_faster
 from tests.tolerances import assert_same
 
 STEPS = 20
@@ -143,6 +143,34 @@ def test_twenty_steps_are_eagers(kind: str, name: str) -> None:
     _assert_trained_alike(eager, eager_opt, ours, our_opt)
     # One program for the first step (it creates the optimizer's state), one for the rest.
     assert step.traces <= 2
+
+
+@pytest.mark.parametrize("faster", ["pytorch", "xla"])
+def test_convolutions_run_the_kernel_measured_faster_inside_the_program(faster: str) -> None:
+    # On one CPU device the step's convolutions (forward and backward) run oneDNN's
+    # kernel inside the XLA program where it was measured faster; the step stays
+    # eager's, and keeps its state's buffers donated (the kernels cannot fail on the
+    # shapes the trace checked).
+    eager, eager_opt, ours, our_opt, loss_fn = _pair("cnn", OPTIMIZERS["adam"])
+    batches = _batches("cnn")
+    expected = _eager_losses(eager, eager_opt, loss_fn, batches)
+    with measured_faster(faster):
+        step = dynajax.train_step(ours, our_opt, loss_fn)
+        actual = [float(step(*batch)) for batch in batches[:2]]
+    held = step.train_state().params[0]
+    actual += [float(step(*batch)) for batch in batches[2:]]
+    assert held.is_deleted()  # donated to the step's program
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    kernels = [line for line in step.report().splitlines() if "kernels inside" in line]
+    if faster == "pytorch":
+        assert kernels == [
+            "  PyTorch's kernels inside the program, measured faster: "
+            "aten.convolution.default x2, aten.convolution_backward.default x2"
+        ]
+    else:
+        assert kernels == []
+    step.sync()
+    _assert_trained_alike(eager, eager_opt, ours, our_opt)
 
 
 def test_scheduler_changes_the_rate_without_a_retrace() -> None:
