@@ -93,14 +93,19 @@ class Outer(nn.Module):
         return x * 2
 
 
-def test_region_inside_a_region_is_inlined_with_it():
-    torch.manual_seed(0)
-    model = nn.Sequential(Outer(), Outer())
+def _inference_report(*blocks: nn.Module):
+    """The report of ``blocks`` in sequence compiled, after asserting eager's answer."""
+    model = nn.Sequential(*blocks)
     x = torch.randn(4, 16)
     compiled, backend = compile_with(model)
     with torch.no_grad():
         assert_same(compiled(x), model(x))
-    report = report_of(backend)
+    return report_of(backend)
+
+
+def test_region_inside_a_region_is_inlined_with_it():
+    torch.manual_seed(0)
+    report = _inference_report(Outer(), Outer())
     assert_no_fallbacks(report)
     assert report.graphs[0].partitions[0].ops["aten.addmm.default"] == 8
 
@@ -123,12 +128,7 @@ class ShiftedBlock(Block):
 
 def test_an_op_of_the_region_without_a_rule_is_all_that_stays_in_pytorch():
     torch.manual_seed(0)
-    model = nn.Sequential(ShiftedBlock(), ShiftedBlock())
-    x = torch.randn(4, 16)
-    compiled, backend = compile_with(model)
-    with torch.no_grad():
-        assert_same(compiled(x), model(x))
-    report = report_of(backend)
+    report = _inference_report(ShiftedBlock(), ShiftedBlock())
     kept = sorted(v.target for v in report.fallbacks)
     assert kept == ["dynajax_regiontest.shift.default"] * 2, report.text(width=None)
     assert sum(p.ops["aten.addmm.default"] for p in report.graphs[0].partitions) == 4
