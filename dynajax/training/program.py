@@ -139,7 +139,7 @@ class StepPrograms:
         # Per batch signature and settings, the trace up to the optimizer's update as
         # the cache keys it (``_compile``).
         self._gradients: dict[Any, tuple[str | None, list[int], list[bool], bool, str]] = {}
-        # The ops of the last program that run PyTorch's kernel, measured faster.
+        # The ops of the last program that run PyTorch's kernel, faster than XLA's.
         self.kernels: list[str] = []
         options = Options.resolve({})
         self.cache = ExecutableCache.from_option(options.cache_dir, options.cache_max_bytes)
@@ -212,7 +212,7 @@ class StepPrograms:
             ops = ", ".join(
                 f"{op} x{n}" for op, n in sorted(collections.Counter(self.kernels).items())
             )
-            lines.append(f"  PyTorch's kernels inside the program, measured faster: {ops}")
+            lines.append(f"  PyTorch's kernels inside the program, faster than XLA's: {ops}")
         if self.retraces:
             lines.append(
                 "  retraced for a change of the module, optimizer or loss (step.retraces):"
@@ -500,9 +500,9 @@ def _lower_step(
     out_shardings = _out_shardings(arrays.layout, step.frozen_out, step.state_out, state_shapes)
     # Donated, the state's buffers are gone once the program starts; a host callback
     # (eager PyTorch) can still raise then, so a step with callbacks keeps them, but
-    # for the kernels chosen as faster (products, convolutions of the shapes the trace
-    # checked). The outputs keep the state's layout (on a mesh, FSDP's shards stay
-    # shards).
+    # for PyTorch's kernels chosen as faster (convolutions, attention: on the shapes
+    # the trace checked, they do not fail). The outputs keep the state's layout (on a
+    # mesh, FSDP's shards stay shards).
     chosen = all(c.kernel and c.reason is Reason.PERF for c in program.callbacks)
     donate = (0,) if chosen else ()
     return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)

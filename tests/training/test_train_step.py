@@ -164,7 +164,7 @@ def test_convolutions_run_the_kernel_measured_faster_inside_the_program(faster: 
     kernels = [line for line in step.report().splitlines() if "kernels inside" in line]
     if faster == "pytorch":
         assert kernels == [
-            "  PyTorch's kernels inside the program, measured faster: "
+            "  PyTorch's kernels inside the program, faster than XLA's: "
             "aten.convolution.default x2, aten.convolution_backward.default x2"
         ]
     else:
