@@ -20,6 +20,7 @@ from dynajax.diagnostics.recompiles import DynamoCompile
 from dynajax.diagnostics.recompiles import lines as recompile_lines
 from dynajax.diagnostics.whatif import WhatIf, current_partitions, rank, what_if
 from dynajax.partition import PREFIX, PartitionModule, compute_op_count
+from dynajax.passes.regions import REGION_KEY
 from dynajax.passes.user import RewriteRecord
 from dynajax.runtime import omp
 from dynajax.runtime.cache import CompileStats, stats_of
@@ -94,6 +95,8 @@ class GraphReport(_Text):
         kernels: the nodes whose partition runs PyTorch's own kernel for them inside
             the XLA program (``dynajax/ffi``), each with the refusal it stands in for
             (no rule, a rule refusing the arguments, PyTorch's kernel measured faster).
+        regions: the regions traced once (``torch.compiler.nested_compile_region``)
+            whose calls were inlined (``passes/regions.py``): identifier -> calls.
     """
 
     kind: str
@@ -113,6 +116,7 @@ class GraphReport(_Text):
     dynamo: DynamoCompile | None = None
     cost_choices: list[CostChoice | Unmeasured] = dataclasses.field(default_factory=list)
     kernels: list[Unsupported] = dataclasses.field(default_factory=list)
+    regions: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def jax_ops(self) -> int:
@@ -158,6 +162,12 @@ class GraphReport(_Text):
             )
             more = ", ..." if len(p.ops) > 6 else ""
             out.append(f"  {p.name:<8} {p.op_count:>5} ops   {top}{more}")
+        if self.regions:
+            calls = ", ".join(f"{name} x{n}" for name, n in self.regions.items())
+            out.append(
+                "  regions traced once (torch.compiler.nested_compile_region), each call's "
+                f"ops inlined: {calls}"
+            )
         if self.kernels:
             out.append("  PyTorch's kernels inside the XLA program (XLA FFI):")
             out.extend(_verdict_lines(self.kernels))
@@ -225,10 +235,14 @@ def graph_report(
     kernels: list[Unsupported] = []
     host: list[Unsupported] = []
     costs: list[CostChoice | Unmeasured] = []
+    regions: dict[str, set[int]] = {}
     aten_ops = 0
     for node in annotated:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
+        if REGION_KEY in node.meta:
+            name, call = node.meta[REGION_KEY]
+            regions.setdefault(name, set()).add(call)
         if COST_KEY in node.meta:
             costs.append(node.meta[COST_KEY])
         v = verdict_of(node)
@@ -261,6 +275,7 @@ def graph_report(
         min_block_size,
         cost_choices=costs,
         kernels=kernels,
+        regions={name: len(calls) for name, calls in regions.items()},
     )
 
 

@@ -11,8 +11,9 @@ ATen's operators, not for a call of a graph, so each call is replaced by the
 subgraph's own nodes, which are then decided, partitioned and lowered one by one like
 every other op: the region runs in JAX, inside the partition around it, and an op of
 it with no rule is the only part kept in PyTorch. A region inside a region is inlined
-with it. (Each call is then lowered and compiled as its own ops: the region is traced
-once by torch, not yet by JAX or XLA.)
+with it. Each copied node notes its region and call (``REGION_KEY``: the identifier and
+the call's index), which the report counts. (Each call is then lowered and compiled as
+its own ops: the region is traced once by torch, not yet by JAX or XLA.)
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+REGION_KEY = "dynajax_region"  # node.meta: (the region's identifier, its call's index)
 
 
 def is_region_call(node: torch.fx.Node) -> bool:
@@ -37,8 +40,11 @@ def _inline_calls(gm: torch.fx.GraphModule) -> bool:
     graph = gm.graph
     found = [n for n in graph.nodes if is_region_call(n)]
     holders = {n.args[0] for n in found}
+    calls: dict[str, int] = {}
     for node in found:
-        _inline_call(gm, node)
+        identifier = str(node.args[1])
+        calls[identifier] = calls.get(identifier, 0) + 1
+        _inline_call(gm, node, calls[identifier] - 1)
     for holder in holders:
         assert isinstance(holder, torch.fx.Node) and holder.op == "get_attr"
         if not holder.users:
@@ -50,8 +56,9 @@ def _inline_calls(gm: torch.fx.GraphModule) -> bool:
     return bool(found)
 
 
-def _inline_call(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
-    """Replaces the region call ``node`` by a copy of its subgraph's nodes."""
+def _inline_call(gm: torch.fx.GraphModule, node: torch.fx.Node, index: int) -> None:
+    """Replaces the region call ``node`` (its region's call ``index``) by a copy of its
+    subgraph's nodes."""
     graph = gm.graph
     holder, identifier, *operands = node.args
     assert isinstance(holder, torch.fx.Node) and holder.op == "get_attr"
@@ -70,6 +77,7 @@ def _inline_call(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
             if inner.op in ("placeholder", "output"):
                 continue
             copied = graph.node_copy(inner, env.__getitem__)  # (meta kept)
+            copied.meta[REGION_KEY] = (str(identifier), index)
             if inner.op == "get_attr":  # (a constant of the region's)
                 copied.target = _attribute(gm, sub, str(inner.target))
             env[inner] = copied

@@ -77,6 +77,12 @@ def test_marked_region_runs_in_jax_forward_and_backward(monkeypatch):
     assert_no_fallbacks(report)
     assert [len(g.partitions) for g in report.graphs] == [1, 1]
     assert report.graphs[0].partitions[0].ops["aten.addmm.default"] == 8
+    # The report names each graph's region and counts its calls.
+    assert [len(g.regions) for g in report.graphs] == [1, 1]
+    assert [sum(g.regions.values()) for g in report.graphs] == [4, 4]
+    text = report.text(width=None)
+    assert "regions traced once (torch.compiler.nested_compile_region)" in text
+    assert f"{next(iter(report.graphs[0].regions))} x4" in text
 
 
 class Outer(nn.Module):
