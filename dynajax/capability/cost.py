@@ -323,7 +323,7 @@ _IN_GRAPH_ONLY = frozenset(
 
 # Of those, the ones timed alone where their graph is one program (``train_step``'s),
 # whose kernels cut nothing: on the CPUs measured, a step's convolutions through
-# oneDNN inside XLA won alone and in the step (ResNet-18's step 1.04 -> 0.79-0.83x
+# oneDNN inside XLA won alone and in the step (ResNet-18's step 1.04 -> 0.79-0.84x
 # eager, Intel Xeon, 2026-12-07), while its matrix products, faster alone through MKL
 # at the MLP's and GPT-2's sizes, made those steps slower (``benchmarks/RECORD.md``).
 _ALONE_IN_ONE_PROGRAM = frozenset({aten.convolution.default, aten.convolution_backward.default})

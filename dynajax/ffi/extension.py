@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import pathlib
 import shutil
 import sys
 import threading
@@ -131,7 +132,7 @@ def _build(directory: str) -> str:
     source = os.path.join(directory, os.path.basename(SOURCE))
     with open(SOURCE, "rb") as f:
         text = f.read()
-    if not os.path.exists(source) or open(source, "rb").read() != text:
+    if not os.path.exists(source) or pathlib.Path(source).read_bytes() != text:
         staged = f"{source}.{os.getpid()}"
         with open(staged, "wb") as f:
             f.write(text)

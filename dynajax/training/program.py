@@ -68,6 +68,7 @@ class StepProgram:
     checks: list[Check]  # eager's value checks the program computes (its trace fills it)
     boundary: FlatBoundary | None = None  # the state arrays that cross it flat (one CPU)
     aux: pytree.TreeSpec | None = None  # the structure of loss_fn's aux (None: none)
+    kernels: list[str] = dataclasses.field(default_factory=list)  # PyTorch's, faster
     # The signature of the state it returns (``holding.state_signature``), at its first run.
     state_out_signature: tuple[Any, ...] | None = None
 
@@ -139,8 +140,6 @@ class StepPrograms:
         # Per batch signature and settings, the trace up to the optimizer's update as
         # the cache keys it (``_compile``).
         self._gradients: dict[Any, tuple[str | None, list[int], list[bool], bool, str]] = {}
-        # The ops of the last program that run PyTorch's kernel, faster than XLA's.
-        self.kernels: list[str] = []
         options = Options.resolve({})
         self.cache = ExecutableCache.from_option(options.cache_dir, options.cache_max_bytes)
         self.compile_stats = CompileStats()
@@ -208,18 +207,13 @@ class StepPrograms:
             lines.append(f"  of which loaded from the persistent cache: {stats.cache_hits}")
             lines.append(f"  XLA: {stats.line()}")
         lines.append(f"  persistent cache: {self.keyed_by()}")
-        if self.kernels:
-            ops = ", ".join(
-                f"{op} x{n}" for op, n in sorted(collections.Counter(self.kernels).items())
-            )
-            lines.append(f"  PyTorch's kernels inside the program, faster than XLA's: {ops}")
+        if self._programs and self.values()[-1].kernels:  # (the newest program's)
+            lines.append(_kernels_line(self.values()[-1].kernels))
         if self.retraces:
             lines.append(
                 "  retraced for a change of the module, optimizer or loss (step.retraces):"
             )
-            counts: dict[str, int] = {}
-            for why in self.retraces:
-                counts[why] = counts.get(why, 0) + 1
+            counts = collections.Counter(self.retraces)
             lines += [f"    {why}" + (f" x{n}" if n > 1 else "") for why, n in counts.items()]
         return lines
 
@@ -400,7 +394,6 @@ class StepPrograms:
                 aux=aux,
                 kernels=kernels,
             )
-        self.kernels = traced["kernels"]
         return StepProgram(
             state_in,
             traced["state_out"],
@@ -410,6 +403,7 @@ class StepPrograms:
             checks,
             _boundary(arrays, state_in, traced["state_shapes"]) if flat else None,
             pytree.treespec_loads(traced["aux"]) if traced["aux"] else None,
+            kernels=traced["kernels"],
         )
 
 
@@ -488,24 +482,31 @@ def _lower_step(
             measure_costs=_measured_here(arrays),
         ),
     )
+    # PyTorch's kernels chosen as faster (convolutions, attention): on the shapes the
+    # trace checked they do not fail.
+    chosen = [c for c in program.callbacks if c.kernel and c.reason is Reason.PERF]
     traced.update(
         random=program.random,
         state_out=step.state_out,
         state_shapes=state_shapes,
         frozen_out=step.frozen_out,
         aux=aux_text(step.aux),
-        kernels=sorted(c.op for c in program.callbacks if c.kernel and c.reason is Reason.PERF),
+        kernels=sorted(c.op for c in chosen),
     )
     fn = _step_function(program, step, checks, check, boundary)
     out_shardings = _out_shardings(arrays.layout, step.frozen_out, step.state_out, state_shapes)
     # Donated, the state's buffers are gone once the program starts; a host callback
-    # (eager PyTorch) can still raise then, so a step with callbacks keeps them, but
-    # for PyTorch's kernels chosen as faster (convolutions, attention: on the shapes
-    # the trace checked, they do not fail). The outputs keep the state's layout (on a
-    # mesh, FSDP's shards stay shards).
-    chosen = all(c.kernel and c.reason is Reason.PERF for c in program.callbacks)
-    donate = (0,) if chosen else ()
+    # (eager PyTorch) can still raise then, so a step with callbacks other than the
+    # chosen kernels keeps them. The outputs keep the state's layout (on a mesh,
+    # FSDP's shards stay shards).
+    donate = (0,) if len(chosen) == len(program.callbacks) else ()
     return jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings).lower(*args)
+
+
+def _kernels_line(kernels: list[str]) -> str:
+    """The report's line of a program's ops that run PyTorch's kernel, counted."""
+    ops = ", ".join(f"{op} x{n}" for op, n in collections.Counter(kernels).items())
+    return f"  PyTorch's kernels inside the program, faster than XLA's: {ops}"
 
 
 def _measured_here(arrays: StepArrays) -> bool:
