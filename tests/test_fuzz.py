@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dynajax
 import fuzz.check
+import fuzz.ops
 import fuzz.program
 import fuzz.rendering
 from fuzz import generate, program_seed, run, source, through_jax
@@ -155,27 +157,46 @@ def test_planted_dynajax_bug_is_found_with_its_signature(monkeypatch: pytest.Mon
     assert outcome.status == FAIL and outcome.signature == "value:torch.neg:float32"
 
 
-def _median_of_expanded(op: str) -> Program:
-    """``op`` of the median along dim 0 of an input expanded along dim 0 (stride 0)."""
-    x0 = TensorInput((4, 3), "float32", seed=11, layout="expanded")
-    ops = (
-        OpRecord("torch.median.values", (0,), (("dim", 0), ("keepdim", True)), OUT_BASE),
-        OpRecord(op, (OUT_BASE,), (), OUT_BASE + 1),
-    )
-    return Program((x0,), ops, (OUT_BASE + 1,))
+# A kernel that misreads a dim of stride 0, planted as a user's op: eager's median
+# along such a dim read past the element (seed 2, program 840), but what it read there
+# depends on the machine and the process's memory (right on some CPUs), so the test
+# plants one whose misreading is certain. dynajax runs the op by its JAX rule.
+@torch.library.custom_op("dynajax_fuzz_test::misread_mean", mutates_args=())
+def misread_mean(x: torch.Tensor) -> torch.Tensor:
+    mean = x.mean(0, keepdim=True)
+    return mean + 1 if x.stride(0) == 0 else mean
 
 
-def test_eager_kernel_misreading_strides_is_upstream() -> None:
-    """Eager's median along a dim of stride 0 reads past the element (seed 2, program
-    840): its answer changes when the same values come contiguous, and dynajax gives
-    the answer on the contiguous copy, so the difference is classified upstream."""
-    x = torch.tensor([[1.0, 2.0, 3.0]]).expand(4, 3)
-    premise = "eager's median of a stride-0 dim is right now: plant another misreading kernel"
-    assert not torch.equal(torch.median(x, 0).values, torch.median(x.contiguous(), 0).values), (
-        premise
+@misread_mean.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((1, *x.shape[1:]))
+
+
+def test_eager_kernel_misreading_strides_is_upstream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eager kernel whose answer changes when the same values come contiguous, where
+    dynajax gives the answer on the contiguous copy: the difference is upstream."""
+    name = "dynajax_fuzz_test::misread_mean"
+    kind = fuzz.ops.OpKind(
+        name, lambda a, p: f"torch.ops.dynajax_fuzz_test.misread_mean({a[0]})", gen=None
     )
-    outcome = check(_median_of_expanded("torch.sin"))
+    monkeypatch.setitem(fuzz.ops.KINDS, name, kind)
+    dynajax.register_rule(name)(lambda x: jnp.mean(x, 0, keepdims=True))
+    try:
+        x0 = TensorInput((4, 3), "float32", seed=11, layout="expanded")
+        ops = (
+            OpRecord(name, (0,), (), OUT_BASE),
+            OpRecord("torch.sin", (OUT_BASE,), (), OUT_BASE + 1),
+        )
+        program = Program((x0,), ops, (OUT_BASE + 1,))
+        assert check(program, classify=False).status == FAIL
+        outcome = check(program)
+        # The same values contiguous: eager and dynajax agree.
+        contiguous = dataclasses.replace(x0, layout="contiguous")
+        dense = check(dataclasses.replace(program, inputs=(contiguous,)))
+    finally:
+        dynajax.unregister_rule(name)
     assert outcome.status == UPSTREAM, outcome
+    assert dense.status == OK, dense
 
 
 def test_eager_kernel_reading_uninitialized_memory_is_upstream() -> None:
@@ -194,8 +215,8 @@ def test_eager_kernel_reading_uninitialized_memory_is_upstream() -> None:
     ops = (OpRecord("F.pad", (0,), (("mode", "circular"), ("pad", (-1, 1))), OUT_BASE),)
     program = Program((x0,), ops, (OUT_BASE,))
     assert fuzz.check.eager_reads_uninitialized_memory(program, 0)
-    # A kernel that reads only what it was given is not. (Not the median of a stride-0
-    # dim above: it reads past its input, into whatever memory lies there, so filling
+    # A kernel that reads only what it was given is not. (Not eager's median of a
+    # stride-0 dim: it reads past its input, into whatever memory lies there, so filling
     # new memory can change its answer too, depending on the process's allocations; the
     # full suite saw that once.)
     sin = Program(
