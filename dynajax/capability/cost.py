@@ -105,7 +105,10 @@ class CostChoice:
             added cost; 0 where the times came from the cache.
         scope: what was timed: ``"op"``, the op alone (``measure``), or ``"graph"``,
             the node's whole graph built both ways (``in_graph.choose``: every
-            candidate of the graph in PyTorch, or all in JAX).
+            candidate of the graph in PyTorch, or all in JAX), or ``"block"``, the
+            first of the graph's repeated blocks, built both ways, for the whole graph.
+        block: with ``"block"``, how many blocks and which (``"12 alike blocks,
+            transformer.h.* (GPT2Block)"``).
     """
 
     op: str
@@ -114,6 +117,7 @@ class CostChoice:
     xla_s: float
     measure_s: float
     scope: str = "op"
+    block: str = ""
 
     @property
     def in_pytorch(self) -> bool:
@@ -122,10 +126,10 @@ class CostChoice:
     def describe(self) -> str:
         where = "PyTorch" if self.in_pytorch else "JAX"
         took = f" (measuring took {self.measure_s:.2f} s)" if self.measure_s else " (cached)"
-        if self.scope == "graph":
+        if self.scope in ("graph", "block"):
+            what = "its graph" if self.scope == "graph" else f"the first of its {self.block},"
             timed = (
-                f"its graph with PyTorch's kernel {_ms(self.pytorch_s)}, all in JAX "
-                f"{_ms(self.xla_s)}"
+                f"{what} with PyTorch's kernel {_ms(self.pytorch_s)}, all in JAX {_ms(self.xla_s)}"
             )
         else:
             timed = f"PyTorch's kernel {_ms(self.pytorch_s)}, XLA's program {_ms(self.xla_s)}"

@@ -11,7 +11,10 @@ So where it can, the backend times the choice in place (``choose``): it partitio
 graph twice, once with every measured candidate (``cost._MEASURED``) in PyTorch and
 once with them all in JAX, builds both, runs each on random inputs of the graph's
 shapes and dtypes (blocks of calls, alternating, medians: ``time_both``), and keeps the
-faster, whose partitions go on to run. The times are remembered with the abstract
+faster, whose partitions go on to run. A graph of repeated blocks (``passes/blocks.py``:
+a transformer's layers, the calls of a marked region) is timed on its first block, a
+graph of its own built both ways, and the faster way placed on every candidate of the
+whole graph, built once (``_timed_part``). The times are remembered with the abstract
 evaluations (``memo.py``), keyed by the machine and the graph (its code, the shapes of
 its inputs, every node's verdict), so a later process builds only the winner.
 
@@ -31,6 +34,7 @@ measuring draws nothing from the user's stream.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -42,6 +46,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from dynajax.capability import cost
 from dynajax.capability.verdict import verdict_of
+from dynajax.passes.blocks import block_graph, repeated_blocks
+
+log = logging.getLogger("dynajax.capability")
 
 T = TypeVar("T")
 
@@ -58,6 +65,12 @@ _FEW_ROUNDS = 2
 # graph with more than this many bytes of inputs is not timed so (a copy of a large
 # model's weights at its compile).
 MAX_INPUT_BYTES = 1 << 30
+# A graph of repeated blocks (passes/blocks.py: a ModuleList's layers, a marked region's
+# calls) is timed on its first block, alone, where the blocks hold at least this share
+# of its candidates: what one block's kernels gain or lose, each block gains or loses.
+# The block's graph is the same at any depth: timing costs what one block costs, and
+# its times, remembered by its fingerprint, serve a model of another depth.
+_BLOCK_SHARE = 0.75
 
 
 class NotTimed(Exception):
@@ -181,37 +194,38 @@ def choose(
     remembered: Callable[[str, Callable[[], tuple[float, float, float]]], Any],
 ) -> T:
     """Builds ``gm`` with its ``candidates`` in PyTorch and in JAX (``place(node,
-    in_pytorch, why)`` on a copy's node sets its verdict), times both unless
-    ``remembered`` (keyed by the fingerprint) knows the times, and returns the faster's
-    build, its first candidate carrying the ``CostChoice``. Raises NotTimed where the
+    in_pytorch, why)`` on a copy's node sets its verdict), times both (or its first
+    repeated block both ways, ``_timed_part``) unless ``remembered`` (keyed by the
+    fingerprint of what is timed) knows the times, and returns the faster's build of
+    ``gm``, its first candidate carrying the ``CostChoice``. Raises NotTimed where the
     graph must not be timed so, ``cost.MeasureFailed`` where a stage of the timing
     raised."""
     why = not_timed(gm)
     if why is not None:
         raise NotTimed(why)
-    with cost.stage("building the stand-in inputs", passing=(NotTimed,)), _disable_current_modes():
-        inputs = concrete_inputs(example_inputs)  # real tensors, outside the fake mode
-    built: dict[bool, T] = {}
-    copies: dict[bool, dict[Any, Any]] = {}
+    timed, timed_candidates, inputs, block = _timed_part(gm, example_inputs, candidates)
+    built: dict[tuple[int, bool], T] = {}
+    copies: dict[tuple[int, bool], dict[Any, Any]] = {}
 
-    def variant(in_pytorch: bool) -> T:
-        if in_pytorch not in built:
-            copy, copies[in_pytorch] = copy_graph(gm)
-            for node in candidates:
-                place(copies[in_pytorch][node], in_pytorch, "timed in its graph")
-            built[in_pytorch] = build(copy)
-        return built[in_pytorch]
+    def variant(graph: torch.fx.GraphModule, nodes: Sequence[Any], in_pytorch: bool) -> T:
+        key = (id(graph), in_pytorch)
+        if key not in built:
+            copy, copies[key] = copy_graph(graph)
+            for node in nodes:
+                place(copies[key][node], in_pytorch, "timed in its graph")
+            built[key] = build(copy)
+        return built[key]
 
     def measure() -> tuple[float, float, float]:
         start = time.perf_counter()  # (the builds, their compiles and the timing)
         with cost.stage("building its partitions both ways"):
-            runs = [run_of(variant(True)), run_of(variant(False))]
+            runs = [run_of(variant(timed, timed_candidates, p)) for p in (True, False)]
         with cost.stage("compiling and timing both builds on the stand-in inputs"):
             (pytorch_s, xla_s), _ = time_both(runs, inputs)
         return (*cost.reported(pytorch_s, xla_s), time.perf_counter() - start)
 
     with cost.stage("remembering the times"):
-        key = fingerprint(gm)
+        key = fingerprint(timed)
     pytorch_s, xla_s, measure_s = remembered(key, measure)
     choice = cost.CostChoice(
         ", ".join(sorted({str(n.target) for n in candidates})),
@@ -219,15 +233,43 @@ def choose(
         pytorch_s,
         xla_s,
         measure_s,
-        scope="graph",
+        scope="block" if block else "graph",
+        block=block,
     )
     with cost.stage("building its partitions"):  # (a build whose times were remembered)
-        result = variant(choice.in_pytorch)
-    nodes = [copies[choice.in_pytorch][n] for n in candidates]
+        result = variant(gm, candidates, choice.in_pytorch)
+    nodes = [copies[(id(gm), choice.in_pytorch)][n] for n in candidates]
     for node in nodes:  # the verdicts the report shows, with the times
         place(node, choice.in_pytorch, choice.why())
     nodes[0].meta[cost.COST_KEY] = choice
     return result
+
+
+def _timed_part(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], candidates: Sequence[torch.fx.Node]
+) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], list[Any], str]:
+    """What is timed for ``gm``'s choice: the first of its repeated blocks, where the
+    blocks hold at least ``_BLOCK_SHARE`` of the candidates and the first holds some
+    (``passes/blocks.py``; its candidates, stand-in inputs, and the blocks' name and
+    count), else the whole graph (its candidates and stand-in inputs, and "")."""
+    blocks = repeated_blocks(gm)
+    if blocks is not None:
+        inside = {n for member in blocks.members for n in member}
+        first = set(blocks.members[0])
+        in_first = [c for c in candidates if c in first]
+        if in_first and sum(c in inside for c in candidates) >= _BLOCK_SHARE * len(candidates):
+            with cost.stage("making its first block a graph"):
+                sub, examples, copied = block_graph(gm, blocks.members[0])
+            try:
+                with _disable_current_modes():
+                    inputs = concrete_inputs(examples)
+                name = f"{len(blocks)} alike blocks, {blocks.name}"
+                return sub, [copied[c] for c in in_first], inputs, name
+            except NotTimed as e:
+                log.info("the first block of %s is not timed (%s): the whole graph", blocks.name, e)
+    with cost.stage("building the stand-in inputs", passing=(NotTimed,)), _disable_current_modes():
+        inputs = concrete_inputs(example_inputs)  # real tensors, outside the fake mode
+    return gm, list(candidates), inputs, ""
 
 
 def _names(nodes: Sequence[torch.fx.Node], shown: int = 3) -> str:

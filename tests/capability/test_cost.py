@@ -149,6 +149,111 @@ def test_a_graph_timing_is_remembered_for_the_same_graph(monkeypatch) -> None:
     assert timed == [2, 2, 2]
 
 
+class _Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(256, hidden), nn.Linear(hidden, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _MarkedBlock(_Block):
+    @torch.compiler.nested_compile_region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _Stack(nn.Module):
+    """Blocks in a ModuleList (``hidden``: each block's inner width), each product large
+    enough to be measured (``cost.PRODUCT_FLOPS``) on (256, 256) inputs; ``marked``:
+    each block's call a region traced once (``torch.compiler.nested_compile_region``)."""
+
+    def __init__(self, hidden: list[int], marked: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList((_MarkedBlock if marked else _Block)(h) for h in hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _stack(depth: int, marked: bool = False) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return _Stack([512] * depth, marked).eval(), torch.randn(256, 256)
+
+
+def _counted_builds(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
+    """Counts the backend's builds of graphs, each by its number of nodes."""
+    from dynajax.backend import Backend
+
+    builds: list[int] = []
+    partitioned = Backend._partitioned
+
+    def counted(self, gm, kind, input_names):  # type: ignore[no-untyped-def]
+        builds.append(len(gm.graph.nodes))
+        return partitioned(self, gm, kind, input_names)
+
+    monkeypatch.setattr(Backend, "_partitioned", counted)
+    return builds
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["module-list", "marked"])
+@pytest.mark.parametrize("faster", ["pytorch", "xla"])
+def test_repeated_blocks_are_timed_on_the_first(monkeypatch, faster: str, marked: bool) -> None:
+    """A ModuleList's alike layers, or a marked region's calls: the choice is timed on
+    the first block's graph alone, both ways, and placed on every block's products."""
+    times = (0.003, 0.004) if faster == "pytorch" else (0.004, 0.003)
+    timed = _fixed_graph_times(monkeypatch, *times)
+    builds = _counted_builds(monkeypatch)
+    report = _compile(*_stack(4, marked), measure_costs=True)
+    assert timed == [2]
+    # The first block's graph built both ways, then the whole graph with the faster.
+    assert len(builds) == 3 and builds[0] == builds[1] < builds[2] / 3, builds
+    (choice,) = _choices(report)
+    assert (choice.pytorch_s, choice.xla_s, choice.scope) == (*times, "block")
+    name = "region " if marked else "layers.* (_Block)"
+    assert choice.block.startswith("4 alike blocks, ") and name in choice.block, choice.block
+    kernels = [k for k in report.kernels if k.reason is Reason.PERF]
+    assert len(kernels) == (8 if faster == "pytorch" else 0)  # every block's two products
+    text = report.text(width=None)
+    assert f"the first of its {choice.block}, with PyTorch's kernel" in text
+
+
+def test_a_block_timing_serves_a_model_of_another_depth(monkeypatch) -> None:
+    timed = _fixed_graph_times(monkeypatch, 0.004, 0.003)
+    _compile(*_stack(3), measure_costs=True)
+    torch._dynamo.reset()
+    report = _compile(*_stack(6), measure_costs=True)
+    assert timed == [2]  # the 6-block model's first block is the 3-block model's
+    (choice,) = _choices(report)
+    assert choice.scope == "block" and choice.block.startswith("6 alike blocks")
+    assert choice.measure_s == 0.0 and "(cached)" in choice.describe()
+
+
+def test_blocks_that_differ_are_timed_in_their_whole_graph(monkeypatch) -> None:
+    """Layers of one ModuleList that are not alike (another inner width): none stands
+    for the others, and the whole graph is timed."""
+    timed = _fixed_graph_times(monkeypatch, 0.004, 0.003)
+    torch.manual_seed(0)
+    report = _compile(_Stack([512, 640, 768]).eval(), torch.randn(256, 256), measure_costs=True)
+    assert timed == [2]
+    (choice,) = _choices(report)
+    assert choice.scope == "graph" and choice.block == ""
+
+
+def test_repeated_blocks_are_timed_on_this_machine() -> None:
+    """The default options: the first block timed both ways, for real."""
+    model, x = _stack(3)
+    backend = dynajax.Backend()
+    with torch.no_grad():
+        assert_same(torch.compile(model, backend=backend, dynamic=False)(x), model(x))
+    (choice,) = dynajax.Report(list(backend.graphs)).cost_choices
+    assert isinstance(choice, cost.CostChoice) and choice.scope == "block"
+    assert choice.pytorch_s > 0 and choice.xla_s > 0 and choice.measure_s > 0
+
+
 @pytest.mark.parametrize("faster", ["pytorch", "xla"])
 def test_beside_a_users_op_the_op_is_timed_alone(monkeypatch, faster: str) -> None:
     monkeypatch.setattr(in_graph, "time_both", lambda runs, inputs: pytest.fail("graph timed"))
