@@ -2,15 +2,20 @@
 
     python -m benchmarks.depth                          # dynajax, plain and marked
     python -m benchmarks.depth --layers 2,24 --repeats 3 --peers dynajax,aot_eager
+    python -m benchmarks.depth --peers train_step,jax_function --no-marked
 
-A GPT-2 from its config (width 256, 4 heads, vocab 1024, eval, ``no_grad``, batch
-2 x 64), each row in a fresh process with no persistent cache (``DYNAJAX_CACHE_DIR=``),
-under ``torch.compile(backend=<peer>)``; "marked": ``GPT2Block.forward`` wrapped in
+A GPT-2 from its config (width 256, 4 heads, vocab 1024, batch 2 x 64), each row in a
+fresh process with no persistent cache (``DYNAJAX_CACHE_DIR=``). A peer is a
+``torch.compile`` backend (eval, ``no_grad``; ``aot_eager``, Dynamo and aot_autograd
+compiling nothing, shows what torch's own trace costs), or one of dynajax's
+whole-graph drivers: ``jax_function`` (``jax.jit`` of the model as a JAX function,
+eval) or ``train_step`` (the whole AdamW step on the LM loss, train mode; its second
+step builds the program over the optimizer state the first created, the "second"
+column). "marked": ``GPT2Block.forward`` wrapped in
 ``torch.compiler.nested_compile_region`` (each block a region traced once). Each
 process times its first call (imports and the model's construction excluded) and the
-median of 15 calls after 3 more. ``aot_eager`` (Dynamo and aot_autograd, nothing
-compiled) shows what torch's own trace costs. The table gives the median of the
-repeats, and the first call's ratio to the 2-layer model's.
+median of 15 calls after 3 more. The table gives the median of the repeats, and the
+first call's ratio to the 2-layer model's.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +39,7 @@ def _child(layers: int, peer: str, marked: bool) -> dict[str, float]:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.models.gpt2 import modeling_gpt2
 
-    if peer == "dynajax":
+    if peer in ("dynajax", "train_step", "jax_function"):
         import dynajax  # noqa: F401  (the backend's entry point, and its settings)
     if marked:
         block = modeling_gpt2.GPT2Block
@@ -42,19 +48,50 @@ def _child(layers: int, peer: str, marked: bool) -> dict[str, float]:
     config = GPT2Config(n_layer=layers, n_embd=256, n_head=4, vocab_size=1024, n_positions=128)
     model = GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 1024, (2, 64))
-    compiled = torch.compile(model, backend=peer)
-    with torch.no_grad():
+
+    def setup() -> Callable[[], object]:
+        """The row's callable (its construction is part of the first call's time)."""
+        if peer == "train_step":
+            import jax
+
+            model.train()
+            step = dynajax.train_step(
+                model,
+                torch.optim.AdamW(model.parameters()),
+                lambda m, ids: m(ids, labels=ids).loss,
+            )
+            return lambda: jax.block_until_ready(step(ids))
+        if peer == "jax_function":
+            import jax
+            import jax.numpy as jnp
+
+            fn, state = dynajax.jax_function(model, ids)  # (torch's trace)
+            jitted = jax.jit(lambda state, ids: fn(state, ids)["logits"])
+            x = jnp.asarray(ids.numpy())
+            return lambda: jax.block_until_ready(jitted(state, x))
+        compiled = torch.compile(model, backend=peer)
+
+        def call() -> object:
+            with torch.no_grad():
+                return compiled(ids)
+
+        return call
+
+    start = time.perf_counter()
+    call = setup()
+    call()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    call()
+    second = time.perf_counter() - start
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(15):
         start = time.perf_counter()
-        compiled(ids)
-        first = time.perf_counter() - start
-        for _ in range(3):
-            compiled(ids)
-        times = []
-        for _ in range(15):
-            start = time.perf_counter()
-            compiled(ids)
-            times.append(time.perf_counter() - start)
-    return {"first_s": first, "steady_ms": statistics.median(times) * 1e3}
+        call()
+        times.append(time.perf_counter() - start)
+    return {"first_s": first, "second_s": second, "steady_ms": statistics.median(times) * 1e3}
 
 
 def _row(layers: int, peer: str, marked: bool) -> dict[str, float]:
@@ -77,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", default="2,12,24")
     parser.add_argument("--peers", default="dynajax")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-marked", action="store_true", help="the plain model only")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -84,22 +122,28 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(_child(int(layers), peer, how == "marked")))
         return
     layers = [int(n) for n in args.layers.split(",")]
-    rows = [(p, m) for p in args.peers.split(",") for m in (False, True)]
+    marks = (False,) if args.no_marked else (False, True)
+    rows = [(p, m) for p in args.peers.split(",") for m in marks]
     results: dict[tuple[str, bool, int], list[dict[str, float]]] = {}
     for _ in range(args.repeats):  # (the rows interleaved, repeat by repeat)
         for n in layers:
             for peer, marked in rows:
                 results.setdefault((peer, marked, n), []).append(_row(n, peer, marked))
-    print("| peer | layers | first call | / fewest layers' | steady |")
-    print("|---|---:|---:|---:|---:|")
+    print("| peer | layers | first call | / fewest layers' | second | steady |")
+    print("|---|---:|---:|---:|---:|---:|")
     for peer, marked in rows:
         base = None
         for n in layers:
-            first = statistics.median(r["first_s"] for r in results[(peer, marked, n)])
-            steady = statistics.median(r["steady_ms"] for r in results[(peer, marked, n)])
+            runs = results[(peer, marked, n)]
+            first, second, steady = (
+                statistics.median(r[k] for r in runs) for k in ("first_s", "second_s", "steady_ms")
+            )
             base = base or first
             name = f"{peer}, marked" if marked else peer
-            print(f"| {name} | {n} | {first:.2f} s | {first / base:.2f} | {steady:.1f} ms |")
+            print(
+                f"| {name} | {n} | {first:.2f} s | {first / base:.2f} | {second:.2f} s "
+                f"| {steady:.1f} ms |"
+            )
 
 
 if __name__ == "__main__":
