@@ -112,7 +112,9 @@ def _block_of(node: torch.fx.Node) -> tuple[tuple[str, Any], Any] | None:
         return ("region", region[0]), region[1]
     stack = node.meta.get("nn_module_stack") or {}
     for path, cls in stack.values():
-        match = _LAYER.match(str(path))
+        # (``h[0]`` and ``_modules['h']._modules['0']`` as ``h.0``: torch's spellings)
+        path = re.sub(r"\._modules\['([^']+)'\]", r".\1", str(path))
+        match = _LAYER.match(re.sub(r"\[(\d+)\]", r".\1", path))
         if match is not None:
             name = re.sub(r"^L\['[^']*'\]\.?", "", match["list"])
             kind = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1]
