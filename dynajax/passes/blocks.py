@@ -2,7 +2,8 @@
 ``torch.compiler.nested_compile_region`` (``REGION_KEY``, left by ``InlineRegions``),
 or the layers of one ``ModuleList`` (a transformer's decoder layers, a ResNet stage's
 blocks: submodules named ``<list>.<i>`` of one class, from the ``nn_module_stack``
-Dynamo records on each node), whose ops are alike: the same ops, in the same order, on
+Dynamo records on each node, or in a backward graph the forward's, which aot_autograd
+copies to each gradient's nodes), whose ops are alike: the same ops, in the same order, on
 the same shapes, dtypes and arguments, each reading the block's own values where the
 first reads its own (``repeated_blocks``).
 
@@ -110,7 +111,9 @@ def _block_of(node: torch.fx.Node) -> tuple[tuple[str, Any], Any] | None:
     region = node.meta.get(REGION_KEY)
     if region is not None:
         return ("region", region[0]), region[1]
-    stack = node.meta.get("nn_module_stack") or {}
+    # (a backward graph's nodes carry the module stack of the forward node they are the
+    # gradient of)
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     for path, cls in stack.values():
         # (``h[0]`` and ``_modules['h']._modules['0']`` as ``h.0``: torch's spellings)
         path = re.sub(r"\._modules\['([^']+)'\]", r".\1", str(path))

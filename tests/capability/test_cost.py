@@ -221,6 +221,31 @@ def test_repeated_blocks_are_timed_on_the_first(monkeypatch, faster: str, marked
     assert f"the first of its {choice.block}, with PyTorch's kernel" in text
 
 
+def test_the_backward_graphs_blocks_are_timed_on_the_first(monkeypatch) -> None:
+    """Training: the backward graph's blocks (their nodes carry the forward's module
+    stack) are timed on the first of them too, and the gradients are eager's."""
+    timed = _fixed_graph_times(monkeypatch, 0.004, 0.003)
+    model, x = _stack(4)
+    model.train()
+    backend = dynajax.Backend(measure_costs=True)
+    out = torch.compile(model, backend=backend, dynamic=False)(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for got, want in zip(grads, [p.grad for p in model.parameters()], strict=True):
+        assert_same(got, want, model=True)  # (four blocks of products: a model's sums)
+    report = dynajax.Report(list(backend.graphs))
+    assert [g.kind for g in report.graphs] == ["forward", "backward"]
+    assert timed == [2, 2]
+    choices = _choices(report)
+    assert [c.scope for c in choices] == ["block", "block"]
+    # (the first layer's gradient computes no gradient of the input, which needs none:
+    # not alike to the others)
+    blocks = ["4 alike blocks, layers.* (_Block)", "3 alike blocks, layers.* (_Block)"]
+    assert [c.block for c in choices] == blocks, choices
+
+
 def test_a_block_timing_serves_a_model_of_another_depth(monkeypatch) -> None:
     timed = _fixed_graph_times(monkeypatch, 0.004, 0.003)
     _compile(*_stack(3), measure_costs=True)
