@@ -13,9 +13,9 @@ filled (warm). dynajax's cache is ``DYNAJAX_CACHE_DIR``; inductor's is
 default). Each process times the workload's first step (a forward call for model
 rows; forward, backward and optimizer step for training rows), imports and model
 construction excluded, and then its second step. On the ``*-train-step`` rows dynajax
-runs ``dynajax.train_step`` (the peers, their compiled model and fused AdamW), whose
-second step compiles a second program where the optimizer had no state before the
-first (the state-creating step and the steady one), so both steps are shown.
+runs ``dynajax.train_step`` (the peers, their compiled model and fused AdamW); both
+steps are shown (an optimizer whose first step computes its state, SGD's momentum,
+compiles a second program at the second step).
 dynajax's first step is split into:
 
     dynamo    Dynamo's trace and guards, and the step itself (first - the rest)

@@ -9,9 +9,8 @@ fresh process with no persistent cache (``DYNAJAX_CACHE_DIR=``). A peer is a
 ``torch.compile`` backend (eval, ``no_grad``; ``aot_eager``, Dynamo and aot_autograd
 compiling nothing, shows what torch's own trace costs), or one of dynajax's
 whole-graph drivers: ``jax_function`` (``jax.jit`` of the model as a JAX function,
-eval) or ``train_step`` (the whole AdamW step on the LM loss, train mode; its second
-step builds the program over the optimizer state the first created, the "second"
-column). "marked": ``GPT2Block.forward`` wrapped in
+eval) or ``train_step`` (the whole AdamW step on the LM loss, train mode; the
+"second" column is its second step, which runs the first step's program). "marked": ``GPT2Block.forward`` wrapped in
 ``torch.compiler.nested_compile_region`` (each block a region traced once). Each
 process times its first call (imports and the model's construction excluded) and the
 median of 15 calls after 3 more. The table gives the median of the repeats, and the

@@ -372,8 +372,10 @@ _TYPES: dict[str, type[BaseException]] = {
 
 def eager_error(error: BaseException) -> BaseException | None:
     """The exception eager PyTorch raised inside the handler, from XLA's error
-    reporting it (None: the error is not the handler's)."""
-    if not isinstance(error, jax.errors.JaxRuntimeError):
+    reporting it (None: the error is not the handler's). XLA's error is a
+    ``JaxRuntimeError``, or a ``ValueError`` where a jitted function's C++ fast path ran
+    the program (a ``jax.jit`` called again, a ``Compiled`` called again)."""
+    if not isinstance(error, (jax.errors.JaxRuntimeError, ValueError)):
         return None
     found = _ERROR.search(str(error))
     if found is None:

@@ -79,13 +79,14 @@ def eager_errors() -> Iterator[None]:
     _RAISED.clear()
     try:
         yield
-    except jax.errors.JaxRuntimeError as e:
-        if not _RAISED:
-            eager = ffi.eager_error(e)  # raised by PyTorch's kernel inside XLA
-            if eager is None:
-                raise
-            raise eager from e
-        raise _RAISED[-1] from e
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
+        # (XLA's error is a ValueError where a jitted function's C++ fast path ran it)
+        if _RAISED:
+            raise _RAISED[-1] from e
+        eager = ffi.eager_error(e)  # raised by PyTorch's kernel inside XLA
+        if eager is None:
+            raise
+        raise eager from e
 
 
 @dataclasses.dataclass(frozen=True)

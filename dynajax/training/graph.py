@@ -43,7 +43,7 @@ import functools
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -236,6 +236,11 @@ def _install_double_reads() -> Callable[[], None]:
     return undo_all
 
 
+# (torch's own, by another name: ``_install_double_reads`` replaces every module's
+# ``_get_value``, this one's too)
+_EAGER_GET_VALUE = _get_value
+
+
 def _read_as_double(x: Any) -> Any:
     """``torch.optim``'s ``_get_value`` where the step is traced: a floating 0-d state
     tensor (a step count, NAdam's ``mu_product``) in float64. Eager reads it with
@@ -245,7 +250,7 @@ def _read_as_double(x: Any) -> Any:
     (``1 - 0.999 ** step`` keeps four digits). Elsewhere, ``_get_value``."""
     if isinstance(x, torch.Tensor) and get_proxy_mode() is not None:
         return x.to(torch.float64) if x.is_floating_point() else x
-    return _get_value(x)
+    return _EAGER_GET_VALUE(x)
 
 
 # The capturable forms (``_CAPTURABLE``) compute with their 0-d state tensors (step
@@ -483,6 +488,7 @@ def trace_step(
     clip_grad_norm: float | None,
     accumulate: int = 1,
     at_update: AtUpdate | None = None,
+    initial: Collection[int] = (),
 ) -> StepGraph | None:
     """The step's ``StepGraph``, traced on (fakes of) these example values.
 
@@ -498,7 +504,11 @@ def trace_step(
     says, ``describe_optimizer``) with the graph traced so far (returning the loss, the
     gradients the update reads, the buffers and the frozen parameters written), which
     parameters have a gradient, and which frozen parameters were written; where it
-    returns True the trace stops there and ``trace_step`` returns None."""
+    returns True the trace stops there and ``trace_step`` returns None.
+
+    ``initial``: the positions of the parameters whose ``state`` is the optimizer's
+    initial state, made before its first step (``training/initial.py``); where one of
+    them gets no gradient, ``InitialStateUnread`` is raised."""
     wrapper = _LossModule(model, loss_fn)
     state_in = list(state)
     n_params, n_buffers, n_state = len(params), len(buffers), len(state_in)
@@ -570,6 +580,9 @@ def trace_step(
                 p.grad = _as_accumulated(g, p)
             if clip_grad_norm is not None:
                 nn.utils.clip_grad_norm_(ps, clip_grad_norm, foreach=False)
+            unread = [i for i in initial if ps[i].grad is None]
+            if unread:
+                raise _Unread(unread)
             if at_update is not None:
                 read = [p.grad for p in ps]
                 written = [i for i, f in enumerate(fixed) if f._version != versions[i]]
@@ -624,9 +637,26 @@ def trace_step(
             joint = joint_graph(step, examples)
     except _Stopped:
         return None
+    except _Unread as e:
+        raise InitialStateUnread(e.args[0]) from None
     return StepGraph(
         joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what, aux_spec[0]
     )
+
+
+class InitialStateUnread(Exception):  # noqa: N818 - a signal: TrainStep traces again
+    """Parameters given the optimizer's initial state before the first step
+    (``training/initial.py``) get no gradient in the step: eager gives them no state.
+    ``positions``: theirs."""
+
+    def __init__(self, positions: Sequence[int]) -> None:
+        super().__init__(f"no gradient for the parameters at {list(positions)}")
+        self.positions = frozenset(positions)
+
+
+class _Unread(BaseException):
+    """``InitialStateUnread`` on its way out of the trace (no handler on the way takes
+    it for an error of the trace)."""
 
 
 class _Stopped(BaseException):

@@ -13,7 +13,7 @@ holds a module is ``training/step.py``'s.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +24,7 @@ from dynajax.errors import TrainStepError
 from dynajax.runtime.jax_internals import X64
 from dynajax.sharding.placement import Placement, gather_to_torch
 from dynajax.training.graph import StateKey
+from dynajax.training.initial import initial_state
 from dynajax.training.program import StepArrays, StepProgram
 from dynajax.training.state import StateLayout, TrainState, report_lines
 from dynajax.training.view import ModuleView
@@ -78,6 +79,9 @@ class Holding:
         self.buffers: list[jax.Array] = []
         self._state: dict[StateKey, jax.Array] = {}
         self.state_signature: tuple[Any, ...] = ()
+        # The state's signature when every parameter that requires a gradient was last
+        # found to have state (``make_initial_state`` has nothing to make).
+        self._complete: tuple[Any, ...] | None = None
         self._members(placement)
         tensors = [*self.trained, *self.frozen_tensors, *self.buffer_tensors]
         self.view = ModuleView(model, optimizer, tensors, len(self.trained), sync, release_module)
@@ -251,7 +255,40 @@ class Holding:
         devices = self.view.devices
         return devices[0] if devices else torch.device("cpu")
 
-    def arrays(self, first_step: bool) -> StepArrays:
+    def make_initial_state(self, lrs: Sequence[float], skip: Collection[int]) -> frozenset[int]:
+        """The state the optimizer creates at its next step, made now, held, for the
+        parameters that require a gradient and have no state, but those at ``skip``
+        (``training/initial.py``); returns their positions (none where it cannot be
+        made before the step)."""
+        if self.state_signature is self._complete:
+            return frozenset()  # (a steady step: no parameter without state, as before)
+        have = {i for i, _ in self._state}
+        missing = [
+            i
+            for i, p in enumerate(self.trained)
+            if p.requires_grad and i not in have and i not in skip
+        ]
+        if not missing:
+            self._complete = self.state_signature
+            return frozenset()
+        with self.view.quiet_hooks():  # (the view's step hook: no step of the user's)
+            made = initial_state(self.optimizer, self.trained, missing, lrs, self.device())
+        if not made:
+            return frozenset()
+        state = dict(self._state)
+        with x64():
+            for key, value in made.items():
+                state[key] = self.layout.put(value, self.layout.state(key, value.shape))
+        self.state = state
+        return frozenset(i for i, _ in made)
+
+    def drop_initial_state(self, positions: frozenset[int]) -> None:
+        """The state ``make_initial_state`` made for ``positions`` let go (the step
+        that would have created it did not run)."""
+        if positions:
+            self.state = {k: a for k, a in self._state.items() if k[0] not in positions}
+
+    def arrays(self, first_step: bool, initial: frozenset[int] = frozenset()) -> StepArrays:
         """The state as held now, for the step's programs."""
         return StepArrays(
             self.params,
@@ -267,6 +304,7 @@ class Holding:
             self.device(),
             self.view.quiet_hooks,
             first_step,
+            initial,
         )
 
     def train_state(self, steps: int) -> TrainState:

@@ -46,6 +46,7 @@ from dynajax.training.boundary import FlatBoundary, flat_avals
 from dynajax.training.graph import (
     AtUpdate,
     BatchLayout,
+    InitialStateUnread,
     StateKey,
     StepGraph,
     aux_text,
@@ -91,6 +92,8 @@ class StepArrays:
         device: the module's device (the trace's example tensors are made there).
         quiet: the module's hooks off while the step's trace runs it.
         first_step: no step ran yet (the compile's event says "first step").
+        initial: the positions of the parameters whose state is the optimizer's
+            initial state, made before the step (``training/initial.py``).
     """
 
     params: list[jax.Array]
@@ -106,6 +109,7 @@ class StepArrays:
     device: torch.device
     quiet: Callable[[], contextlib.AbstractContextManager[None]]
     first_step: bool
+    initial: frozenset[int] = frozenset()
 
 
 class StepPrograms:
@@ -264,6 +268,7 @@ class StepPrograms:
                 clip_grad_norm=self.clip_grad_norm,
                 accumulate=self.accumulate,
                 at_update=at_update,
+                initial=arrays.initial,
             )
 
     def _compile(
@@ -282,8 +287,8 @@ class StepPrograms:
         With one of torch's own optimizers, that is the trace up to the update, with the
         optimizer's configuration (``describe_optimizer``): the trace looks the program
         up when it reaches the update and stops there if it is found. Its digest is
-        kept per batch signature and settings (``gradients_key``), so the program of
-        the second step, over the state the first created, is looked up untraced."""
+        kept per batch signature and settings (``gradients_key``), so a program over
+        other state (the state a first step created) is looked up untraced."""
         self.traces += 1
         # One process's executables only: those of a multi-process step (each process
         # holding some of the mesh's devices) are neither stored nor loaded.
@@ -338,6 +343,9 @@ class StepPrograms:
         graph: StepGraph | None = None
         if optimizer is not None and gradients_key in self._gradients:
             # The trace up to the update is this batch signature's, as traced before.
+            graded = self._gradients[gradients_key][2]
+            if not all(graded[i] for i in arrays.initial):
+                raise InitialStateUnread([i for i in arrays.initial if not graded[i]])
             look_up(*self._gradients[gradients_key])
         if found is None or isinstance(found, str):
             # Not found: traced whole, looked up at the update where it was not yet.

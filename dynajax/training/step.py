@@ -21,8 +21,10 @@ it took and the step raises eager's error.
 The program is ``training/graph.py``'s functional ATen graph of the whole step, lowered
 by the whole-graph driver (``program/``, under train_step's ``Policy``; ops without a
 JAX rule run in eager PyTorch through host callbacks, as in ``jax_function``) under
-``jax.jit``, compiled once per batch signature and once more for the first step of an
-optimizer without state (that step creates the state).
+``jax.jit``, compiled once per batch signature. The optimizer's state is made before
+its first step (``training/initial.py``), so that step runs the steady program; where
+it cannot be (SGD's momentum, a copy of the first gradient), the first step has a
+program of its own, which creates the state.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from dynajax.runtime.compiled import draw_seed
 from dynajax.sharding.placement import placement_of
 from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
-from dynajax.training.graph import BatchLayout, StateKey
+from dynajax.training.graph import BatchLayout, InitialStateUnread, StateKey
 from dynajax.training.holding import Holding, state_signature, x64
 from dynajax.training.program import StepPrograms
 from dynajax.training.state import StateLayout, TrainState, bytes_per_device
@@ -117,6 +119,10 @@ class TrainStep:
             checks=checks,
         )
         self.steps = 0
+        # The optimizer's state is made before its first step (which then runs the
+        # steady program, ``training/initial.py``), but for the parameters found to get
+        # no gradient (none made for these).
+        self._unread: set[int] = set()
         self._held: Holding | None = None  # the state, while this step holds it
         owner = _owner(model)
         if owner is not None:
@@ -322,16 +328,27 @@ class TrainStep:
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         xs = [held.layout.put_batch(x) for x in batch]
         first = self.steps == 0
-        program = self._programs.get(
-            held.state_signature,
-            lambda: held.arrays(first_step=first),  # (read only where a program is made)
-            layout,
-            batch,
-            xs,
-            lrs,
-            settings,
-            held.structure,
-        )
+        initial = held.make_initial_state(lrs, self._unread)
+        try:
+            program = self._programs.get(
+                held.state_signature,
+                lambda: held.arrays(first, initial),  # (read only where a program is made)
+                layout,
+                batch,
+                xs,
+                lrs,
+                settings,
+                held.structure,
+            )
+        except InitialStateUnread as e:
+            # Parameters given a state get no gradient (eager gives them none): theirs
+            # is dropped, and the step traced again.
+            held.drop_initial_state(initial)
+            self._unread |= e.positions
+            return self._step(held, layout, batch, settings)
+        except BaseException:
+            held.drop_initial_state(initial)
+            raise
         rng = torch.get_rng_state() if program.random else None
         seed = draw_seed() if program.random else np.int64(0)
         taken = held.taken_by(program)
@@ -348,6 +365,7 @@ class TrainStep:
             # The program raised (a host callback: eager's error): the state stays as
             # it was; so does torch's generator.
             held.not_taken(program, taken)
+            held.drop_initial_state(initial)
             if rng is not None:
                 torch.set_rng_state(rng)
             raise
@@ -356,7 +374,9 @@ class TrainStep:
             # Eager raises on this batch: the program returned the state it took (the
             # parameters, buffers and moments as they were); state the step would have
             # created is dropped, and torch's generator rewound.
-            held.state = {k: new_state[k] for k in held.state if k in new_state}
+            held.state = {
+                k: new_state[k] for k in held.state if k in new_state and k[0] not in initial
+            }
             if rng is not None:
                 torch.set_rng_state(rng)
             raise _eager_error(program.checks, err)

@@ -351,3 +351,21 @@ def test_without_a_compiler_the_other_paths_run_and_one_line_says_why(tmp_path) 
     said = [line for line in done.stderr.splitlines() if line.startswith("dynajax.ffi")]
     assert len(said) == 1, said
     assert "no C++ compiler" in said[0] and "no-such-c++" in said[0]
+
+
+def test_a_kernels_error_is_eagers_error_at_every_call_of_a_jitted_function() -> None:
+    # Called again, a jitted function runs through jit's C++ fast path, whose XLA error
+    # is a ValueError (the first call's is a JaxRuntimeError): eager's error both times.
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 4)
+    ids = torch.randint(0, 10, (2, 5))
+    fn, state = dynajax.jax_function(embedding, ids, fallback_ops=["aten.embedding"])
+    jitted = jax.jit(fn)
+    jitted(state, jnp.asarray(ids.numpy()))
+    bad = torch.full((2, 5), 10)
+    with pytest.raises(IndexError) as eager:
+        embedding(bad)
+    for _ in range(2):
+        with pytest.raises(IndexError) as inside, eager_errors():
+            jax.block_until_ready(jitted(state, jnp.asarray(bad.numpy())))
+        assert str(inside.value) == str(eager.value)

@@ -141,8 +141,9 @@ def test_twenty_steps_are_eagers(kind: str, name: str) -> None:
     assert {t.device.type for t in [*ours.parameters(), *ours.buffers()]} == {"meta"}
     step.sync()
     _assert_trained_alike(eager, eager_opt, ours, our_opt)
-    # One program for the first step (it creates the optimizer's state), one for the rest.
-    assert step.traces <= 2
+    # One program for every step (the optimizer's state made before the first); SGD
+    # with momentum: one more for the first step, which creates its buffer.
+    assert step.traces == (2 if name == "sgd_nesterov_wd" else 1)
 
 
 @pytest.mark.parametrize("faster", ["pytorch", "xla"])
@@ -189,7 +190,7 @@ def test_scheduler_changes_the_rate_without_a_retrace() -> None:
         actual.append(float(step(*batch)))
         our_sched.step()
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
-    assert step.traces == 2
+    assert step.traces == 1
     step.sync()
     _assert_trained_alike(eager, eager_opt, ours, our_opt)
 
@@ -1113,5 +1114,5 @@ def test_a_step_makes_python_code_of_its_traced_graph_only(monkeypatch) -> None:
     step = dynajax.train_step(ours, our_opt, loss_fn)
     batches = _batches("mlp")[:2]
     actual = [float(step(*batch)) for batch in batches]
-    assert counts["recompiles"] == 2  # one trace per program (AdamW's first step has no state)
+    assert counts["recompiles"] == 1  # one trace, one program (AdamW's state made before)
     np.testing.assert_allclose(actual, _eager_losses(eager, eager_opt, loss_fn, batches), rtol=1e-6)

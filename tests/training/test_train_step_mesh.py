@@ -26,7 +26,9 @@ def test_training_on_the_mesh_is_eagers(facts, name) -> None:
         assert ours == pytest.approx(eager, rel=1e-5, abs=1e-6)
     assert f["param_diff"] < 5e-5  # every parameter after the run
     assert f["state_diff"] < 5e-6  # every optimizer moment
-    assert f["traces"] == 2  # the first step (creates the state), then the rest
+    # One program for every step (AdamW's state made before the first); SGD's momentum
+    # buffer is a copy of the first gradient: a first program, which creates it.
+    assert f["traces"] == (2 if name == "dp_mlp" else 1)
 
 
 @pytest.mark.parametrize("name", ["fsdp_mlp", "fsdp_llama"])

@@ -2,14 +2,15 @@
 with ``dynajax.train_step`` and prints, as JSON, its losses, a digest of the trained
 parameters and the step's compile statistics.
 
-    python -m tests.training.warm_start_worker VARIANT [--bad-batch]
+    python -m tests.training.warm_start_worker VARIANT [--bad-batch] [--momentum]
 
 VARIANT picks the model's code: ``relu``, ``gelu`` (the same parameters, another
 forward), ``dropout`` (random: each step draws a seed), ``callback`` (relu in
 ``fallback_ops``: PyTorch's kernel inside the program, or, with
 ``DYNAJAX_TORCH_KERNELS=0``, a Python host callback, whose program is not stored). ``--bad-batch``
 runs a fourth step on a batch with a token index out of range, which must raise eager's
-error with the state unchanged.
+error with the state unchanged. ``--momentum`` trains with SGD's momentum (whose first
+step creates its buffer, a copy of the gradient: a program of its own) for AdamW.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def main() -> None:
     dynajax.training.program.trace_step = spy
     torch.manual_seed(0)
     model = Model(variant)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if "--momentum" in sys.argv:
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = dynajax.train_step(
         model,
         opt,
