@@ -10,8 +10,9 @@ fresh process with no persistent cache (``DYNAJAX_CACHE_DIR=``). A peer is a
 compiling nothing, shows what torch's own trace costs), or one of dynajax's
 whole-graph drivers: ``jax_function`` (``jax.jit`` of the model as a JAX function,
 eval) or ``train_step`` (the whole AdamW step on the LM loss, train mode; the
-"second" column is its second step, which runs the first step's program). "marked": ``GPT2Block.forward`` wrapped in
-``torch.compiler.nested_compile_region`` (each block a region traced once). Each
+"second" column is its second step, which runs the first step's program).
+"marked": ``GPT2Block.forward`` wrapped in ``torch.compiler.nested_compile_region``
+(each block a region traced once). Each
 process times its first call (imports and the model's construction excluded) and the
 median of 15 calls after 3 more. The table gives the median of the repeats, and the
 first call's ratio to the 2-layer model's.

@@ -373,7 +373,7 @@ def optimizer_on(
     optimizer: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
     state: dict[StateKey, torch.Tensor],
-    lrs: Sequence[torch.Tensor],
+    lrs: Sequence[torch.Tensor | float],
 ) -> Iterator[collections.defaultdict[torch.Tensor, Any]]:
     """The optimizer, for the length of the block, with its param groups' parameters
     replaced by ``params`` (in the order of ``optimizer.param_groups``), their state by

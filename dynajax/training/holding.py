@@ -272,7 +272,7 @@ class Holding:
             self._complete = self.state_signature
             return frozenset()
         with self.view.quiet_hooks():  # (the view's step hook: no step of the user's)
-            made = initial_state(self.optimizer, self.trained, missing, lrs, self.device())
+            made = initial_state(self.optimizer, self.trained, missing, lrs)
         if not made:
             return frozenset()
         state = dict(self._state)

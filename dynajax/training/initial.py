@@ -11,7 +11,7 @@ first step instead, the state is an input of the first step's program, which is 
 the steady program.
 
 What the state starts as is read from the optimizer itself, not from a table: its
-``step()`` runs on fake tensors (``FakeTensorMode``: no memory, no arithmetic) under the
+``step()`` runs on meta tensors (no memory, no arithmetic) under the
 same settings as the step's trace (``optimizer_on``), and each tensor it creates is
 recorded with the value its creating op gives (``zeros_like`` 0, ``full_like`` its fill,
 ``torch.tensor(1.0)`` its constant). Where every state entry it leaves is such a tensor,
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from dynajax.training.graph import StateKey, compiling, describe_optimizer, optimizer_on
@@ -87,7 +87,7 @@ class _Creations(TorchDispatchMode):
             source = args[0]
             if id(source) in self.values:
                 value = self.values[id(source)][1]
-            else:  # a real constant of the optimizer's code (fake mode's, or as given)
+            elif source.device.type != "meta":  # a constant of the optimizer's code
                 constant = source if not is_fake(source) else getattr(source, "constant", None)
                 if constant is not None:
                     with _disable_current_modes():
@@ -102,38 +102,37 @@ def initial_state(
     trained: Sequence[torch.Tensor],
     positions: Sequence[int],
     lrs: Sequence[float],
-    device: torch.device,
 ) -> dict[StateKey, torch.Tensor] | None:
     """The state ``optimizer`` creates at its first step for the parameters at
     ``positions`` of ``trained`` (its param groups' parameters, in order), as CPU tensors
     of its dtypes and shapes; ``{}`` where it creates none (SGD without momentum). None
     where it is not one of torch's own optimizers, or an entry's initial value depends
-    on the step (a copy of the gradient). ``lrs``: each group's learning rate now (what
-    eager's first step reads); ``device``: the module's."""
+    on the step (a copy of the gradient), or is not seen made (``torch.as_tensor`` on a
+    device, ASGD's eta). ``lrs``: each group's learning rate now (what eager's first
+    step reads)."""
     if not positions or describe_optimizer(optimizer) is None:
         return None
     wanted = set(positions)
     creations = _Creations()
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-        fakes = []
-        for i, p in enumerate(trained):
-            fake = torch.empty(p.shape, dtype=p.dtype, device=device)
-            if i in wanted:
-                fake.grad = torch.empty_like(fake)
-            fakes.append(fake)
-        try:
-            with (
-                compiling(),
-                optimizer_on(optimizer, fakes, {}, list(lrs)) as state,
-                creations,
-            ):
-                optimizer.step()
-        except Exception:
-            return None  # (its trace will say what fails)
-    del fake_mode
+    # (meta tensors: a quarter of FakeTensorMode's time, 0.4 s for GPT-2 of 24 layers)
+    metas = []
+    for i, p in enumerate(trained):
+        meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        if i in wanted:
+            meta.grad = torch.empty_like(meta)
+        metas.append(meta)
+    try:
+        with (
+            compiling(),
+            optimizer_on(optimizer, metas, {}, list(lrs)) as state,
+            creations,
+        ):
+            optimizer.step()
+    except Exception:
+        return None  # (its trace will say what fails)
     initial: dict[StateKey, torch.Tensor] = {}
-    for i, fake in enumerate(fakes):
-        for key, value in state.get(fake, {}).items():
+    for i, meta in enumerate(metas):
+        for key, value in state.get(meta, {}).items():
             found = creations.values.get(id(value)) if isinstance(value, torch.Tensor) else None
             if found is None or i not in wanted:
                 return None

@@ -27,7 +27,6 @@ MADE_BEFORE = {
     "Adadelta": functools.partial(torch.optim.Adadelta, lr=0.5),
     "RMSprop": functools.partial(torch.optim.RMSprop, lr=1e-2, momentum=0.5, centered=True),
     "Rprop": functools.partial(torch.optim.Rprop, lr=3e-2),
-    "ASGD": functools.partial(torch.optim.ASGD, lr=2e-2, t0=2),
 }
 
 
@@ -84,7 +83,7 @@ def test_the_state_made_is_what_the_first_step_creates(name: str) -> None:
     params = list(model.parameters())
     lrs = [g["lr"] for g in optimizer.param_groups]
     optimizer.state.clear()  # (Adagrad makes its state in its constructor)
-    made = initial_state(optimizer, params, range(len(params)), lrs, torch.device("cpu"))
+    made = initial_state(optimizer, params, range(len(params)), lrs)
     assert made is not None and not optimizer.state  # (the optimizer's own untouched)
     # Eager's first step creates the same entries, dtypes and shapes...
     for p in params:
@@ -95,9 +94,9 @@ def test_the_state_made_is_what_the_first_step_creates(name: str) -> None:
     for key, value in created.items():
         assert (made[key].dtype, made[key].shape) == (value.dtype, value.shape), key
     # ... and the values torch's documentation gives them before the update: zeros,
-    # but Adagrad's initial_accumulator_value, Rprop's step size and ASGD's eta (the
-    # learning rate), NAdam's mu_product and ASGD's mu (one).
-    starts = {"sum": 0.5, "step_size": 3e-2, "eta": 2e-2, "mu_product": 1.0, "mu": 1.0}
+    # but Adagrad's initial_accumulator_value, Rprop's step size (the learning rate)
+    # and NAdam's mu_product (one).
+    starts = {"sum": 0.5, "step_size": 3e-2, "mu_product": 1.0}
     for (i, key), value in made.items():
         expected = torch.full(value.shape, starts.get(key, 0.0), dtype=value.dtype)
         torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=f"{(i, key)}")
@@ -107,12 +106,14 @@ def test_state_that_copies_the_gradient_is_left_to_the_step() -> None:
     model = _mlp()
     params = list(model.parameters())
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)  # (its buffer: the first gradient)
-    cpu = torch.device("cpu")
-    assert initial_state(sgd, params, range(len(params)), [0.1], cpu) is None
+    assert initial_state(sgd, params, range(len(params)), [0.1]) is None
     plain = torch.optim.SGD(params, lr=0.1)  # (no state at all)
-    assert initial_state(plain, params, range(len(params)), [0.1], cpu) == {}
+    assert initial_state(plain, params, range(len(params)), [0.1]) == {}
     users = ScaledAdam(params, lr=0.1)
-    assert initial_state(users, params, range(len(params)), [0.1], cpu) is None
+    assert initial_state(users, params, range(len(params)), [0.1]) is None
+    # ASGD's eta: torch.as_tensor(lr, device=...), made without an op to see
+    asgd = torch.optim.ASGD(params, lr=0.1)
+    assert initial_state(asgd, params, range(len(params)), [0.1]) is None
 
 
 @pytest.mark.parametrize("name", list(MADE_BEFORE))
@@ -136,8 +137,9 @@ def test_one_program_for_every_step(name: str) -> None:
     [
         functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
         functools.partial(ScaledAdam, lr=1e-2),
+        functools.partial(torch.optim.ASGD, lr=2e-2, t0=2),
     ],
-    ids=["sgd_momentum", "users_optimizer"],
+    ids=["sgd_momentum", "users_optimizer", "asgd"],
 )
 def test_state_the_step_computes_keeps_its_first_program(make) -> None:
     eager, ours = _mlp(), _mlp()
