@@ -419,17 +419,19 @@ def optimizer_on(
 
 def describe_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
     """The optimizer's update as text that determines its trace, for one of torch's own
-    optimizers (``torch.optim``'s class itself, its ``step`` torch's code, no step
-    hooks): its class, each param group's size and hyperparameters but ``lr`` (a traced
-    input) and the default dtype (its step counters'); the code is torch's and dynajax's,
-    which the cache's versions key. Given the gradients it reads (``trace_step(...,
-    at_update=...)``) and the state it holds (names, shapes and dtypes), that is its
-    whole trace. None for any other optimizer, whose update is Python of the user's:
+    optimizers (``torch.optim``'s class itself, its ``step`` torch's code, or that
+    wrapped by an LR scheduler, no step hooks): its class, each param group's size and
+    hyperparameters but ``lr`` (a traced input) and the default dtype (its step
+    counters'); the code is torch's and dynajax's, which the cache's versions key.
+    Given the gradients it reads (``trace_step(..., at_update=...)``) and the state it
+    holds (names, shapes and dtypes), that is its whole trace. None for any other optimizer, whose update is Python of the user's:
     only its trace can key it."""
     cls = type(optimizer)
+    own_step = vars(optimizer).get("step")
     if (
         cls not in _TORCH_OPTIMIZERS
-        or {"step", "_optimizer_step_code"} & set(vars(optimizer))
+        or (own_step is not None and not _scheduler_wrapped(own_step, cls))
+        or "_optimizer_step_code" in vars(optimizer)
         or optimizer._optimizer_step_pre_hooks
         or any(
             not getattr(hook, "_dynajax_view", False)  # (the view's own: it changes nothing)
@@ -458,6 +460,16 @@ _TORCH_OPTIMIZERS = frozenset(
     and cls is not torch.optim.Optimizer
 )
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _scheduler_wrapped(step: Any, cls: type) -> bool:
+    """Whether ``step`` (an optimizer's own ``step`` attribute) is the wrapper a torch LR
+    scheduler puts around the class's ``step`` (it notes that the step was called)."""
+    return (
+        getattr(step, "_wrapped_by_lr_sched", False)
+        and getattr(step, "__wrapped__", None) is cls.step
+        and _torch_code(step)
+    )
 
 
 def _torch_code(fn: Any) -> bool:

@@ -190,7 +190,7 @@ def test_scheduler_changes_the_rate_without_a_retrace() -> None:
         actual.append(float(step(*batch)))
         our_sched.step()
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
-    assert step.traces == 1
+    assert step.traces == 1  # (the scheduler's wrapper of Adam's step is torch's own)
     step.sync()
     _assert_trained_alike(eager, eager_opt, ours, our_opt)
 

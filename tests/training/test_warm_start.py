@@ -267,6 +267,13 @@ def test_only_torchs_own_optimizers_are_described_by_their_configuration() -> No
     patched = torch.optim.SGD(params, lr=0.1)
     patched.step = lambda closure=None: None  # type: ignore[method-assign]
     assert describe_optimizer(patched) is None
+    # An LR scheduler wraps the step (to note it was called): still torch's update.
+    scheduled = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    torch.optim.lr_scheduler.StepLR(scheduled, step_size=3)
+    described = describe_optimizer(scheduled)  # (its groups gain "initial_lr")
+    assert "step" in vars(scheduled) and described is not None and "SGD" in described
+    torch.optim.lr_scheduler.ExponentialLR(scheduled, gamma=0.9)  # (wraps it once)
+    assert describe_optimizer(scheduled) == described
     hooked = torch.optim.SGD(params, lr=0.1)
     handle = hooked.register_step_post_hook(lambda *args: None)
     assert describe_optimizer(hooked) is None
