@@ -424,8 +424,8 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
     hyperparameters but ``lr`` (a traced input) and the default dtype (its step
     counters'); the code is torch's and dynajax's, which the cache's versions key.
     Given the gradients it reads (``trace_step(..., at_update=...)``) and the state it
-    holds (names, shapes and dtypes), that is its whole trace. None for any other optimizer, whose update is Python of the user's:
-    only its trace can key it."""
+    holds (names, shapes and dtypes), that is its whole trace. None for any other
+    optimizer, whose update is Python of the user's: only its trace can key it."""
     cls = type(optimizer)
     own_step = vars(optimizer).get("step")
     if (
