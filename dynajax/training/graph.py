@@ -462,7 +462,7 @@ _TORCH_OPTIMIZERS = frozenset(
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
-def _scheduler_wrapped(step: Any, cls: type) -> bool:
+def _scheduler_wrapped(step: Any, cls: type[torch.optim.Optimizer]) -> bool:
     """Whether ``step`` (an optimizer's own ``step`` attribute) is the wrapper a torch LR
     scheduler puts around the class's ``step`` (it notes that the step was called)."""
     return (
