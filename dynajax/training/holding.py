@@ -277,8 +277,8 @@ class Holding:
             return frozenset()
         state = dict(self._state)
         with x64():
-            for key, value in made.items():
-                state[key] = self.layout.put(value, self.layout.state(key, value.shape))
+            for key, start in made.items():
+                state[key] = self.layout.put(start.tensor(), self.layout.state(key, start.shape))
         self.state = state
         return frozenset(i for i, _ in made)
 

@@ -29,6 +29,7 @@ state in eager); where some do not, theirs is dropped and the step traced again
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -97,15 +98,32 @@ class _Creations(TorchDispatchMode):
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What a state entry starts as: its shape, dtype and one value (a number, or a
+    0-d or broadcastable constant tensor)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    value: Any
+
+    def tensor(self) -> torch.Tensor:
+        """The entry as a CPU tensor (made one at a time: the optimizer's state is
+        as large as its parameters)."""
+        if isinstance(self.value, torch.Tensor):
+            return self.value.to(self.dtype).expand(self.shape).clone()
+        return torch.full(self.shape, self.value, dtype=self.dtype)
+
+
 def initial_state(
     optimizer: torch.optim.Optimizer,
     trained: Sequence[torch.Tensor],
     positions: Sequence[int],
     lrs: Sequence[float],
-) -> dict[StateKey, torch.Tensor] | None:
+) -> dict[StateKey, Start] | None:
     """The state ``optimizer`` creates at its first step for the parameters at
-    ``positions`` of ``trained`` (its param groups' parameters, in order), as CPU tensors
-    of its dtypes and shapes; ``{}`` where it creates none (SGD without momentum). None
+    ``positions`` of ``trained`` (its param groups' parameters, in order), each entry's
+    ``Start``; ``{}`` where it creates none (SGD without momentum). None
     where it is not one of torch's own optimizers, or an entry's initial value depends
     on the step (a copy of the gradient), or is not seen made (``torch.as_tensor`` on a
     device, ASGD's eta). ``lrs``: each group's learning rate now (what eager's first
@@ -130,18 +148,12 @@ def initial_state(
             optimizer.step()
     except Exception:
         return None  # (its trace will say what fails)
-    initial: dict[StateKey, torch.Tensor] = {}
+    initial: dict[StateKey, Start] = {}
     for i, meta in enumerate(metas):
         for key, value in state.get(meta, {}).items():
             found = creations.values.get(id(value)) if isinstance(value, torch.Tensor) else None
             if found is None or i not in wanted:
                 return None
-            initial[(i, key)] = _made(found[0], found[1])
+            made, start = found
+            initial[(i, key)] = Start(tuple(made.shape), made.dtype, start)
     return initial
-
-
-def _made(like: torch.Tensor, value: Any) -> torch.Tensor:
-    """A CPU tensor of ``like``'s shape and dtype holding ``value``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(like.dtype).expand(like.shape).clone()
-    return torch.full(tuple(like.shape), value, dtype=like.dtype)

@@ -186,7 +186,7 @@ def test_with_value_checks_no_state_is_copied_before_its_update(tmp_path, monkey
     model = _Tagger()
     step = dynajax.train_step(model, torch.optim.Adam(model.parameters(), lr=1e-2), _classify)
     torch.manual_seed(1)
-    for _ in range(2):  # (Adam's second program, the one with its moments)
+    for _ in range(2):  # (the program over Adam's moments, run twice)
         step(torch.randint(0, 50, (8, 5)), torch.randint(0, 7, (8,)))
     program = list(step._programs.values())[-1]
     assert program.checks, "the program has no value checks"

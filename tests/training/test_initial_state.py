@@ -83,8 +83,9 @@ def test_the_state_made_is_what_the_first_step_creates(name: str) -> None:
     params = list(model.parameters())
     lrs = [g["lr"] for g in optimizer.param_groups]
     optimizer.state.clear()  # (Adagrad makes its state in its constructor)
-    made = initial_state(optimizer, params, range(len(params)), lrs)
-    assert made is not None and not optimizer.state  # (the optimizer's own untouched)
+    starts = initial_state(optimizer, params, range(len(params)), lrs)
+    assert starts is not None and not optimizer.state  # (the optimizer's own untouched)
+    made = {key: start.tensor() for key, start in starts.items()}
     # Eager's first step creates the same entries, dtypes and shapes...
     for p in params:
         p.grad = torch.randn_like(p)
@@ -96,9 +97,9 @@ def test_the_state_made_is_what_the_first_step_creates(name: str) -> None:
     # ... and the values torch's documentation gives them before the update: zeros,
     # but Adagrad's initial_accumulator_value, Rprop's step size (the learning rate)
     # and NAdam's mu_product (one).
-    starts = {"sum": 0.5, "step_size": 3e-2, "mu_product": 1.0}
+    values = {"sum": 0.5, "step_size": 3e-2, "mu_product": 1.0}
     for (i, key), value in made.items():
-        expected = torch.full(value.shape, starts.get(key, 0.0), dtype=value.dtype)
+        expected = torch.full(value.shape, values.get(key, 0.0), dtype=value.dtype)
         torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=f"{(i, key)}")
 
 

@@ -1085,7 +1085,7 @@ def test_only_the_batch_crosses_per_step(monkeypatch) -> None:
     model = cnn()
     step = dynajax.train_step(model, torch.optim.Adam(model.parameters()), classification)
     batches = _batches("cnn")
-    for batch in batches[:2]:  # the two programs compiled
+    for batch in batches[:2]:  # (the program compiled and run once more)
         step(*batch)
     crossings = {"to_jax": 0, "gather_to_torch": 0}
     originals = {"to_jax": conversion.to_jax, "gather_to_torch": placement.gather_to_torch}
