@@ -151,6 +151,7 @@ class TrainStep:
         state written back, then loaded again as it is now."""
         self._let_go()
         self._programs.retraces.append(why)
+        self._unread.clear()  # (positions of the parameters as they were)
         return self._own()
 
     def _let_go(self) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 import dynajax
 from dynajax.training.initial import initial_state
 from tests.training.test_optimizer_precision import _assert_trained_alike
+from tests.training.test_train_step import _eager_losses
 
 # torch's optimizers whose state starts as constants, with options that add entries.
 MADE_BEFORE = {
@@ -56,17 +57,6 @@ def _batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
         )
         for _ in range(n)
     ]
-
-
-def _eager(model, optimizer, batches) -> list[float]:
-    losses = []
-    for batch in batches:
-        optimizer.zero_grad()
-        loss = _loss(model, *batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _assert_state_alike(eager_opt, our_opt, eager, ours) -> None:
@@ -123,7 +113,7 @@ def test_one_program_for_every_step(name: str) -> None:
     eager_opt = MADE_BEFORE[name](eager.parameters())
     our_opt = MADE_BEFORE[name](ours.parameters())
     batches = _batches()
-    expected = _eager(eager, eager_opt, batches)
+    expected = _eager_losses(eager, eager_opt, _loss, batches)
     step = dynajax.train_step(ours, our_opt, _loss)
     actual = [float(step(*batch)) for batch in batches]
     np.testing.assert_allclose(actual, expected, rtol=1e-12, atol=0)
@@ -146,7 +136,7 @@ def test_state_the_step_computes_keeps_its_first_program(make) -> None:
     eager, ours = _mlp(), _mlp()
     eager_opt, our_opt = make(eager.parameters()), make(ours.parameters())
     batches = _batches()
-    expected = _eager(eager, eager_opt, batches)
+    expected = _eager_losses(eager, eager_opt, _loss, batches)
     step = dynajax.train_step(ours, our_opt, _loss)
     actual = [float(step(*batch)) for batch in batches]
     np.testing.assert_allclose(actual, expected, rtol=1e-12, atol=0)
@@ -174,7 +164,7 @@ def test_a_parameter_without_a_gradient_gets_no_state() -> None:
     eager_opt = torch.optim.Adam(eager.parameters(), lr=1e-2)
     our_opt = torch.optim.Adam(ours.parameters(), lr=1e-2)
     batches = _batches()
-    expected = _eager(eager, eager_opt, batches)
+    expected = _eager_losses(eager, eager_opt, _loss, batches)
     step = dynajax.train_step(ours, our_opt, _loss)
     actual = [float(step(*batch)) for batch in batches]
     np.testing.assert_allclose(actual, expected, rtol=1e-12, atol=0)
@@ -201,7 +191,7 @@ def test_a_first_step_that_raises_leaves_no_state() -> None:
     step.sync()
     assert not our_opt.state
     batches = _batches()
-    expected = _eager(eager, eager_opt, batches)
+    expected = _eager_losses(eager, eager_opt, _loss, batches)
     actual = [float(step(*batch)) for batch in batches]
     np.testing.assert_allclose(actual, expected, rtol=1e-12, atol=0)
     step.sync()
