@@ -594,7 +594,7 @@ def trace_step(
                 nn.utils.clip_grad_norm_(ps, clip_grad_norm, foreach=False)
             unread = [i for i in initial if ps[i].grad is None]
             if unread:
-                raise _Unread(unread)
+                raise InitialStateUnread(unread)
             if at_update is not None:
                 read = [p.grad for p in ps]
                 written = [i for i, f in enumerate(fixed) if f._version != versions[i]]
@@ -649,26 +649,20 @@ def trace_step(
             joint = joint_graph(step, examples)
     except _Stopped:
         return None
-    except _Unread as e:
-        raise InitialStateUnread(e.args[0]) from None
     return StepGraph(
         joint, n_params, n_buffers, state_in, state_out, frozen_out, examples, what, aux_spec[0]
     )
 
 
-class InitialStateUnread(Exception):  # noqa: N818 - a signal: TrainStep traces again
+class InitialStateUnread(BaseException):  # noqa: N818 - a signal: TrainStep traces again
     """Parameters given the optimizer's initial state before the first step
     (``training/initial.py``) get no gradient in the step: eager gives them no state.
-    ``positions``: theirs."""
+    ``positions``: theirs. (Not an ``Exception``: no handler on its way out of the
+    trace takes it for an error of the trace.)"""
 
     def __init__(self, positions: Sequence[int]) -> None:
         super().__init__(f"no gradient for the parameters at {list(positions)}")
         self.positions = frozenset(positions)
-
-
-class _Unread(BaseException):
-    """``InitialStateUnread`` on its way out of the trace (no handler on the way takes
-    it for an error of the trace)."""
 
 
 class _Stopped(BaseException):

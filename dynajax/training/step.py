@@ -51,7 +51,7 @@ from dynajax.sharding.rules import RulesLike
 from dynajax.training import checkpoint
 from dynajax.training.graph import BatchLayout, InitialStateUnread, StateKey
 from dynajax.training.holding import Holding, state_signature, x64
-from dynajax.training.program import StepPrograms
+from dynajax.training.program import StepProgram, StepPrograms
 from dynajax.training.state import StateLayout, TrainState, bytes_per_device
 
 # Optimizers whose step cannot be one program: LBFGS re-evaluates the loss through a
@@ -350,45 +350,58 @@ class TrainStep:
         except BaseException:
             held.drop_initial_state(initial)
             raise
-        rng = torch.get_rng_state() if program.random else None
-        seed = draw_seed() if program.random else np.int64(0)
-        taken = held.taken_by(program)
-        try:
-            with eager_errors():  # (an op run in eager PyTorch raised: eager's error)
-                (loss, aux), params, buffers, state, err, frozen = program.run(
-                    tuple(taken),
-                    held.frozen,
-                    [np.float64(lr) for lr in lrs],
-                    seed,
-                    xs,
-                )
-        except BaseException:
-            # The program raised (a host callback: eager's error): the state stays as
-            # it was; so does torch's generator.
-            held.not_taken(program, taken)
-            held.drop_initial_state(initial)
-            if rng is not None:
-                torch.set_rng_state(rng)
-            raise
-        new_state = held.returned(program, params, buffers, state, frozen)
-        if program.checks and value_checks.failed(err):
-            # Eager raises on this batch: the program returned the state it took (the
-            # parameters, buffers and moments as they were); state the step would have
-            # created is dropped, and torch's generator rewound.
-            held.state = {
-                k: new_state[k] for k in held.state if k in new_state and k[0] not in initial
-            }
-            if rng is not None:
-                torch.set_rng_state(rng)
-            raise _eager_error(program.checks, err)
-        signature = program.state_out_signature
-        if signature is None:
-            signature = program.state_out_signature = state_signature(new_state)
-        held.stepped(new_state, signature)
+        loss = _run(held, program, lrs, xs, initial)
         self.steps += 1
-        if program.aux is not None:
-            return loss, pytree.tree_unflatten(list(aux), program.aux)
         return loss
+
+
+def _run(
+    held: Holding,
+    program: StepProgram,
+    lrs: Sequence[float],
+    xs: Sequence[jax.Array],
+    initial: frozenset[int],
+) -> jax.Array | tuple[jax.Array, Any]:
+    """One step of ``program`` over the state ``held`` holds, which then holds what
+    it returned; where the step raises (eager's error), the state and torch's generator
+    as they were, and the state made before it for ``initial`` dropped."""
+    rng = torch.get_rng_state() if program.random else None
+    seed = draw_seed() if program.random else np.int64(0)
+    taken = held.taken_by(program)
+    try:
+        with eager_errors():  # (an op run in eager PyTorch raised: eager's error)
+            (loss, aux), params, buffers, state, err, frozen = program.run(
+                tuple(taken),
+                held.frozen,
+                [np.float64(lr) for lr in lrs],
+                seed,
+                xs,
+            )
+    except BaseException:
+        # The program raised (a host callback: eager's error): the state stays as it
+        # was; so does torch's generator.
+        held.not_taken(program, taken)
+        held.drop_initial_state(initial)
+        if rng is not None:
+            torch.set_rng_state(rng)
+        raise
+    new_state = held.returned(program, params, buffers, state, frozen)
+    if program.checks and value_checks.failed(err):
+        # Eager raises on this batch: the program returned the state it took (the
+        # parameters, buffers and moments as they were); state the step would have
+        # created is dropped, and torch's generator rewound.
+        held.state = {k: new_state[k] for k in held.state if k in new_state}
+        held.drop_initial_state(initial)
+        if rng is not None:
+            torch.set_rng_state(rng)
+        raise _eager_error(program.checks, err)
+    signature = program.state_out_signature
+    if signature is None:
+        signature = program.state_out_signature = state_signature(new_state)
+    held.stepped(new_state, signature)
+    if program.aux is not None:
+        return loss, pytree.tree_unflatten(list(aux), program.aux)
+    return loss
 
 
 def _refuse_settings(optimizer: torch.optim.Optimizer, accumulate: int) -> None:
